@@ -1,0 +1,160 @@
+"""Decoder LM configuration, shared by Llama (2/3), Qwen2/2.5 and Qwen3."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# HF architecture name -> the family switches it implies.
+_FAMILIES = {"Llama": dict(family="llama"), "Qwen2": dict(family="qwen2", qkv_bias=True),
+             "Qwen3": dict(family="qwen3", qk_norm=True)}
+ARCHITECTURES = {prefix + head: switches for prefix, switches in _FAMILIES.items()
+                 for head in ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification")}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int | None = None
+  family: str = "llama"
+  rope_theta: float = 10000.0
+  # Hashable form of HF's rope_scaling dict: tuple of (key, value) pairs.
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None
+  max_position_embeddings: int = 4096
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  qkv_bias: bool = False
+  o_bias: bool = False
+  mlp_bias: bool = False
+  qk_norm: bool = False
+  bos_token_id: int | None = None
+  eos_token_id: int | tuple[int, ...] | None = None
+  pad_token_id: int | None = None
+  # "float32" or "bfloat16": what matmuls run in; parameters keep their own dtype.
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    if self.head_dim is None:
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+    if self.family not in {v["family"] for v in ARCHITECTURES.values()}:
+      raise ValueError(f"unknown model family {self.family!r}")
+    rope_type = self.rope_scaling_dict.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+      raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+
+  @property
+  def rope_scaling_dict(self) -> dict[str, Any]:
+    return dict(self.rope_scaling or ())
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (what the auto-mapper and FLOP counts use)."""
+    d, h, kv, hd, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                       self.intermediate_size)
+    attn = d * h * hd * 2 + d * kv * hd * 2
+    attn += (h + 2 * kv) * hd * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
+    mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
+    per_layer = attn + mlp + 2 * d
+    head = 0 if self.tie_word_embeddings else self.vocab_size * d
+    return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    archs = hf.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+      model_type = hf.get("model_type")
+      by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+      if model_type not in by_type:
+        raise ValueError(
+            f"{source}: unsupported architecture {archs or model_type!r}; hflax supports "
+            f"{sorted(ARCHITECTURES)}")
+      known = [by_type[model_type]]
+    switches = dict(ARCHITECTURES[known[0]])
+    # transformers 5 keeps rope_theta inside rope_parameters; older files keep it top level.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if "type" in rope:
+      rope.setdefault("rope_type", rope.pop("type"))
+    if rope.get("rope_type", "default") == "default":
+      rope = {}
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                "intermediate_size", "vocab_size"):
+      if key not in hf:
+        raise ValueError(f"{source}: missing required field {key!r}")
+    family = switches.pop("family")
+    if family == "llama":
+      switches["qkv_bias"] = switches["o_bias"] = bool(hf.get("attention_bias", False))
+      switches["mlp_bias"] = bool(hf.get("mlp_bias", False))
+    elif family == "qwen3":
+      switches["qkv_bias"] = switches["o_bias"] = bool(hf.get("attention_bias", False))
+    eos = hf.get("eos_token_id")
+    return cls(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"),
+        rope_theta=float(rope_theta),
+        rope_scaling=tuple(sorted(rope.items())) or None,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        pad_token_id=hf.get("pad_token_id"),
+        **switches,
+    )
+
+  def to_hf(self) -> dict[str, Any]:
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}[self.family]
+    out = dict(
+        architectures=[arch],
+        model_type=self.family,
+        vocab_size=self.vocab_size,
+        hidden_size=self.hidden_size,
+        intermediate_size=self.intermediate_size,
+        num_hidden_layers=self.num_layers,
+        num_attention_heads=self.num_heads,
+        num_key_value_heads=self.num_kv_heads,
+        head_dim=self.head_dim,
+        hidden_act="silu",
+        rope_theta=self.rope_theta,
+        rope_scaling=self.rope_scaling_dict or None,
+        max_position_embeddings=self.max_position_embeddings,
+        rms_norm_eps=self.rms_norm_eps,
+        tie_word_embeddings=self.tie_word_embeddings,
+        bos_token_id=self.bos_token_id,
+        eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+        else self.eos_token_id,
+        pad_token_id=self.pad_token_id,
+        torch_dtype=self.param_dtype,
+    )
+    if self.family in ("llama", "qwen3"):
+      if self.qkv_bias != self.o_bias:
+        raise ValueError(f"{arch} cannot express qkv_bias={self.qkv_bias} with o_bias={self.o_bias}")
+      out["attention_bias"] = self.qkv_bias
+    if self.family == "llama":
+      out["mlp_bias"] = self.mlp_bias
+    elif self.mlp_bias:
+      raise ValueError(f"{arch} has no mlp_bias")
+    if self.family == "qwen2":
+      out["use_sliding_window"] = False
+    return out

@@ -1,0 +1,62 @@
+"""Per-token log-probs and entropy under a model, never holding [B, T, V] float32 at once.
+
+The vocabulary projection runs over sequence chunks inside a scan whose body is
+rematerialised, so the forward pass and its gradient both keep one [B, chunk, V] block
+of logits alive instead of the whole sequence's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hflax.models.transformer import forward
+
+
+def log_probs_from_logits(logits_BxTxV, targets_BxT, temperature: float = 1.0):
+  """log softmax(logits / temperature)[target] and the entropy of that distribution."""
+  logits = logits_BxTxV.astype(jnp.float32) / temperature
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+  probs = jnp.exp(logits - lse[..., None])
+  entropy = lse - jnp.sum(probs * logits, axis=-1)
+  return picked - lse, entropy
+
+
+def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1.0,
+                     chunk: int = 128):
+  """Log-probs of `targets` given hidden states, projected to the vocabulary chunk by chunk."""
+  B, T, D = hidden_BxTxD.shape
+  chunk = min(chunk, T)
+  pad = -T % chunk
+  hidden = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
+  targets = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+  n = (T + pad) // chunk
+  hidden_NxBxCxD = hidden.reshape(B, n, chunk, D).swapaxes(0, 1)
+  targets_NxBxC = targets.reshape(B, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one_chunk(h_BxCxD, t_BxC):
+    return log_probs_from_logits(model.logits(h_BxCxD), t_BxC, temperature)
+
+  def body(carry, xs):
+    return carry, one_chunk(*xs)
+
+  _, (logp, ent) = jax.lax.scan(body, None, (hidden_NxBxCxD, targets_NxBxC))
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]  # noqa: E731
+  return unchunk(logp), unchunk(ent)
+
+
+def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: float = 1.0,
+                       chunk: int = 128):
+  """Teacher-forced log p(tokens[:, t] | tokens[:, :t]) and entropy at t, shape [B, T].
+
+  Column 0 (no context) and masked positions are 0. Response log-probs of a rollout with
+  prompt width P are `log_probs[:, P:]`.
+  """
+  model, hidden = forward(graphdef, state, tokens_BxT, mask_BxT)
+  logp, ent = hidden_log_probs(model, hidden[:, :-1], tokens_BxT[:, 1:],
+                               temperature=temperature, chunk=chunk)
+  keep = mask_BxT[:, 1:].astype(bool) & mask_BxT[:, :-1].astype(bool)
+  zero = jnp.zeros_like(logp[:, :1])
+  return (jnp.concatenate([zero, jnp.where(keep, logp, 0.0)], axis=1),
+          jnp.concatenate([zero, jnp.where(keep, ent, 0.0)], axis=1))

@@ -1,0 +1,88 @@
+"""Rotary position embeddings with the scalings Llama 3 and Qwen checkpoints use."""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from hflax.models.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+  """Returns (inv_freq of shape [head_dim // 2], attention factor applied to cos/sin)."""
+  dim, base = cfg.head_dim, cfg.rope_theta
+  inv_freq = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+  scaling = cfg.rope_scaling_dict
+  kind = scaling.get("rope_type", "default")
+  if kind == "default":
+    return inv_freq, 1.0
+  factor = scaling.get("factor")
+  original = scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)
+  if kind == "linear":
+    return inv_freq / factor, 1.0
+  if kind == "llama3":
+    return _llama3(inv_freq, factor, scaling["low_freq_factor"], scaling["high_freq_factor"],
+                   original), 1.0
+  if kind == "yarn":
+    return _yarn(cfg, scaling, factor, original)
+  raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def _llama3(inv_freq, factor, low_freq_factor, high_freq_factor, original):
+  # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
+  wavelen = 2 * math.pi / inv_freq
+  low_freq_wavelen = original / low_freq_factor
+  high_freq_wavelen = original / high_freq_factor
+  scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+  smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+  return np.where(medium, blended, scaled)
+
+
+def _yarn(cfg, scaling, factor, original):
+  dim, base = cfg.head_dim, cfg.rope_theta
+  if factor is None:
+    factor = cfg.max_position_embeddings / original
+
+  def mscale(scale, m=1.0):
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+  attention_factor = scaling.get("attention_factor")
+  if attention_factor is None:
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+  def correction_dim(rotations):
+    return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  low = correction_dim(scaling.get("beta_fast") or 32)
+  high = correction_dim(scaling.get("beta_slow") or 1)
+  if scaling.get("truncate", True):
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  extrapolate = 1 - ramp
+  pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+  inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolate) + (1 / pos_freqs) * extrapolate
+  return inv_freq, float(attention_factor)
+
+
+def rope_tables(cfg: ModelConfig, positions_BxT: jnp.ndarray):
+  """cos and sin of shape [B, T, head_dim] for integer positions."""
+  inv_freq, attention_factor = inverse_frequencies(cfg)
+  inv_freq = jnp.asarray(inv_freq, jnp.float32)
+  angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+
+
+def apply_rope(x_BxTxNxD: jnp.ndarray, cos_BxTxD: jnp.ndarray, sin_BxTxD: jnp.ndarray):
+  half = x_BxTxNxD.shape[-1] // 2
+  rotated = jnp.concatenate([-x_BxTxNxD[..., half:], x_BxTxNxD[..., :half]], axis=-1)
+  cos, sin = cos_BxTxD[:, :, None, :], sin_BxTxD[:, :, None, :]
+  out = x_BxTxNxD.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+  return out.astype(x_BxTxNxD.dtype)

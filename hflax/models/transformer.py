@@ -1,0 +1,194 @@
+"""The decoder-only transformer behind Llama (2/3), Qwen2/2.5 and Qwen3, in Flax NNX.
+
+Every parameter carries `axes`, a tuple of logical axis names, that hflax.sharding maps
+to mesh axes (one mapping for training, another for generation).
+
+Attention works on explicit KV-cache slots: the cache for a layer stores K as
+[B, kv_heads, head_dim, S] and V as [B, kv_heads, S, head_dim], so that both attention
+matmuls read their operand in the layout it is stored in (no per-step transpose of the
+cache). `kv_valid_BxS` marks slots holding real tokens; a query in slot s sees valid
+slots <= s. Teacher forcing is the same computation with a cache made of the sequence.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hflax.models.config import ModelConfig
+from hflax.models.rope import apply_rope, rope_tables
+
+_INIT = jax.nn.initializers.normal(0.02)
+_MASKED = -1e30  # finite, so rows with no visible key (pad queries) stay NaN-free
+
+
+class Dense(nnx.Module):
+  def __init__(self, din, dout, axes, *, bias, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.kernel = nnx.Param(_INIT(rngs.params(), (din, dout), cfg.param_dtype), axes=axes)
+    self.bias = (nnx.Param(jnp.zeros((dout,), cfg.param_dtype), axes=axes[1:])
+                 if bias else None)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x):
+    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim, axis_name, *, cfg: ModelConfig):
+    self.scale = nnx.Param(jnp.ones((dim,), cfg.param_dtype), axes=(axis_name,))
+    self.eps = cfg.rms_norm_eps
+
+  def __call__(self, x):
+    # Normalise in float32 and cast back before scaling, as the HF reference does.
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.q = Dense(d, h * hd, ("embed", "q_heads"), bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+    self.k = Dense(d, kv * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+    self.v = Dense(d, kv * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+    self.o = Dense(h * hd, d, ("q_heads", "embed"), bias=cfg.o_bias, cfg=cfg, rngs=rngs)
+    self.q_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
+
+  def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache):
+    cfg = self.cfg
+    B, T, _ = x_BxTxD.shape
+    KV, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    q_BxTxHxDh = self.q(x_BxTxD).reshape(B, T, KV * G, Dh)
+    k_BxTxKxDh = self.k(x_BxTxD).reshape(B, T, KV, Dh)
+    v_BxTxKxDh = self.v(x_BxTxD).reshape(B, T, KV, Dh)
+    if self.q_norm is not None:
+      q_BxTxHxDh, k_BxTxKxDh = self.q_norm(q_BxTxHxDh), self.k_norm(k_BxTxKxDh)
+    q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos, sin)
+    k_BxKxDhxT = apply_rope(k_BxTxKxDh, cos, sin).transpose(0, 2, 3, 1)
+    v_BxKxTxDh = v_BxTxKxDh.transpose(0, 2, 1, 3)
+    if cache is None:
+      k_BxKxDhxS, v_BxKxSxDh = k_BxKxDhxT, v_BxKxTxDh
+    else:
+      k_BxKxDhxS = jax.lax.dynamic_update_slice(
+          cache["k"], k_BxKxDhxT.astype(cache["k"].dtype), (0, 0, 0, slot0))
+      v_BxKxSxDh = jax.lax.dynamic_update_slice(
+          cache["v"], v_BxKxTxDh.astype(cache["v"].dtype), (0, 0, slot0, 0))
+      cache = {"k": k_BxKxDhxS, "v": v_BxKxSxDh}
+    S = k_BxKxDhxS.shape[-1]
+    q_BxKxGxTxDh = q_BxTxHxDh.reshape(B, T, KV, G, Dh).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgtd,bkds->bkgts", q_BxKxGxTxDh, k_BxKxDhxS.astype(q_BxKxGxTxDh.dtype),
+                        preferred_element_type=jnp.float32) * Dh ** -0.5
+    visible_TxS = jnp.arange(S)[None, :] <= (slot0 + jnp.arange(T))[:, None]
+    mask = kv_valid_BxS[:, None, None, None, :] & visible_TxS[None, None, None]
+    probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1)
+    out_BxTxKxGxDh = jnp.einsum("bkgts,bksd->btkgd", probs.astype(q_BxTxHxDh.dtype),
+                                v_BxKxSxDh.astype(q_BxTxHxDh.dtype))
+    return self.o(out_BxTxKxGxDh.reshape(B, T, KV * G * Dh)), cache
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    d, f, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+    self.gate = Dense(d, f, ("embed", "mlp"), bias=b, cfg=cfg, rngs=rngs)
+    self.up = Dense(d, f, ("embed", "mlp"), bias=b, cfg=cfg, rngs=rngs)
+    self.down = Dense(f, d, ("mlp", "embed"), bias=b, cfg=cfg, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
+    self.attn = Attention(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
+    self.mlp = MLP(cfg, rngs)
+
+  def __call__(self, x, cos, sin, kv_valid, slot0, cache):
+    h, cache = self.attn(self.attn_norm(x), cos, sin, kv_valid, slot0, cache)
+    x = x + h
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class DecoderLM(nnx.Module):
+  """head="lm": next-token logits. head="value": one scalar per token (critic, reward, cost)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, head: str = "lm"):
+    if head not in ("lm", "value"):
+      raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+    self.cfg, self.head = cfg, head
+    self.embed = nnx.Param(_INIT(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+                                 cfg.param_dtype), axes=("vocab", "embed"))
+    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
+    untied_lm = head == "lm" and not cfg.tie_word_embeddings
+    self.lm_head = (Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False,
+                          cfg=cfg, rngs=rngs) if untied_lm else None)
+    self.score = (Dense(cfg.hidden_size, 1, ("embed", None), bias=True, cfg=cfg, rngs=rngs)
+                  if head == "value" else None)
+
+  def __call__(self, tokens_BxT, positions_BxT, kv_valid_BxS, *, cache=None, slot0=0):
+    """Final-norm hidden states [B, T, D] and the updated cache (a list, one dict per layer)."""
+    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
+    cos, sin = rope_tables(self.cfg, positions_BxT)
+    new_cache = []
+    for i, layer in enumerate(self.layers):
+      x, layer_cache = layer(x, cos, sin, kv_valid_BxS, slot0, None if cache is None else cache[i])
+      new_cache.append(layer_cache)
+    return self.final_norm(x), (None if cache is None else new_cache)
+
+  def logits(self, hidden_BxTxD):
+    if self.head != "lm":
+      raise ValueError("logits() needs head='lm'")
+    if self.lm_head is None:
+      w = self.embed[...].astype(hidden_BxTxD.dtype)
+      return jnp.einsum("...d,vd->...v", hidden_BxTxD, w, preferred_element_type=jnp.float32)
+    return self.lm_head(hidden_BxTxD).astype(jnp.float32)
+
+  def values(self, hidden_BxTxD):
+    if self.head != "value":
+      raise ValueError("values() needs head='value'")
+    return self.score(hidden_BxTxD)[..., 0].astype(jnp.float32)
+
+
+def positions_from_mask(mask_BxT):
+  """Position ids for left-padded rows: 0 at the first real token, pads clamped to 0."""
+  return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
+  dtype = jnp.dtype(dtype or cfg.dtype)
+  kv, hd = cfg.num_kv_heads, cfg.head_dim
+  return [{"k": jnp.zeros((batch, kv, hd, length), dtype),
+           "v": jnp.zeros((batch, kv, length, hd), dtype)} for _ in range(cfg.num_layers)]
+
+
+def create(cfg: ModelConfig, *, seed: int = 0, head: str = "lm"):
+  """(graphdef, state) of a randomly initialised model."""
+  return nnx.split(DecoderLM(cfg, rngs=nnx.Rngs(seed), head=head))
+
+
+def create_abstract(cfg: ModelConfig, *, head: str = "lm"):
+  """(graphdef, state of ShapeDtypeStructs): the shapes, with no memory allocated."""
+  return nnx.split(nnx.eval_shape(lambda: DecoderLM(cfg, rngs=nnx.Rngs(0), head=head)))
+
+
+def logical_axes(state):
+  """The logical axis names of every parameter, as a pytree shaped like `state`."""
+  return jax.tree.map(lambda v: v.get_metadata().get("axes"), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def forward(graphdef, state, tokens_BxT, mask_BxT):
+  """Hidden states [B, T, D] of full sequences (teacher forcing); pads are masked out."""
+  model = nnx.merge(graphdef, state)
+  hidden, _ = model(tokens_BxT, positions_from_mask(mask_BxT), mask_BxT.astype(bool))
+  return model, hidden
+
+
+def logits_fn(graphdef, state, tokens_BxT, mask_BxT):
+  model, hidden = forward(graphdef, state, tokens_BxT, mask_BxT)
+  return model.logits(hidden)

@@ -1,0 +1,193 @@
+"""Batched sampling with a preallocated KV cache: one prefill, then a lax.while_loop decode.
+
+Prompts are left-padded to a power-of-two bucket so the compiled program is reused
+across calls; the loop stops as soon as every row has produced an end token. The
+returned log-probs are those of the sampled tokens under softmax(logits / temperature)
+(the raw model distribution for greedy decoding), before top-k/top-p truncation:
+exactly what teacher-forced `sequence_log_probs` computes for the same sequences, so a
+PPO step that starts from a rollout is on-policy to float precision.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hflax.models.transformer import init_cache, positions_from_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  max_new_tokens: int = 64
+  temperature: float = 1.0  # 0 means greedy
+  top_k: int = 0  # 0 keeps every token
+  top_p: float = 1.0
+  n: int = 1  # samples per prompt, interleaved: row i * n + j is sample j of prompt i
+  eos_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+
+  def __post_init__(self):
+    checks = [(self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+              (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
+              (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+              (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+              (self.n >= 1, "n must be >= 1")]
+    for ok, message in checks:
+      if not ok:
+        raise ValueError(f"SamplingParams: {message}, got {self}")
+    object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+def filter_logits(logits_BxV, top_k: int = 0, top_p: float = 1.0):
+  """Sets to -inf every logit outside the top-k and outside the top-p nucleus.
+
+  The nucleus is the smallest set of most likely tokens whose probability reaches top_p;
+  ties at either threshold are kept.
+  """
+  if top_k > 0:
+    kth = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0][..., -1:]
+    logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
+  if top_p < 1.0:
+    sorted_desc = -jnp.sort(-logits_BxV, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = mass_before < top_p
+    threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    logits_BxV = jnp.where(logits_BxV < threshold, -jnp.inf, logits_BxV)
+  return logits_BxV
+
+
+def _pick(logits_BxV, key, params: SamplingParams):
+  """Next tokens and their log-probs (see the module docstring for which distribution)."""
+  scaled = logits_BxV if params.greedy else logits_BxV / params.temperature
+  log_probs = jax.nn.log_softmax(scaled, axis=-1)
+  if params.greedy:
+    tokens = jnp.argmax(logits_BxV, axis=-1)
+  else:
+    tokens = jax.random.categorical(key, filter_logits(scaled, params.top_k, params.top_p))
+  return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], -1)[:, 0]
+
+
+def length_bucket(length: int, minimum: int = 8) -> int:
+  return max(minimum, 1 << max(0, length - 1).bit_length())
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = None):
+  """Left-pads token lists to `width` (default: the power-of-two bucket of the longest)."""
+  if not prompts:
+    raise ValueError("no prompts to generate from")
+  longest = max(len(p) for p in prompts)
+  for i, p in enumerate(prompts):
+    if not len(p):
+      raise ValueError(f"prompt {i} is empty")
+  width = width or length_bucket(longest)
+  if longest > width:
+    raise ValueError(f"prompt of {longest} tokens does not fit width {width}")
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  mask = np.zeros((len(prompts), width), bool)
+  for i, p in enumerate(prompts):
+    tokens[i, width - len(p):] = p
+    mask[i, width - len(p):] = True
+  return tokens, mask
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params"))
+def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: SamplingParams):
+  model = nnx.merge(graphdef, state)
+  cfg = model.cfg
+  B, P = prompts_BxP.shape
+  N, n = params.max_new_tokens, params.n
+  prompt_mask_BxP = prompt_mask_BxP.astype(bool)
+  prompt_pos_BxP = positions_from_mask(prompt_mask_BxP)
+
+  # The n samples of a prompt share one prefill; the cache is copied after it.
+  kv_valid_BxS = jnp.zeros((B, P + N), bool).at[:, :P].set(prompt_mask_BxP)
+  hidden, cache = model(prompts_BxP, prompt_pos_BxP, kv_valid_BxS,
+                        cache=init_cache(cfg, B, P + N), slot0=0)
+  logits = model.logits(hidden[:, -1])
+  widen = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
+  cache, kv_valid, logits = jax.tree.map(widen, (cache, kv_valid_BxS, logits))
+  next_pos = widen(prompt_pos_BxP[:, -1] + 1)
+  R = B * n
+
+  eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
+  tok, logp = _pick(logits, jax.random.fold_in(rng, 0), params)
+  out_tokens = jnp.full((R, N), params.pad_id, jnp.int32).at[:, 0].set(tok)
+  out_logp = jnp.zeros((R, N), jnp.float32).at[:, 0].set(logp)
+  out_mask = jnp.zeros((R, N), bool).at[:, 0].set(True)
+  done = jnp.isin(tok, eos)
+
+  def cond(carry):
+    step, done = carry[0], carry[5]
+    return (step < N) & ~jnp.all(done)
+
+  def body(carry):
+    step, cache, kv_valid, tok, pos, done, out_tokens, out_logp, out_mask = carry
+    slot = P + step - 1  # where the previous token's K/V go
+    kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((R, 1), bool), (0, slot))
+    hidden, cache = model(tok[:, None], pos[:, None], kv_valid, cache=cache, slot0=slot)
+    tok, logp = _pick(model.logits(hidden[:, 0]), jax.random.fold_in(rng, step), params)
+    tok = jnp.where(done, params.pad_id, tok)
+    write = lambda out, x: jax.lax.dynamic_update_slice(out, x[:, None], (0, step))  # noqa: E731
+    out_tokens = write(out_tokens, tok)
+    out_logp = write(out_logp, jnp.where(done, 0.0, logp))
+    out_mask = write(out_mask, ~done)
+    done = done | jnp.isin(tok, eos)
+    return step + 1, cache, kv_valid, tok, pos + 1, done, out_tokens, out_logp, out_mask
+
+  carry = (jnp.int32(1), cache, kv_valid, tok, next_pos, done, out_tokens, out_logp, out_mask)
+  *_, out_tokens, out_logp, out_mask = jax.lax.while_loop(cond, body, carry)
+
+  prompts, prompt_mask = widen(prompts_BxP), widen(prompt_mask_BxP)
+  attention_mask = jnp.concatenate([prompt_mask, out_mask], axis=1)
+  return {
+      "prompts": prompts,
+      "prompt_mask": prompt_mask,
+      "responses": out_tokens,
+      "response_mask": out_mask,
+      "input_ids": jnp.concatenate([prompts, out_tokens], axis=1),
+      "attention_mask": attention_mask,
+      "position_ids": positions_from_mask(attention_mask),
+      "rollout_log_probs": out_logp,
+      "response_length": out_mask.sum(axis=1).astype(jnp.int32),
+  }
+
+
+def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None):
+  """Samples continuations.
+
+  Args:
+    graphdef, state: an hflax causal LM (`hflax.models.create` or `load_checkpoint`).
+    prompts: a list of token-id lists, or a (tokens [B, P], mask [B, P]) pair already
+      left-padded.
+    params: the SamplingParams (static: each distinct value compiles once per shape).
+    rng: a jax PRNG key (needed unless greedy).
+  Returns:
+    A dict of arrays with B * n rows: prompts/prompt_mask [., P], responses/response_mask
+    and rollout_log_probs [., max_new_tokens], input_ids/attention_mask/position_ids
+    [., P + max_new_tokens], response_length [.]. response_mask covers the end token.
+  """
+  if isinstance(prompts, tuple):
+    tokens, mask = prompts
+  else:
+    tokens, mask = left_pad(prompts, params.pad_id)
+  if rng is None:
+    if not params.greedy:
+      raise ValueError("sampling with temperature > 0 needs an rng key")
+    rng = jax.random.key(0)
+  return _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool), rng,
+                   params=params)
+
+
+def compiled_variants() -> int:
+  """How many programs the sampler has compiled so far (one per shape and params)."""
+  return _generate._cache_size()
