@@ -119,7 +119,7 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
   def load_leaf(kpath, var, target_sharding):
     key = _path_key(kpath)
     hf_name, transposed = names[key]
-    shape, want = var.value.shape, jnp.dtype(cfg.param_dtype)
+    shape, want = var.get_value().shape, jnp.dtype(cfg.param_dtype)
     if hf_name not in index.file_of:
       if key[0] == "score" and fresh is not None:
         return var.replace(jax.device_put(fresh[key[1]][...].astype(want), target_sharding))
@@ -153,9 +153,9 @@ def _resolve_shardings(abstract, sharding):
   if isinstance(sharding, jax.sharding.Sharding):
     return jax.tree.map(lambda _: sharding, abstract, is_leaf=is_var)
   if callable(sharding):
-    return jax.tree.map(lambda v: sharding(v.get_metadata().get("axes"), v.value.shape),
+    return jax.tree.map(lambda v: sharding(v.get_metadata().get("axes"), v.get_value().shape),
                         abstract, is_leaf=is_var)
-  return jax.tree.map(lambda s: s.value if is_var(s) else s, sharding, is_leaf=is_var)
+  return jax.tree.map(lambda s: s.get_value() if is_var(s) else s, sharding, is_leaf=is_var)
 
 
 def _check_unused(index, names, abstract, path):

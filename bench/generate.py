@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""Side-by-side greedy generation benchmark: hflax's sampler vs transformers, same weights.
+
+One run builds a small random Llama-style model with hflax, exports it as an HF checkpoint,
+loads that checkpoint in transformers, and times greedy generation of exactly
+`--new-tokens` tokens (no early stop) for two batch sizes, alternating hflax and
+transformers repetitions. It also measures a jitted fp32 matmul peak on the same device and
+reports the FLOP/s hflax achieves during generation as a fraction of it.
+
+  python bench/generate.py            # full run
+  python bench/generate.py --quick    # smoke test, well under a minute
+
+Exit status is 0 whether or not the printed targets are met.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from hflax.models import ModelConfig, create, init_cache, positions_from_mask  # noqa: E402
+from hflax.models.hf import export_checkpoint  # noqa: E402
+from hflax.models.tokenizer import BYTE_VOCAB_SIZE  # noqa: E402
+from hflax.rollout import sampler  # noqa: E402
+from hflax.rollout.sampler import SamplingParams, generate, left_pad  # noqa: E402
+
+TARGET_RATIO = {8: 3.0, 64: 1.5}  # hflax tokens/s over transformers tokens/s, by batch size
+TARGET_PEAK_FRACTION = 0.40
+PAD_ID = 256  # the byte tokenizer's <pad>; prompts only use ids 0..255
+
+
+def model_config() -> ModelConfig:
+  return ModelConfig(family="llama", vocab_size=BYTE_VOCAB_SIZE, hidden_size=256,
+                     intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2,
+                     dtype="float32", param_dtype="float32", pad_token_id=PAD_ID)
+
+
+# ----------------------------------------------------------------------------- FLOP counting
+
+def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
+  """(non-embedding matmul weights of all layers, lm_head weights)."""
+  d, h, kv, hd, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                     cfg.intermediate_size)
+  per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
+  return cfg.num_layers * per_layer, d * cfg.vocab_size
+
+
+def generation_flops(cfg: ModelConfig, batch: int, prompt_width: int, new_tokens: int) -> dict:
+  """FLOPs the sampler executes for one generate call, counted from the program it runs.
+
+  The sampler preallocates a cache of S = prompt_width + new_tokens slots and every
+  attention (prefill and each decode step) computes scores against all S slots, masking
+  the ones not yet written, so S is the context length used for attention FLOPs
+  (QK^T + PV = 4 * layers * heads * head_dim * S per query token). The prefill runs the
+  body on all prompt_width positions but the lm_head only on the last one; it yields the
+  first new token, and the while loop runs new_tokens - 1 single-token steps.
+  """
+  body, head = matmul_params(cfg)
+  S = prompt_width + new_tokens
+  attn_per_query = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * S
+  prefill = batch * (prompt_width * (2 * body + attn_per_query) + 2 * head)
+  per_step = batch * (2 * (body + head) + attn_per_query)
+  decode = (new_tokens - 1) * per_step
+  return dict(prefill=prefill, per_step=per_step, decode=decode, total=prefill + decode,
+              cache_width=S)
+
+
+# ----------------------------------------------------------------------------- matmul peak
+
+def matmul_peak(sizes, repeats: int) -> tuple[float, dict]:
+  """Best jitted fp32 matmul FLOP/s over the given square sizes (median of `repeats`)."""
+  dot = jax.jit(jnp.dot)
+  results = {}
+  for n in sizes:
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+    jax.block_until_ready(dot(a, b))  # compile + warm up
+    jax.block_until_ready(dot(a, b))
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(dot(a, b))
+      times.append(time.perf_counter() - t0)
+    results[n] = 2 * n ** 3 / statistics.median(times)
+  return max(results.values()), results
+
+
+# ----------------------------------------------------------------------------- hflax pieces
+
+def make_prefill_only(graphdef, cache_width: int):
+  """A jitted copy of the sampler's prefill (same cache width), to split prefill from decode."""
+
+  @jax.jit
+  def prefill(state, tokens_BxP, mask_BxP):
+    model = nnx.merge(graphdef, state)
+    B, P = tokens_BxP.shape
+    kv_valid = jnp.zeros((B, cache_width), bool).at[:, :P].set(mask_BxP)
+    hidden, cache = model(tokens_BxP, positions_from_mask(mask_BxP), kv_valid,
+                          cache=init_cache(model.cfg, B, cache_width), slot0=0)
+    return jnp.argmax(model.logits(hidden[:, -1]), axis=-1), cache
+
+  return prefill
+
+
+def hlo_while_body_report(graphdef, state, tokens, mask, params: SamplingParams) -> str:
+  """Counts transposes/copies in the compiled decode loop body (and what they touch)."""
+  compiled = sampler._generate.lower(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
+                                     jax.random.key(0), params=params).compile()
+  text = compiled.as_text()
+  comps, name, lines = {}, None, []
+  for line in text.splitlines():
+    head = re.match(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      name, lines = head.group(1).lstrip("%"), []
+    elif line.startswith("}") and name is not None:
+      comps[name] = lines
+      name = None
+    elif name is not None:
+      lines.append(line)
+  bodies = [m.group(1) for m in re.finditer(r"body=%?([\w.\-]+)", text)]
+  out = [f"compiled _generate HLO: {len(text.splitlines())} lines, while bodies: {bodies}"]
+
+  def called(line):
+    return re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+
+  for body in bodies:
+    seen, stack, counts, examples = set(), [body], {}, []
+    while stack:
+      comp = stack.pop()
+      if comp in seen or comp not in comps:
+        continue
+      seen.add(comp)
+      for line in comps[comp]:
+        op = re.search(r"=\s*(\S+)\s+(transpose|copy|dot|fusion|custom-call|"
+                       r"dynamic-update-slice|while|call)\(", line)
+        if op:
+          kind = op.group(2)
+          counts[kind] = counts.get(kind, 0) + 1
+          if kind in ("transpose", "copy") and len(examples) < 12:
+            examples.append(f"    [{comp}] " + line.strip()[:200])
+        stack.extend(called(line))
+    out.append(f"  body {body}: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    out.extend(examples)
+  return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="timed repetitions per framework and workload (default 3; quick: 1)")
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke test: batches 2 and 8, 32 new tokens, 1 repeat, small peak")
+  parser.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 32)")
+  parser.add_argument("--prompt-len", type=int, default=16)
+  parser.add_argument("--batches", type=int, nargs="+", default=None,
+                      help="prompt counts (default 8 64; quick: 2 8)")
+  parser.add_argument("--hlo", action="store_true",
+                      help="also count transposes/copies in the compiled decode loop body")
+  parser.add_argument("--no-breakdown", action="store_true",
+                      help="skip timing hflax's prefill on its own")
+  args = parser.parse_args(argv)
+  repeats = args.repeats or (1 if args.quick else 3)
+  new_tokens = args.new_tokens or (32 if args.quick else 128)
+  batches = args.batches or ([2, 8] if args.quick else [8, 64])
+  peak_sizes = [512, 1024] if args.quick else [1024, 2048, 4096]
+  P = args.prompt_len
+
+  import torch
+  import transformers
+  from transformers import AutoModelForCausalLM
+
+  torch.set_num_threads(os.cpu_count())
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    print("WARNING: XLA_FLAGS simulates several host devices; timings will not be representative")
+  print(f"jax {jax.__version__} devices: {jax.devices()}")
+  print(f"torch {torch.__version__} threads: {torch.get_num_threads()}  "
+        f"transformers {transformers.__version__}  os.cpu_count(): {os.cpu_count()}")
+  try:
+    print(f"load average at start: {os.getloadavg()}")
+  except OSError:
+    pass
+
+  cfg = model_config()
+  graphdef, state = create(cfg, seed=0)
+  body_params, head_params = matmul_params(cfg)
+  print(f"model: llama, {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
+        f"{cfg.num_heads}/{cfg.num_kv_heads} kv, head_dim {cfg.head_dim}, intermediate "
+        f"{cfg.intermediate_size}, vocab {cfg.vocab_size}, fp32; {cfg.num_params:,} params "
+        f"({body_params:,} non-embedding matmul + {head_params:,} lm_head)")
+
+  tmp = tempfile.TemporaryDirectory(prefix="hflax_bench_")
+  export_checkpoint(tmp.name, cfg, state)
+  hf_model = AutoModelForCausalLM.from_pretrained(tmp.name, attn_implementation="sdpa",
+                                                  dtype=torch.float32).eval()
+
+  rng = np.random.default_rng(0)
+  params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, eos_ids=(), pad_id=PAD_ID)
+  hf_kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   use_cache=True, eos_token_id=None, pad_token_id=PAD_ID, num_beams=1)
+
+  peak, peak_by_size = matmul_peak(peak_sizes, max(3, repeats))
+  print("matmul peak (jit jnp.dot fp32, median): " +
+        ", ".join(f"{n}^3: {f / 1e9:.1f} GFLOP/s" for n, f in peak_by_size.items()))
+
+  rows, extra = [], []
+  for B in batches:
+    prompts = rng.integers(0, 256, size=(B, P)).tolist()
+    tokens, mask = left_pad(prompts, PAD_ID)
+    width = tokens.shape[1]
+    ids_t = torch.tensor(prompts, dtype=torch.long)
+    attn_t = torch.ones_like(ids_t)
+
+    def run_hflax():
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(generate(graphdef, state, (tokens, mask), params))
+      return time.perf_counter() - t0, out
+
+    def run_hf():
+      t0 = time.perf_counter()
+      with torch.inference_mode():
+        out = hf_model.generate(ids_t, attention_mask=attn_t, **hf_kwargs)
+      return time.perf_counter() - t0, out
+
+    t_compile, _ = run_hflax()  # compiles
+    run_hflax()
+    run_hf()
+    hx_times, hf_times = [], []
+    for _ in range(repeats):
+      t, hx_out = run_hflax()
+      hx_times.append(t)
+      t, hf_out = run_hf()
+      hf_times.append(t)
+    hx_t, hf_t = statistics.median(hx_times), statistics.median(hf_times)
+
+    hx_tokens = np.asarray(hx_out["responses"])
+    hf_tokens = hf_out[:, P:].numpy()
+    if hf_tokens.shape != hx_tokens.shape:
+      print(f"WARNING: transformers produced {hf_tokens.shape}, hflax {hx_tokens.shape}")
+      match = 0.0
+    else:
+      match = float(np.mean(np.all(hf_tokens == hx_tokens, axis=1)))
+    if match < 1.0:
+      first = np.argmax(hf_tokens != hx_tokens, axis=1) if hf_tokens.shape == hx_tokens.shape else []
+      print(f"WARNING: greedy tokens differ for batch {B}: {match:.0%} rows match exactly "
+            f"(first divergence steps: {sorted(set(int(i) for i in first))[:10]})")
+
+    flops = generation_flops(cfg, B, width, new_tokens)
+    generated = B * new_tokens
+    row = dict(B=B, hx_tps=generated / hx_t, hf_tps=generated / hf_t, hx_t=hx_t, hf_t=hf_t,
+               gflops=flops["total"] / hx_t / 1e9, frac=flops["total"] / hx_t / peak,
+               match=match, compile=t_compile, hx_times=hx_times, hf_times=hf_times,
+               cache_width=flops["cache_width"], width=width)
+    rows.append(row)
+
+    if not args.no_breakdown:
+      prefill = make_prefill_only(graphdef, flops["cache_width"])
+      jax.block_until_ready(prefill(state, tokens, mask))
+      pre = []
+      for _ in range(max(5, repeats)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(prefill(state, tokens, mask))
+        pre.append(time.perf_counter() - t0)
+      pre_t = statistics.median(pre)
+      dec_t = max(hx_t - pre_t, 1e-9)
+      extra.append(dict(B=B, pre_ms=pre_t * 1e3, pre_gflops=flops["prefill"] / pre_t / 1e9,
+                        step_ms=dec_t / (new_tokens - 1) * 1e3,
+                        dec_gflops=flops["decode"] / dec_t / 1e9,
+                        step_mflop=flops["per_step"] / 1e6))
+
+    if args.hlo:
+      print(hlo_while_body_report(graphdef, state, tokens, mask, params))
+
+  tmp.cleanup()
+
+  # ---------------------------------------------------------------- report
+  print()
+  print(f"Greedy generation, {P}-token random prompts (bucket {rows[0]['width']}), "
+        f"{new_tokens} new tokens, no early stop, fp32, median of {repeats} alternating reps")
+  header = (f"{'workload':>10} | {'hflax tok/s':>11} | {'HF tok/s':>9} | {'ratio':>6} | "
+            f"{'target':>6} | {'ratio?':>6} | {'hflax GFLOP/s':>13} | {'of peak':>7} | "
+            f"{'peak?':>5} | {'tokens match':>12}")
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    ratio = r["hx_tps"] / r["hf_tps"]
+    target = TARGET_RATIO.get(r["B"])
+    verdict = ("PASS" if ratio >= target else "MISS") if target else "-"
+    peak_verdict = "PASS" if r["frac"] >= TARGET_PEAK_FRACTION else "MISS"
+    print(f"{r['B']:>3} prompts | {r['hx_tps']:>11.0f} | {r['hf_tps']:>9.0f} | {ratio:>5.2f}x | "
+          f"{(f'>={target:g}x' if target else '-'):>6} | {verdict:>6} | {r['gflops']:>13.2f} | "
+          f"{r['frac']:>6.1%} | {peak_verdict:>5} | {r['match']:>11.0%}")
+  print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (best of {list(peak_by_size)}); "
+        f"peak target: >= {TARGET_PEAK_FRACTION:.0%}")
+  print(f"FLOPs: 2*(non-embedding matmul + lm_head params) per decoded token, prefill body on "
+        f"every prompt position + lm_head on the last, attention 4*L*H*Dh*S with S = the cache "
+        f"width the sampler attends over = prompt bucket + max_new_tokens = "
+        f"{rows[0]['cache_width']} (masked slots included)")
+  for r in rows:
+    print(f"  batch {r['B']}: hflax {r['hx_t'] * 1e3:.1f} ms/call (reps "
+          f"{', '.join(f'{t * 1e3:.0f}' for t in r['hx_times'])}; first call incl. compile "
+          f"{r['compile']:.2f} s), transformers {r['hf_t'] * 1e3:.1f} ms/call (reps "
+          f"{', '.join(f'{t * 1e3:.0f}' for t in r['hf_times'])})")
+  if extra:
+    print("hflax breakdown (prefill timed alone with the same cache width; decode = call - prefill):")
+    for e in extra:
+      print(f"  batch {e['B']}: prefill {e['pre_ms']:.2f} ms ({e['pre_gflops']:.2f} GFLOP/s), "
+            f"decode {e['step_ms']:.3f} ms/step for {e['step_mflop']:.1f} MFLOP/step "
+            f"({e['dec_gflops']:.2f} GFLOP/s)")
+  spread = [max(r["hx_times"]) / min(r["hx_times"]) for r in rows if len(r["hx_times"]) > 1]
+  if spread and max(spread) > 1.15:
+    print(f"note: hflax repetitions vary by up to {max(spread) - 1:.0%}; another process may "
+          f"be using the CPU (load average now {os.getloadavg()})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

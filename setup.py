@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hflax",
+    version="0.1.0",
+    description="HybridFlow-style RLHF and RLVR for large language models, natively in JAX",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hflax", "hflax.*"]),
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.12",
+        "optax",
+        "orbax-checkpoint",
+        "ml-collections",
+        # Reading HF checkpoints shard by shard (memory-mapped) and their tokenizers.
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "jinja2",
+        "numpy",
+    ],
+    extras_require={
+        # torch only as the parity reference; pin it, or pip pulls CUDA builds.
+        "test": ["pytest", "pytest-xdist", "transformers>=4.50", "torch==2.13.0"],
+        "ray": ["ray[default]"],
+        "gpu": ["jax-triton"],
+    },
+)

@@ -1,0 +1,206 @@
+"""Model parity with transformers, and HF checkpoint import/export."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from hf_models import tiny_hf_model
+from hflax.models import ModelConfig, create, hf, logical_axes, logits_fn
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+logits_jit = jax.jit(logits_fn, static_argnums=0)
+
+
+def _batch(vocab=128, seed=0):
+  ids = np.random.RandomState(seed).randint(3, vocab, size=(3, 24))
+  mask = np.ones_like(ids)
+  mask[1, :7] = 0  # left padding
+  mask[2, :1] = 0
+  return ids, mask
+
+
+def _hf_logits(model, ids, mask):
+  with torch.no_grad():
+    return model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.float().numpy()
+
+
+def _max_diff_on_tokens(a, b, mask):
+  return np.abs(a - b)[mask.astype(bool)].max()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_ckpt(request, tmp_path_factory):
+  model = tiny_hf_model(request.param)
+  path = tmp_path_factory.mktemp(request.param)
+  model.save_pretrained(path)
+  return request.param, model, str(path)
+
+
+def test_logits_match_transformers(family_ckpt):
+  family, model, path = family_ckpt
+  cfg, graphdef, state = hf.load_checkpoint(path)
+  assert cfg.family == family
+  ids, mask = _batch()
+  ours = np.asarray(logits_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(mask)))
+  assert _max_diff_on_tokens(ours, _hf_logits(model, ids, mask), mask) <= 1e-4
+
+
+def test_family_features_are_exercised(family_ckpt):
+  family, _, path = family_ckpt
+  cfg = hf.read_config(path)
+  assert cfg.num_kv_heads < cfg.num_heads  # GQA everywhere
+  assert {"llama": cfg.rope_scaling_dict.get("rope_type") == "llama3",
+          "qwen2": cfg.qkv_bias and cfg.tie_word_embeddings,
+          "qwen3": cfg.qk_norm and cfg.head_dim != cfg.hidden_size // cfg.num_heads}[family]
+
+
+def test_round_trip_gives_identical_tensors_and_logits(family_ckpt, tmp_path):
+  family, model, path = family_ckpt
+  cfg, graphdef, state = hf.load_checkpoint(path)
+  hf.export_checkpoint(str(tmp_path), cfg, state)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+  original = model.state_dict()
+  again = reloaded.state_dict()
+  assert set(original) == set(again)
+  for name, tensor in original.items():
+    assert torch.equal(tensor, again[name]), name
+  ids, mask = _batch(seed=1)
+  np.testing.assert_array_equal(_hf_logits(reloaded.eval(), ids, mask), _hf_logits(model, ids, mask))
+
+
+@pytest.mark.parametrize("scaling", [
+    dict(rope_type="linear", factor=4.0),
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=16,
+         beta_slow=2, mscale=1.0, mscale_all_dim=0.5),
+])
+def test_rope_scalings_match_transformers(scaling, tmp_path):
+  model = tiny_hf_model("llama", rope_scaling=scaling)
+  model.save_pretrained(tmp_path)
+  _, graphdef, state = hf.load_checkpoint(str(tmp_path))
+  ids, mask = _batch()
+  ours = np.asarray(logits_jit(graphdef, state, jnp.asarray(ids), jnp.asarray(mask)))
+  assert _max_diff_on_tokens(ours, _hf_logits(model, ids, mask), mask) <= 1e-4
+
+
+def test_value_head_matches_token_classification(tmp_path):
+  config = tiny_hf_model("qwen2").config
+  config.num_labels = 1
+  torch.manual_seed(3)
+  ref = transformers.AutoModelForTokenClassification.from_config(config).eval()
+  with torch.no_grad():
+    ref.score.bias.fill_(0.25)
+  ref.save_pretrained(tmp_path)
+  cfg, graphdef, state = hf.load_checkpoint(str(tmp_path), head="value")
+  ids, mask = _batch()
+
+  @jax.jit
+  def values(state, ids, mask):
+    from hflax.models import forward
+    model, hidden = forward(graphdef, state, ids, mask)
+    return model.values(hidden)
+
+  ours = np.asarray(values(state, jnp.asarray(ids), jnp.asarray(mask)))
+  with torch.no_grad():
+    expected = ref(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits[..., 0].numpy()
+  assert _max_diff_on_tokens(ours, expected, mask) <= 1e-4
+  export = tmp_path / "export"
+  hf.export_checkpoint(str(export), cfg, state, head="value")
+  again = transformers.AutoModelForTokenClassification.from_pretrained(export)
+  for name, tensor in ref.state_dict().items():
+    assert torch.equal(tensor, again.state_dict()[name]), name
+
+
+def test_critic_from_causal_lm_checkpoint_gets_fresh_score_head(family_ckpt):
+  _, model, path = family_ckpt
+  _, _, state = hf.load_checkpoint(path, head="value", seed=5)
+  np.testing.assert_array_equal(np.asarray(state["embed"][...]),
+                                model.model.embed_tokens.weight.detach().numpy())
+  assert state["score"]["kernel"][...].shape == (model.config.hidden_size, 1)
+  assert float(jnp.abs(state["score"]["kernel"][...]).sum()) > 0
+
+
+def test_sharded_load_reads_only_each_devices_shard(family_ckpt, tmp_path):
+  """Loading onto a mesh puts 1/8 of every sharded tensor on each device; values unchanged."""
+  _, model, path = family_ckpt
+  cfg, _, state = hf.load_checkpoint(path)
+  hf.export_checkpoint(str(tmp_path), cfg, state, max_shard_bytes=40_000)  # several files
+  assert (tmp_path / "model.safetensors.index.json").exists()
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+  rules = {"vocab": "tensor", "embed": "fsdp", "mlp": "tensor", "q_heads": "tensor",
+           "kv_heads": "tensor"}
+
+  def sharding(axes, shape):
+    return NamedSharding(mesh, P(*[rules.get(a) for a in axes]))
+
+  _, graphdef, sharded = hf.load_checkpoint(str(tmp_path), sharding=sharding)
+  up = sharded["layers"][0]["mlp"]["up"]["kernel"][...]
+  assert up.sharding.spec == P("fsdp", "tensor")
+  assert {s.data.shape for s in up.addressable_shards} == {
+      (cfg.hidden_size // 4, cfg.intermediate_size // 2)}
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(sharded)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ids, mask = _batch()
+  ours = np.asarray(logits_jit(graphdef, sharded, jnp.asarray(ids), jnp.asarray(mask)))
+  assert _max_diff_on_tokens(ours, _hf_logits(model, ids, mask), mask) <= 1e-4
+
+
+def test_bfloat16_export_and_load(family_ckpt, tmp_path):
+  _, _, path = family_ckpt
+  cfg, _, state = hf.load_checkpoint(path)
+  hf.export_checkpoint(str(tmp_path), cfg, state, dtype="bfloat16")
+  assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+  _, _, again = hf.load_checkpoint(str(tmp_path), param_dtype="bfloat16")
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(again)):
+    assert b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
+
+
+def test_every_parameter_has_logical_axes():
+  cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                    num_heads=4, num_kv_heads=2, qkv_bias=True, qk_norm=True)
+  _, state = create(cfg)
+  axes = logical_axes(state)
+  for (path, leaf), names in zip(jax.tree_util.tree_flatten_with_path(state)[0],
+                                 jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
+    assert len(names) == leaf.ndim, path
+
+
+def _write_config(path, **changes):
+  config = json.loads((path / "config.json").read_text())
+  config.update(changes)
+  (path / "config.json").write_text(json.dumps(config))
+
+
+def test_clear_errors(family_ckpt, tmp_path):
+  _, model, path = family_ckpt
+  with pytest.raises(FileNotFoundError, match="no config.json"):
+    hf.load_checkpoint(str(tmp_path))
+  model.save_pretrained(tmp_path)
+  _write_config(tmp_path, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+  with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+    hf.load_checkpoint(str(tmp_path))
+  model.save_pretrained(tmp_path)
+  _write_config(tmp_path, intermediate_size=model.config.intermediate_size * 2)
+  with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight.*has shape"):
+    hf.load_checkpoint(str(tmp_path))
+  model.save_pretrained(tmp_path)
+  _write_config(tmp_path, num_hidden_layers=3)
+  with pytest.raises(KeyError, match="lacks tensor 'model.layers.2"):
+    hf.load_checkpoint(str(tmp_path))
+  model.save_pretrained(tmp_path)
+  os.remove(tmp_path / "model.safetensors")
+  with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
+    hf.load_checkpoint(str(tmp_path))
+  model.save_pretrained(tmp_path)
+  dynamic = dict(rope_type="dynamic", factor=2.0)
+  for key in ("rope_scaling", "rope_parameters"):  # the transformers 4 and 5 spellings
+    _write_config(tmp_path, **{"rope_scaling": None, "rope_parameters": None, key: dynamic})
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'"):
+      hf.load_checkpoint(str(tmp_path))

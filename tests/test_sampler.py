@@ -1,0 +1,169 @@
+"""The KV-cache sampler against transformers' generate and against its own definitions."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from hf_models import tiny_hf_model
+from hflax.models import hf
+from hflax.models.logprobs import sequence_log_probs
+from hflax.rollout import SamplingParams, filter_logits, generate, left_pad
+from hflax.rollout.sampler import compiled_variants
+
+log_probs_jit = jax.jit(sequence_log_probs, static_argnums=0, static_argnames="temperature")
+PROMPT_LENGTHS = (5, 11, 2, 8)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def pair(request, tmp_path_factory):
+  model = tiny_hf_model(request.param, seed=1)
+  path = tmp_path_factory.mktemp(request.param)
+  model.save_pretrained(path)
+  _, graphdef, state = hf.load_checkpoint(str(path))
+  return model, graphdef, state
+
+
+def _prompts(seed=0):
+  rs = np.random.RandomState(seed)
+  return [rs.randint(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+def test_greedy_equals_transformers_generate(pair):
+  model, graphdef, state = pair
+  prompts = _prompts()
+  out = generate(graphdef, state, prompts, SamplingParams(max_new_tokens=24, temperature=0))
+  for row, prompt in enumerate(prompts):  # unpadded, one at a time: the plainest reference
+    with torch.no_grad():
+      ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    np.testing.assert_array_equal(np.asarray(out["responses"][row]), ref[0, len(prompt):].numpy())
+  assert np.asarray(out["response_mask"]).all()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_new_tokens=20, temperature=0),
+    SamplingParams(max_new_tokens=20, temperature=1.0, n=2),
+    SamplingParams(max_new_tokens=20, temperature=0.7, top_k=10, top_p=0.8, n=3,
+                   eos_ids=(7, 8, 9, 10)),
+])
+def test_rollout_log_probs_equal_teacher_forced(pair, params):
+  _, graphdef, state = pair
+  out = generate(graphdef, state, _prompts(1), params, rng=jax.random.key(3))
+  width = out["prompts"].shape[1]
+  temperature = params.temperature or 1.0
+  teacher, _ = log_probs_jit(graphdef, state, out["input_ids"], out["attention_mask"],
+                             temperature=temperature)
+  teacher = np.asarray(teacher[:, width:])
+  mask = np.asarray(out["response_mask"])
+  np.testing.assert_allclose(np.asarray(out["rollout_log_probs"]), teacher * mask, atol=1e-5)
+
+
+def test_eos_stops_rows_and_masks(pair):
+  _, graphdef, state = pair
+  prompts = _prompts(2)
+  free = generate(graphdef, state, prompts, SamplingParams(max_new_tokens=16, temperature=0))
+  free_tokens = np.asarray(free["responses"])
+  eos = int(free_tokens[0, 3])
+  out = generate(graphdef, state, prompts,
+                 SamplingParams(max_new_tokens=16, temperature=0, eos_ids=(eos,), pad_id=0))
+  tokens, mask = np.asarray(out["responses"]), np.asarray(out["response_mask"])
+  for row in range(len(prompts)):
+    hits = np.flatnonzero(free_tokens[row] == eos)
+    length = hits[0] + 1 if hits.size else 16  # the end token itself is part of the response
+    assert out["response_length"][row] == length
+    np.testing.assert_array_equal(tokens[row, :length], free_tokens[row, :length])
+    assert (tokens[row, length:] == 0).all()
+    np.testing.assert_array_equal(mask[row], np.arange(16) < length)
+  width = out["prompts"].shape[1]
+  attention = np.asarray(out["attention_mask"])
+  np.testing.assert_array_equal(attention[:, width:], mask)
+  np.testing.assert_array_equal(attention[:, :width], np.asarray(out["prompt_mask"]))
+  positions = np.asarray(out["position_ids"])
+  for row, prompt in enumerate(prompts):  # positions continue through the response
+    np.testing.assert_array_equal(positions[row, width - len(prompt):width + int(out["response_length"][row])],
+                                  np.arange(len(prompt) + int(out["response_length"][row])))
+
+
+def test_n_samples_are_interleaved_and_differ(pair):
+  _, graphdef, state = pair
+  prompts = _prompts(3)
+  out = generate(graphdef, state, prompts, SamplingParams(max_new_tokens=12, n=4),
+                 rng=jax.random.key(0))
+  assert out["responses"].shape == (4 * len(prompts), 12)
+  tokens, masked_prompts = left_pad(prompts, 0)
+  np.testing.assert_array_equal(np.asarray(out["prompts"]), np.repeat(tokens, 4, axis=0))
+  rows = {tuple(r) for r in np.asarray(out["responses"])[:4]}
+  assert len(rows) > 1  # samples of one prompt are not copies
+
+
+def test_samples_follow_the_filtered_distribution(pair):
+  """First-token frequencies over many samples match softmax(logits / T) restricted to top-k."""
+  _, graphdef, state = pair
+  prompt = _prompts(4)[:1]
+  params = SamplingParams(max_new_tokens=1, temperature=1.5, top_k=6, n=6000)
+  out = generate(graphdef, state, prompt, params, rng=jax.random.key(7))
+  tokens, mask = left_pad(prompt, 0)
+  from hflax.models import logits_fn
+  logits = np.asarray(logits_fn(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask))[0, -1])
+  scaled = logits / 1.5
+  top = np.argsort(-scaled)[:6]
+  probs = np.exp(scaled[top] - scaled[top].max())
+  probs /= probs.sum()
+  sampled = np.asarray(out["responses"])[:, 0]
+  assert set(np.unique(sampled)) <= set(top.tolist())
+  freq = np.array([(sampled == t).mean() for t in top])
+  np.testing.assert_allclose(freq, probs, atol=0.025)
+
+
+def _reference_filter(logits, top_k, top_p):
+  """Per row, by the definitions: top-k keeps values >= the k-th largest; top-p keeps the
+  shortest most-likely prefix whose probability reaches top_p (plus ties)."""
+  out = logits.copy()
+  for row in out:
+    if top_k:
+      kth = np.sort(row)[::-1][top_k - 1]
+      row[row < kth] = -np.inf
+    if top_p < 1:
+      order = np.argsort(-row, kind="stable")
+      p = np.exp(row[order] - row[order][0])
+      p /= p.sum()
+      keep, mass = 0, 0.0
+      while mass < top_p:
+        mass += p[keep]
+        keep += 1
+      threshold = row[order][keep - 1]
+      row[row < threshold] = -np.inf
+  return out
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (0, 0.5), (0, 0.9), (8, 0.7),
+                                         (0, 1e-6), (40, 0.999)])
+def test_filter_logits_matches_definition(top_k, top_p):
+  rs = np.random.RandomState(top_k + int(top_p * 100))
+  logits = rs.normal(size=(6, 40)).astype(np.float32) * 3
+  logits[0, :4] = logits[0, 4]  # ties
+  got = np.asarray(filter_logits(jnp.asarray(logits), top_k, top_p))
+  np.testing.assert_array_equal(got, _reference_filter(logits, top_k, top_p))
+
+
+def test_compiles_once_per_length_bucket(pair):
+  _, graphdef, state = pair
+  params = SamplingParams(max_new_tokens=5, temperature=0.9, eos_ids=(3,))
+  generate(graphdef, state, [[5, 6, 7], [9] * 6], params, rng=jax.random.key(0))
+  before = compiled_variants()
+  for seed, lengths in enumerate([(2, 7), (8, 1), (4, 4)]):  # all in the 8-token bucket
+    generate(graphdef, state, [[11] * n for n in lengths], params, rng=jax.random.key(seed))
+  assert compiled_variants() == before
+  generate(graphdef, state, [[11] * 12, [12] * 3], params, rng=jax.random.key(0))
+  assert compiled_variants() == before + 1
+
+
+def test_invalid_requests_raise_clear_errors(pair):
+  _, graphdef, state = pair
+  with pytest.raises(ValueError, match="top_p must be in"):
+    SamplingParams(top_p=0.0)
+  with pytest.raises(ValueError, match="needs an rng key"):
+    generate(graphdef, state, [[1, 2]], SamplingParams(temperature=1.0))
+  with pytest.raises(ValueError, match="prompt 1 is empty"):
+    generate(graphdef, state, [[1, 2], []], SamplingParams(temperature=0))
