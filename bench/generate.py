@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -59,21 +58,21 @@ def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
 def generation_flops(cfg: ModelConfig, batch: int, prompt_width: int, new_tokens: int) -> dict:
   """FLOPs the sampler executes for one generate call, counted from the program it runs.
 
-  The sampler preallocates a cache of S = prompt_width + new_tokens slots and every
-  attention (prefill and each decode step) computes scores against all S slots, masking
-  the ones not yet written, so S is the context length used for attention FLOPs
-  (QK^T + PV = 4 * layers * heads * head_dim * S per query token). The prefill runs the
-  body on all prompt_width positions but the lm_head only on the last one; it yields the
-  first new token, and the while loop runs new_tokens - 1 single-token steps.
+  The prefill attends over the prompt_width slots of its cache and runs the lm_head only
+  on the last position; it yields the first new token. The decode loop then runs
+  new_tokens - 1 single-token steps in segments; a step in a segment ending at step e
+  attends over all prompt_width + e slots of the cache at that point (masked ones
+  included), i.e. 4 * layers * heads * head_dim * width FLOPs per query for QK^T and PV.
   """
   body, head = matmul_params(cfg)
-  S = prompt_width + new_tokens
-  attn_per_query = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * S
-  prefill = batch * (prompt_width * (2 * body + attn_per_query) + 2 * head)
-  per_step = batch * (2 * (body + head) + attn_per_query)
-  decode = (new_tokens - 1) * per_step
+  per_slot = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+  prefill = batch * (prompt_width * (2 * body + per_slot * prompt_width) + 2 * head)
+  ends = sampler._segment_ends(new_tokens, sampler.decode_segments(new_tokens))
+  widths = [prompt_width + next(e for e in ends if step < e) for step in range(1, new_tokens)]
+  decode = batch * sum(2 * (body + head) + per_slot * w for w in widths)
+  per_step = decode / max(1, len(widths))
   return dict(prefill=prefill, per_step=per_step, decode=decode, total=prefill + decode,
-              cache_width=S)
+              cache_width=f"{prompt_width + ends[0]}..{prompt_width + ends[-1]}")
 
 
 # ----------------------------------------------------------------------------- matmul peak
@@ -98,61 +97,18 @@ def matmul_peak(sizes, repeats: int) -> tuple[float, dict]:
 
 # ----------------------------------------------------------------------------- hflax pieces
 
-def make_prefill_only(graphdef, cache_width: int):
-  """A jitted copy of the sampler's prefill (same cache width), to split prefill from decode."""
+def make_prefill_only(graphdef):
+  """A jitted copy of the sampler's prefill, to split prefill from decode time."""
 
   @jax.jit
   def prefill(state, tokens_BxP, mask_BxP):
     model = nnx.merge(graphdef, state)
     B, P = tokens_BxP.shape
-    kv_valid = jnp.zeros((B, cache_width), bool).at[:, :P].set(mask_BxP)
-    hidden, cache = model(tokens_BxP, positions_from_mask(mask_BxP), kv_valid,
-                          cache=init_cache(model.cfg, B, cache_width), slot0=0)
+    hidden, cache = model(tokens_BxP, positions_from_mask(mask_BxP), mask_BxP,
+                          cache=init_cache(model.cfg, B, P), slot0=0)
     return jnp.argmax(model.logits(hidden[:, -1]), axis=-1), cache
 
   return prefill
-
-
-def hlo_while_body_report(graphdef, state, tokens, mask, params: SamplingParams) -> str:
-  """Counts transposes/copies in the compiled decode loop body (and what they touch)."""
-  compiled = sampler._generate.lower(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
-                                     jax.random.key(0), params=params).compile()
-  text = compiled.as_text()
-  comps, name, lines = {}, None, []
-  for line in text.splitlines():
-    head = re.match(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$", line)
-    if head and not line.startswith(" "):
-      name, lines = head.group(1).lstrip("%"), []
-    elif line.startswith("}") and name is not None:
-      comps[name] = lines
-      name = None
-    elif name is not None:
-      lines.append(line)
-  bodies = [m.group(1) for m in re.finditer(r"body=%?([\w.\-]+)", text)]
-  out = [f"compiled _generate HLO: {len(text.splitlines())} lines, while bodies: {bodies}"]
-
-  def called(line):
-    return re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
-
-  for body in bodies:
-    seen, stack, counts, examples = set(), [body], {}, []
-    while stack:
-      comp = stack.pop()
-      if comp in seen or comp not in comps:
-        continue
-      seen.add(comp)
-      for line in comps[comp]:
-        op = re.search(r"=\s*(\S+)\s+(transpose|copy|dot|fusion|custom-call|"
-                       r"dynamic-update-slice|while|call)\(", line)
-        if op:
-          kind = op.group(2)
-          counts[kind] = counts.get(kind, 0) + 1
-          if kind in ("transpose", "copy") and len(examples) < 12:
-            examples.append(f"    [{comp}] " + line.strip()[:200])
-        stack.extend(called(line))
-    out.append(f"  body {body}: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
-    out.extend(examples)
-  return "\n".join(out)
 
 
 # ----------------------------------------------------------------------------- main
@@ -167,8 +123,6 @@ def main(argv=None) -> int:
   parser.add_argument("--prompt-len", type=int, default=16)
   parser.add_argument("--batches", type=int, nargs="+", default=None,
                       help="prompt counts (default 8 64; quick: 2 8)")
-  parser.add_argument("--hlo", action="store_true",
-                      help="also count transposes/copies in the compiled decode loop body")
   parser.add_argument("--no-breakdown", action="store_true",
                       help="skip timing hflax's prefill on its own")
   args = parser.parse_args(argv)
@@ -183,6 +137,7 @@ def main(argv=None) -> int:
   from transformers import AutoModelForCausalLM
 
   torch.set_num_threads(os.cpu_count())
+  transformers.utils.logging.disable_progress_bar()
   if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
     print("WARNING: XLA_FLAGS simulates several host devices; timings will not be representative")
   print(f"jax {jax.__version__} devices: {jax.devices()}")
@@ -266,7 +221,7 @@ def main(argv=None) -> int:
     rows.append(row)
 
     if not args.no_breakdown:
-      prefill = make_prefill_only(graphdef, flops["cache_width"])
+      prefill = make_prefill_only(graphdef)
       jax.block_until_ready(prefill(state, tokens, mask))
       pre = []
       for _ in range(max(5, repeats)):
@@ -279,9 +234,6 @@ def main(argv=None) -> int:
                         step_ms=dec_t / (new_tokens - 1) * 1e3,
                         dec_gflops=flops["decode"] / dec_t / 1e9,
                         step_mflop=flops["per_step"] / 1e6))
-
-    if args.hlo:
-      print(hlo_while_body_report(graphdef, state, tokens, mask, params))
 
   tmp.cleanup()
 
@@ -306,15 +258,15 @@ def main(argv=None) -> int:
         f"peak target: >= {TARGET_PEAK_FRACTION:.0%}")
   print(f"FLOPs: 2*(non-embedding matmul + lm_head params) per decoded token, prefill body on "
         f"every prompt position + lm_head on the last, attention 4*L*H*Dh*S with S = the cache "
-        f"width the sampler attends over = prompt bucket + max_new_tokens = "
-        f"{rows[0]['cache_width']} (masked slots included)")
+        f"width each step attends over (the cache grows in segments: "
+        f"{rows[0]['cache_width']} slots, masked slots included)")
   for r in rows:
     print(f"  batch {r['B']}: hflax {r['hx_t'] * 1e3:.1f} ms/call (reps "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['hx_times'])}; first call incl. compile "
           f"{r['compile']:.2f} s), transformers {r['hf_t'] * 1e3:.1f} ms/call (reps "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['hf_times'])})")
   if extra:
-    print("hflax breakdown (prefill timed alone with the same cache width; decode = call - prefill):")
+    print("hflax breakdown (prefill timed alone; decode = call - prefill):")
     for e in extra:
       print(f"  batch {e['B']}: prefill {e['pre_ms']:.2f} ms ({e['pre_gflops']:.2f} GFLOP/s), "
             f"decode {e['step_ms']:.3f} ms/step for {e['step_mflop']:.1f} MFLOP/step "

@@ -9,7 +9,7 @@ from hf_models import tiny_hf_model
 from hflax.models import hf
 from hflax.models.logprobs import sequence_log_probs
 from hflax.rollout import SamplingParams, filter_logits, generate, left_pad
-from hflax.rollout.sampler import compiled_variants
+from hflax.rollout.sampler import compiled_variants, decode_segments
 
 log_probs_jit = jax.jit(sequence_log_probs, static_argnums=0, static_argnames="temperature")
 PROMPT_LENGTHS = (5, 11, 2, 8)
@@ -29,13 +29,15 @@ def _prompts(seed=0):
   return [rs.randint(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
-def test_greedy_equals_transformers_generate(pair):
+@pytest.mark.parametrize("new_tokens", [24, 100])  # 100: the decode loop runs in 3 segments
+def test_greedy_equals_transformers_generate(pair, new_tokens):
   model, graphdef, state = pair
+  assert decode_segments(100) == 3
   prompts = _prompts()
-  out = generate(graphdef, state, prompts, SamplingParams(max_new_tokens=24, temperature=0))
+  out = generate(graphdef, state, prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0))
   for row, prompt in enumerate(prompts):  # unpadded, one at a time: the plainest reference
     with torch.no_grad():
-      ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+      ref = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
     np.testing.assert_array_equal(np.asarray(out["responses"][row]), ref[0, len(prompt):].numpy())
   assert np.asarray(out["response_mask"]).all()
@@ -46,6 +48,7 @@ def test_greedy_equals_transformers_generate(pair):
     SamplingParams(max_new_tokens=20, temperature=1.0, n=2),
     SamplingParams(max_new_tokens=20, temperature=0.7, top_k=10, top_p=0.8, n=3,
                    eos_ids=(7, 8, 9, 10)),
+    SamplingParams(max_new_tokens=70, temperature=1.0, n=2, eos_ids=(7, 8, 9, 10, 11, 12)),
 ])
 def test_rollout_log_probs_equal_teacher_forced(pair, params):
   _, graphdef, state = pair
@@ -59,22 +62,23 @@ def test_rollout_log_probs_equal_teacher_forced(pair, params):
   np.testing.assert_allclose(np.asarray(out["rollout_log_probs"]), teacher * mask, atol=1e-5)
 
 
-def test_eos_stops_rows_and_masks(pair):
+@pytest.mark.parametrize("new_tokens", [16, 64])
+def test_eos_stops_rows_and_masks(pair, new_tokens):
   _, graphdef, state = pair
   prompts = _prompts(2)
-  free = generate(graphdef, state, prompts, SamplingParams(max_new_tokens=16, temperature=0))
+  free = generate(graphdef, state, prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0))
   free_tokens = np.asarray(free["responses"])
   eos = int(free_tokens[0, 3])
   out = generate(graphdef, state, prompts,
-                 SamplingParams(max_new_tokens=16, temperature=0, eos_ids=(eos,), pad_id=0))
+                 SamplingParams(max_new_tokens=new_tokens, temperature=0, eos_ids=(eos,), pad_id=0))
   tokens, mask = np.asarray(out["responses"]), np.asarray(out["response_mask"])
   for row in range(len(prompts)):
     hits = np.flatnonzero(free_tokens[row] == eos)
-    length = hits[0] + 1 if hits.size else 16  # the end token itself is part of the response
+    length = hits[0] + 1 if hits.size else new_tokens  # the end token is part of the response
     assert out["response_length"][row] == length
     np.testing.assert_array_equal(tokens[row, :length], free_tokens[row, :length])
     assert (tokens[row, length:] == 0).all()
-    np.testing.assert_array_equal(mask[row], np.arange(16) < length)
+    np.testing.assert_array_equal(mask[row], np.arange(new_tokens) < length)
   width = out["prompts"].shape[1]
   attention = np.asarray(out["attention_mask"])
   np.testing.assert_array_equal(attention[:, width:], mask)

@@ -84,9 +84,12 @@ class Attention(nnx.Module):
     visible_TxS = jnp.arange(S)[None, :] <= (slot0 + jnp.arange(T))[:, None]
     mask = kv_valid_BxS[:, None, None, None, :] & visible_TxS[None, None, None]
     probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1)
-    out_BxTxKxGxDh = jnp.einsum("bkgts,bksd->btkgd", probs.astype(q_BxTxHxDh.dtype),
+    # Batch-major output order keeps this a plain batched matmul (XLA's fast kernels);
+    # asking for [b, t, ...] directly made it swap operands onto a slow generic dot.
+    out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(q_BxTxHxDh.dtype),
                                 v_BxKxSxDh.astype(q_BxTxHxDh.dtype))
-    return self.o(out_BxTxKxGxDh.reshape(B, T, KV * G * Dh)), cache
+    out_BxTxHDh = out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(B, T, KV * G * Dh)
+    return self.o(out_BxTxHDh), cache
 
 
 class MLP(nnx.Module):

@@ -100,24 +100,39 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = 
   return tokens, mask
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "params"))
-def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: SamplingParams):
+def _grow(cache, kv_valid_BxS, width):
+  """Widens a cache (and its validity mask) to `width` slots with empty slots on the right."""
+  extra = width - kv_valid_BxS.shape[1]
+  pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
+  return ([{"k": pad(c["k"], 3), "v": pad(c["v"], 2)} for c in cache], pad(kv_valid_BxS, 1))
+
+
+def decode_segments(max_new_tokens: int) -> int:
+  """Up to 4 loop segments, each at least 32 steps: fewer wasted reads, bounded code size."""
+  return max(1, min(4, max_new_tokens // 32))
+
+
+def _segment_ends(max_new_tokens: int, segments: int) -> list[int]:
+  """Decode steps at which the cache grows: attention reads only slots that can be filled."""
+  return sorted({-(-max_new_tokens * (i + 1) // segments) for i in range(segments)})
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments"))
+def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: SamplingParams,
+              segments: int = 1):
   model = nnx.merge(graphdef, state)
   cfg = model.cfg
   B, P = prompts_BxP.shape
-  N, n = params.max_new_tokens, params.n
+  N, n, R = params.max_new_tokens, params.n, B * params.n
   prompt_mask_BxP = prompt_mask_BxP.astype(bool)
   prompt_pos_BxP = positions_from_mask(prompt_mask_BxP)
 
   # The n samples of a prompt share one prefill; the cache is copied after it.
-  kv_valid_BxS = jnp.zeros((B, P + N), bool).at[:, :P].set(prompt_mask_BxP)
-  hidden, cache = model(prompts_BxP, prompt_pos_BxP, kv_valid_BxS,
-                        cache=init_cache(cfg, B, P + N), slot0=0)
-  logits = model.logits(hidden[:, -1])
+  hidden, cache = model(prompts_BxP, prompt_pos_BxP, prompt_mask_BxP,
+                        cache=init_cache(cfg, B, P), slot0=0)
   widen = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
-  cache, kv_valid, logits = jax.tree.map(widen, (cache, kv_valid_BxS, logits))
-  next_pos = widen(prompt_pos_BxP[:, -1] + 1)
-  R = B * n
+  cache, kv_valid, logits = jax.tree.map(widen, (cache, prompt_mask_BxP,
+                                                 model.logits(hidden[:, -1])))
 
   eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
   tok, logp = _pick(logits, jax.random.fold_in(rng, 0), params)
@@ -125,10 +140,7 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   out_logp = jnp.zeros((R, N), jnp.float32).at[:, 0].set(logp)
   out_mask = jnp.zeros((R, N), bool).at[:, 0].set(True)
   done = jnp.isin(tok, eos)
-
-  def cond(carry):
-    step, done = carry[0], carry[5]
-    return (step < N) & ~jnp.all(done)
+  pos = widen(prompt_pos_BxP[:, -1] + 1)
 
   def body(carry):
     step, cache, kv_valid, tok, pos, done, out_tokens, out_logp, out_mask = carry
@@ -144,8 +156,15 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
     done = done | jnp.isin(tok, eos)
     return step + 1, cache, kv_valid, tok, pos + 1, done, out_tokens, out_logp, out_mask
 
-  carry = (jnp.int32(1), cache, kv_valid, tok, next_pos, done, out_tokens, out_logp, out_mask)
-  *_, out_tokens, out_logp, out_mask = jax.lax.while_loop(cond, body, carry)
+  # The cache grows between segments of the decode loop, so early steps do not read (and
+  # mask) slots that cannot hold anything yet; each segment is its own compiled loop.
+  carry = (jnp.int32(1), cache, kv_valid, tok, pos, done, out_tokens, out_logp, out_mask)
+  for end in _segment_ends(N, segments):
+    step, cache, kv_valid, *rest = carry
+    cache, kv_valid = _grow(cache, kv_valid, P + end)
+    cond = lambda c, end=end: (c[0] < end) & ~jnp.all(c[5])  # noqa: E731
+    carry = jax.lax.while_loop(cond, body, (step, cache, kv_valid, *rest))
+  *_, out_tokens, out_logp, out_mask = carry
 
   prompts, prompt_mask = widen(prompts_BxP), widen(prompt_mask_BxP)
   attention_mask = jnp.concatenate([prompt_mask, out_mask], axis=1)
@@ -185,7 +204,7 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None):
       raise ValueError("sampling with temperature > 0 needs an rng key")
     rng = jax.random.key(0)
   return _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool), rng,
-                   params=params)
+                   params=params, segments=decode_segments(params.max_new_tokens))
 
 
 def compiled_variants() -> int:
