@@ -1,0 +1,102 @@
+"""Optimizer steps for role workers: mini-batches, micro-batch gradient accumulation, epochs.
+
+A mini-batch is one optimizer step; it is cut into micro-batches whose gradients are
+summed inside one compiled step (lax.scan), so memory is bounded by the micro-batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  lr: float = 1e-6
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  grad_clip: float = 1.0
+  warmup_steps: int = 0
+  schedule: str = "constant"  # or "cosine"
+  total_steps: int = 0  # needed by "cosine"
+  min_lr_ratio: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+  mini_batch_size: int  # rows per optimizer step
+  micro_batch_size: int | None = None  # rows per gradient-accumulation unit (None: no split)
+  epochs: int = 1
+  shuffle: bool = False
+
+
+def learning_rate(cfg: OptimConfig):
+  if cfg.schedule == "constant":
+    after = optax.constant_schedule(cfg.lr)
+  elif cfg.schedule == "cosine":
+    if cfg.total_steps <= cfg.warmup_steps:
+      raise ValueError("optim.total_steps must exceed optim.warmup_steps for a cosine schedule")
+    after = optax.cosine_decay_schedule(cfg.lr, cfg.total_steps - cfg.warmup_steps,
+                                        alpha=cfg.min_lr_ratio)
+  else:
+    raise ValueError(f"optim.schedule: {cfg.schedule!r} is not one of 'constant', 'cosine'")
+  if not cfg.warmup_steps:
+    return after
+  warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+  return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+  chain.append(optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2,
+                           weight_decay=cfg.weight_decay))
+  return optax.chain(*chain)
+
+
+def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_batches: int):
+  """step(params, opt_state, rows) -> (params, opt_state, metrics).
+
+  loss_fn(params, rows) -> (loss, metrics) sees one micro-batch; metrics are averaged.
+  """
+
+  def step(params, opt_state, rows):
+    # Micro-batch m takes rows m, m + k, m + 2k, ...: every device keeps its own rows.
+    micro = jax.tree.map(
+        lambda x: x.reshape(-1, micro_batches, *x.shape[1:]).swapaxes(0, 1), rows)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulate(grads, one):
+      (_, metrics), g = grad_fn(params, one)
+      return jax.tree.map(jnp.add, grads, g), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, metrics = jax.lax.scan(accumulate, zeros, micro)
+    grads = jax.tree.map(lambda g: g / micro_batches, grads)
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+  return step
+
+
+def mini_batch_order(rows: int, cfg: UpdateConfig, seed: int) -> list[np.ndarray]:
+  """Row indices of every mini-batch, for every epoch (validated, shuffled if asked)."""
+  if rows % cfg.mini_batch_size:
+    raise ValueError(f"mini_batch_size={cfg.mini_batch_size} does not divide the {rows} rows "
+                     "of the update batch")
+  micro = cfg.micro_batch_size or cfg.mini_batch_size
+  if cfg.mini_batch_size % micro:
+    raise ValueError(f"micro_batch_size={micro} does not divide "
+                     f"mini_batch_size={cfg.mini_batch_size}")
+  order = []
+  rng = np.random.default_rng(seed)
+  for _ in range(cfg.epochs):
+    perm = rng.permutation(rows) if cfg.shuffle else np.arange(rows)
+    order += [perm[i:i + cfg.mini_batch_size] for i in range(0, rows, cfg.mini_batch_size)]
+  return order

@@ -1,0 +1,254 @@
+"""Role workers: each owns one model's parameters (and optimizer state) on its own mesh and
+exposes the HybridFlow methods as jitted SPMD programs with explicit shardings.
+
+Methods return immediately with arrays still being computed (JAX dispatch is
+asynchronous), so roles on disjoint pools run concurrently; nothing here calls
+`float()` or reads an array back to the host.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from hflax.controller.batch import Batch
+from hflax.controller.protocol import Protocol, replicated, transfer
+from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
+                                       make_train_step, mini_batch_order)
+from hflax.models.logprobs import sequence_log_probs
+from hflax.models.transformer import forward
+from hflax.rollout.sampler import SamplingParams, _generate, decode_segments
+from hflax.sharding.hybrid_engine import HybridEngine
+from hflax.sharding.layouts import (TRAIN_RULES, batch_sharding, data_parallel_size,
+                                    state_shardings)
+from hflax.sharding.placement import RolePlacement
+
+
+class RoleWorker:
+  """Parameters on a role's mesh in the training layout, plus the plumbing every role uses."""
+
+  prefix = "role"
+
+  def __init__(self, placement: RolePlacement, graphdef, state, *, home=None,
+               optim: OptimConfig | None = None, update: UpdateConfig | None = None,
+               seed: int = 0):
+    self.placement, self.mesh, self.graphdef = placement, placement.mesh, graphdef
+    self.cfg = nnx.merge(graphdef, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)).cfg
+    self.shardings = state_shardings(state, self.mesh, TRAIN_RULES)
+    self.params = jax.device_put(state, self.shardings)
+    self.home = home or SingleDeviceSharding(placement.pool.devices[0])
+    self.rows_sharding = batch_sharding(self.mesh)
+    self.update_cfg, self.seed, self.updates, self.optimizer_steps = update, seed, 0, 0
+    if optim is not None:
+      if update is None:
+        raise ValueError(f"{placement.role}: an optimizer needs an UpdateConfig")
+      self.tx, self.lr_fn = make_optimizer(optim), learning_rate(optim)
+      # Moment estimates follow their parameters' shardings; scalars (step counts) are
+      # replicated over the mesh so a step's arguments all live on it.
+      on_mesh = lambda x: (isinstance(x.sharding, jax.sharding.NamedSharding)  # noqa: E731
+                           and x.sharding.mesh == self.mesh)
+      self.opt_state = jax.tree.map(
+          lambda x: x if on_mesh(x) else jax.device_put(x, replicated(self.mesh)),
+          jax.jit(self.tx.init)(self.params))
+    self._steps: dict = {}
+
+  # -- plumbing -----------------------------------------------------------------------------
+  def input_sharding(self, protocol: Protocol):
+    return self.rows_sharding if protocol is Protocol.DATA_PARALLEL else replicated(self.mesh)
+
+  def check_rows(self, rows: int, what: str, dp: int | None = None):
+    dp = dp or data_parallel_size(self.mesh)
+    if rows % dp:
+      raise ValueError(f"{self.placement.role}.{what}: {rows} rows do not divide by the "
+                       f"data-parallel size {dp} of pool {self.placement.pool.name!r}")
+
+  @functools.cached_property
+  def _jit_rows(self):
+    """jit(fn)(params, rows) with params in the training layout and rows split over data."""
+    def build(fn):
+      return jax.jit(fn, in_shardings=(self.shardings, self.rows_sharding),
+                     out_shardings=self.rows_sharding)
+    return functools.lru_cache(maxsize=None)(build)
+
+  def _train(self, name: str, loss_fn: Callable, rows: dict) -> Batch:
+    """Mini-batch loop over `rows` (arrays on this mesh); metrics (device scalars, averaged
+    over mini-batches) come back in meta["metrics"]."""
+    cfg = self.update_cfg
+    n = next(iter(rows.values())).shape[0]
+    micro = cfg.micro_batch_size or cfg.mini_batch_size
+    self.check_rows(micro, f"{name} micro_batch_size")
+    if name not in self._steps:
+      opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+      step = make_train_step(loss_fn, self.tx, cfg.mini_batch_size // micro)
+      self._steps[name] = jax.jit(
+          step, donate_argnums=(0, 1), in_shardings=(self.shardings, opt_shardings,
+                                                     self.rows_sharding),
+          out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)))
+    history = []
+    for index in mini_batch_order(n, cfg, self.seed + self.updates):
+      if len(index) == n:
+        mini = rows
+      else:
+        take = jnp.asarray(index)
+        mini = {k: jax.device_put(jnp.take(v, take, axis=0), self.rows_sharding)
+                for k, v in rows.items()}
+      self.params, self.opt_state, metrics = self._steps[name](self.params, self.opt_state, mini)
+      history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps))})
+      self.optimizer_steps += 1
+    self.updates += 1
+    first = {f"{k}_first_minibatch": v for k, v in history[0].items() if k in ("ppo_kl", "pg_clipfrac")}
+    averaged = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
+    return Batch(meta={"metrics": {f"{self.prefix}/{k}": v
+                                   for k, v in {**averaged, **first}.items()}})
+
+
+def _response_width(batch: Batch) -> int:
+  return int(batch["responses"].shape[1])
+
+
+class ActorRolloutWorker(RoleWorker):
+  """The policy: generates in the generate layout (hybrid engine), trains in the train layout."""
+
+  prefix = "actor"
+
+  def __init__(self, placement, graphdef, state, *, sampling: SamplingParams,
+               loss_fn: Callable | None = None, generate_dtype: str | None = None, **kw):
+    super().__init__(placement, graphdef, state, **kw)
+    self.sampling, self.loss_fn = sampling, loss_fn
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    self.engine = HybridEngine(self.mesh, abstract, self.shardings, placement.generate_tensor,
+                               generate_dtype)
+    self.temperature = sampling.temperature or 1.0
+    self._rng = jax.random.key(self.seed)
+    self._calls = 0
+
+  def generate_sequences(self, prompts: Batch, sampling: SamplingParams | None = None) -> Batch:
+    """prompts: fields "prompts" [B, P] and "prompt_mask" (left-padded). Returns B * n rows."""
+    params = sampling or self.sampling
+    for key in ("prompts", "prompt_mask"):
+      if key not in prompts:
+        raise KeyError(f"actor.generate_sequences needs field {key!r}; batch has {prompts.keys()}")
+    gen_rows = self.engine.mesh.shape["data"]
+    self.check_rows(len(prompts), "generate_sequences (prompts)", dp=gen_rows)
+    gen_state, metrics = self.engine.to_generate(self.params)
+    rows = jax.sharding.NamedSharding(self.engine.mesh, jax.sharding.PartitionSpec("data"))
+    tokens = jax.device_put(prompts["prompts"], rows)
+    mask = jax.device_put(prompts["prompt_mask"], rows)
+    rng = jax.random.fold_in(self._rng, self._calls)
+    self._calls += 1
+    out = _generate(self.graphdef, gen_state, tokens, mask, rng, params=params,
+                    segments=decode_segments(params.max_new_tokens))
+    del gen_state  # the generation copy is freed once the program has consumed it
+    result = Batch({k: jax.device_put(v, self.home) for k, v in out.items()},
+                   meta={"metrics": metrics})
+    objects = prompts.repeat(params.n).objects
+    return Batch(result.arrays, objects, result.meta)
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
+  def compute_log_prob(self, rows, batch):
+    fn = self._jit_rows(_log_probs_fn(self.graphdef, _response_width(batch), self.temperature))
+    logp, entropy = fn(self.params, rows)
+    return {"old_log_probs": logp, "entropy": entropy}
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask", "response_mask",
+                                            "old_log_probs", "advantages"))
+  def update_actor(self, rows, batch, extra: tuple[str, ...] = ()):
+    if self.loss_fn is None:
+      raise ValueError("actor has no loss_fn; pass one (e.g. from hflax.algorithms)")
+    for k in extra:
+      rows[k] = jax.device_put(batch[k], self.rows_sharding)
+    width, temperature, graphdef, loss = _response_width(batch), self.temperature, self.graphdef, self.loss_fn
+
+    def loss_fn(params, fields):
+      logp, entropy = sequence_log_probs(graphdef, params, fields["input_ids"],
+                                         fields["attention_mask"], temperature=temperature)
+      return loss(logp[:, -width:], entropy[:, -width:], fields)
+
+    return self._train("update_actor", loss_fn, rows)
+
+
+class ReferenceWorker(RoleWorker):
+  prefix = "ref"
+
+  def __init__(self, placement, graphdef, state, *, temperature: float = 1.0, **kw):
+    super().__init__(placement, graphdef, state, **kw)
+    self.temperature = temperature
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
+  def compute_ref_log_prob(self, rows, batch):
+    fn = self._jit_rows(_log_probs_fn(self.graphdef, _response_width(batch), self.temperature))
+    logp, _ = fn(self.params, rows)
+    return {"ref_log_prob": logp}
+
+
+class CriticWorker(RoleWorker):
+  prefix = "critic"
+
+  def __init__(self, placement, graphdef, state, *, loss_fn: Callable | None = None, **kw):
+    super().__init__(placement, graphdef, state, **kw)
+    self.loss_fn = loss_fn
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
+  def compute_values(self, rows, batch):
+    return {"values": self._jit_rows(_values_fn(self.graphdef, _response_width(batch)))(
+        self.params, rows)}
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask", "response_mask",
+                                            "values", "returns"))
+  def update_critic(self, rows, batch):
+    values_of, loss = _values_fn(self.graphdef, _response_width(batch)), self.loss_fn
+    return self._train("update_critic", lambda p, f: loss(values_of(p, f), f), rows)
+
+
+class RewardModelWorker(RoleWorker):
+  """A learned scalar reward (or cost) model: the score head read at the last real token."""
+
+  prefix = "reward"
+
+  def __init__(self, placement, graphdef, state, *, output: str = "token_level_scores", **kw):
+    super().__init__(placement, graphdef, state, **kw)
+    self.output = output
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask", "response_mask"))
+  def compute_reward(self, rows, batch):
+    scores = self._jit_rows(_score_fn(self.graphdef))(self.params, rows)
+    return {self.output: scores}
+
+
+@functools.lru_cache(maxsize=None)
+def _log_probs_fn(graphdef, width: int, temperature: float):
+  def fn(params, rows):
+    logp, entropy = sequence_log_probs(graphdef, params, rows["input_ids"], rows["attention_mask"],
+                                       temperature=temperature)
+    return logp[:, -width:], entropy[:, -width:]
+  return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _values_fn(graphdef, width: int):
+  def fn(params, rows):
+    model, hidden = forward(graphdef, params, rows["input_ids"], rows["attention_mask"])
+    # The value of a response token is read at the position that predicts it.
+    return model.values(hidden)[:, -width - 1:-1]
+  return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _score_fn(graphdef):
+  def fn(params, rows):
+    model, hidden = forward(graphdef, params, rows["input_ids"], rows["attention_mask"])
+    values = model.values(hidden)
+    response_mask = rows["response_mask"]
+    width = response_mask.shape[1]
+    length = response_mask.sum(axis=1).astype(jnp.int32)
+    last = values.shape[1] - width + jnp.maximum(length, 1) - 1
+    score = jnp.take_along_axis(values, last[:, None], axis=1)[:, 0]
+    at_end = jnp.arange(width)[None, :] == (jnp.maximum(length, 1) - 1)[:, None]
+    return jnp.where(at_end, score[:, None], 0.0)
+  return fn

@@ -1,0 +1,99 @@
+"""The hybrid engine: the actor's parameters switch from the training layout to the
+generation layout (tensor parallel of width t_g, replicated over the rest) and back.
+
+The generation mesh puts device i of the pool at tensor rank i // (N / t_g): each tensor
+group is made of devices N / t_g apart (the paper's strided grouping), so the block of
+the model-parallel dimension a device trains on lies inside the block it generates with,
+and only the rest of its generation shard has to arrive from other devices.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
+
+
+def generate_mesh(train_mesh: Mesh, tensor: int, strided: bool = True) -> Mesh:
+  """A (data, tensor) mesh over the training mesh's devices, in the order that keeps the
+  most of each device's training shard local (strided=False: the naive, contiguous order)."""
+  devices = train_mesh.devices.reshape(-1)  # training order: data, fsdp, tensor
+  if devices.size % tensor:
+    raise ValueError(f"generate tensor width {tensor} does not divide the pool's "
+                     f"{devices.size} devices")
+  groups = devices.size // tensor
+  grid = devices.reshape(tensor, groups).T if strided else devices.reshape(groups, tensor)
+  return Mesh(grid, GENERATE_AXES)
+
+
+def _overlap(a: tuple[slice, ...], b: tuple[slice, ...], shape) -> int:
+  count = 1
+  for sa, sb, n in zip(a, b, shape):
+    lo_a, hi_a, _ = sa.indices(n)
+    lo_b, hi_b, _ = sb.indices(n)
+    count *= max(0, min(hi_a, hi_b) - max(lo_a, lo_b))
+  return count
+
+
+def _size(index: tuple[slice, ...], shape) -> int:
+  return _overlap(index, index, shape)
+
+
+def bytes_to_move(abstract_state, src_shardings, dst_shardings, dst_dtype=None) -> dict:
+  """Bytes each device must receive to build its destination shards, counting as local
+  whatever part of a destination shard the device already holds in its source shard."""
+  per_device: dict = {}
+  leaves = zip(jax.tree.leaves(abstract_state), jax.tree.leaves(src_shardings),
+               jax.tree.leaves(dst_shardings))
+  for leaf, src, dst in leaves:
+    shape = leaf.shape
+    itemsize = jnp.dtype(dst_dtype or leaf.dtype).itemsize
+    src_index = src.devices_indices_map(shape)
+    for device, dst_idx in dst.devices_indices_map(shape).items():
+      local = _overlap(dst_idx, src_index[device], shape) if device in src_index else 0
+      per_device[device] = per_device.get(device, 0) + (_size(dst_idx, shape) - local) * itemsize
+  return {"total": sum(per_device.values()), "max_per_device": max(per_device.values()),
+          "per_device": per_device}
+
+
+def shard_bytes(state) -> dict:
+  """Bytes of `state` held by each device."""
+  held: dict = {}
+  for leaf in jax.tree.leaves(state):
+    for shard in leaf.addressable_shards:
+      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  return held
+
+
+class HybridEngine:
+  """Builds the generation copy of the actor's parameters and measures the switch."""
+
+  def __init__(self, train_mesh: Mesh, abstract_state, train_shardings, tensor: int = 1,
+               dtype: str | None = None):
+    self.mesh = generate_mesh(train_mesh, tensor)
+    self.dtype = dtype
+    self.shardings = state_shardings(abstract_state, self.mesh, GENERATE_RULES)
+    self.moved = bytes_to_move(abstract_state, train_shardings, self.shardings, dtype)
+    self._cast = jax.jit(lambda s: jax.tree.map(lambda x: x.astype(dtype), s)) if dtype else None
+
+  def to_generate(self, train_state):
+    """The generation-layout copy (cast first, so fewer bytes cross devices)."""
+    start = time.perf_counter()
+    state = self._cast(train_state) if self._cast else train_state
+    gen_state = jax.device_put(state, self.shardings)
+    jax.block_until_ready(gen_state)
+    metrics = {"timing_s/reshard": time.perf_counter() - start,
+               "reshard/bytes_moved": float(self.moved["total"]),
+               "reshard/max_bytes_per_device": float(self.moved["max_per_device"])}
+    return gen_state, metrics
+
+
+def generate_state_bytes(abstract_state, tensor: int, dtype=None) -> int:
+  """Parameter bytes of one device's generation shard (for memory checks)."""
+  total = sum(np.prod(x.shape) * jnp.dtype(dtype or x.dtype).itemsize
+              for x in jax.tree.leaves(abstract_state))
+  return int(total // tensor)

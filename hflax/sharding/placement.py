@@ -1,0 +1,118 @@
+"""Resource pools and placements: which devices each role runs on, and with which mesh.
+
+A placement is a plain dict (what config files and the auto-mapper produce):
+
+  {"pools": {"train": 4, "score": 4},
+   "roles": {"actor":  {"pool": "train", "mesh": {"fsdp": 4}, "generate_tensor": 2},
+             "ref":    {"pool": "train", "mesh": {"fsdp": 4}},
+             "critic": {"pool": "score", "mesh": {"fsdp": 2, "tensor": 2}},
+             "reward": {"pool": "score", "mesh": {"data": 4}}}}
+
+Roles that share a pool are colocated (they run in turn); roles on different pools run
+concurrently. Pools take consecutive devices in the order they are listed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from hflax.sharding.layouts import train_mesh
+
+ROLES = ("actor", "ref", "critic", "reward", "cost")
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourcePool:
+  name: str
+  devices: tuple
+
+  @property
+  def size(self) -> int:
+    return len(self.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolePlacement:
+  role: str
+  pool: ResourcePool
+  mesh: Mesh
+  generate_tensor: int = 1
+
+
+def colocated(roles: Sequence[str], devices: int, generate_tensor: int = 1) -> dict:
+  """Every role on one pool, FSDP over all of it."""
+  return {"pools": {"all": devices},
+          "roles": {r: {"pool": "all", "mesh": {"fsdp": devices},
+                        **({"generate_tensor": generate_tensor} if r == "actor" else {})}
+                    for r in roles}}
+
+
+def standalone(roles: Sequence[str], devices_per_role: int, generate_tensor: int = 1) -> dict:
+  """Each role on a pool of its own."""
+  return {"pools": {r: devices_per_role for r in roles},
+          "roles": {r: {"pool": r, "mesh": {"fsdp": devices_per_role},
+                        **({"generate_tensor": generate_tensor} if r == "actor" else {})}
+                    for r in roles}}
+
+
+def build_placement(spec: Mapping[str, Any], devices=None, *,
+                    where: str = "placement") -> dict[str, RolePlacement]:
+  """Validates a placement dict and builds each role's pool and mesh.
+
+  Errors name the offending field (`where` is the config path of `spec`).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  pools_spec, roles_spec = spec.get("pools"), spec.get("roles")
+  if not pools_spec:
+    raise ValueError(f"{where}.pools: at least one pool is needed, e.g. {{'all': {len(devices)}}}")
+  if not roles_spec:
+    raise ValueError(f"{where}.roles: no roles placed")
+  wanted = sum(int(n) for n in pools_spec.values())
+  if wanted > len(devices):
+    raise ValueError(f"{where}.pools asks for {wanted} devices ({dict(pools_spec)}) but only "
+                     f"{len(devices)} exist")
+  pools, start = {}, 0
+  for name, size in pools_spec.items():
+    if int(size) < 1:
+      raise ValueError(f"{where}.pools.{name}: size must be >= 1, got {size}")
+    pools[name] = ResourcePool(name, tuple(devices[start:start + int(size)]))
+    start += int(size)
+  placed = {}
+  for role, rspec in roles_spec.items():
+    field = f"{where}.roles.{role}"
+    if role not in ROLES:
+      raise ValueError(f"{field}: unknown role; valid roles are {ROLES}")
+    if rspec.get("pool") not in pools:
+      raise ValueError(f"{field}.pool: {rspec.get('pool')!r} is not one of {sorted(pools)}")
+    pool = pools[rspec["pool"]]
+    shape = dict(rspec.get("mesh") or {"fsdp": pool.size})
+    unknown = set(shape) - set(MESH_AXES)
+    if unknown:
+      raise ValueError(f"{field}.mesh: unknown axes {sorted(unknown)}; use {MESH_AXES}")
+    product = int(np.prod([int(shape.get(a, 1)) for a in MESH_AXES]))
+    if product != pool.size:
+      raise ValueError(f"{field}.mesh: {shape} multiplies to {product} but pool "
+                       f"{pool.name!r} has {pool.size} devices")
+    tensor_g = int(rspec.get("generate_tensor", 1))
+    if pool.size % tensor_g:
+      raise ValueError(f"{field}.generate_tensor: {tensor_g} does not divide pool "
+                       f"{pool.name!r} of {pool.size} devices")
+    mesh = train_mesh(pool.devices, int(shape.get("data", 1)), int(shape.get("fsdp", 1)),
+                      int(shape.get("tensor", 1)))
+    placed[role] = RolePlacement(role, pool, mesh, tensor_g)
+  return placed
+
+
+def check_batch_divides(rows: int, placement: RolePlacement, what: str, generate: bool = False):
+  """Data-parallel splits need the row count to divide evenly (no silent remainder)."""
+  from hflax.sharding.layouts import data_parallel_size
+  dp = placement.pool.size // placement.generate_tensor if generate else \
+      data_parallel_size(placement.mesh)
+  if rows % dp:
+    raise ValueError(f"{what} = {rows} rows does not divide by the {placement.role}'s "
+                     f"data-parallel size {dp} (pool {placement.pool.name!r})")

@@ -1,0 +1,155 @@
+"""Role workers on per-role meshes: placements, equivalence with the single-device run,
+the hybrid engine, and concurrency of roles on disjoint pools."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppo_step import build_workers, ppo_step, prompts_batch, CFG, SAMPLING
+from hflax.models import create
+from hflax.rollout.sampler import _generate, decode_segments
+from hflax.sharding.hybrid_engine import (HybridEngine, bytes_to_move, generate_mesh,
+                                          shard_bytes)
+from hflax.sharding.layouts import TRAIN_RULES, state_shardings, train_mesh
+from hflax.sharding.placement import build_placement, colocated, standalone
+
+ROLES = ["actor", "ref", "critic", "reward"]
+SPLIT = {"pools": {"policy": 4, "scoring": 4},
+         "roles": {"actor": {"pool": "policy", "mesh": {"fsdp": 2, "tensor": 2},
+                             "generate_tensor": 2},
+                   "ref": {"pool": "policy", "mesh": {"data": 2, "fsdp": 2}},
+                   "critic": {"pool": "scoring", "mesh": {"fsdp": 4}},
+                   "reward": {"pool": "scoring", "mesh": {"data": 4}}}}
+PLACEMENTS = {"colocated": colocated(ROLES, 8, generate_tensor=2), "split": SPLIT,
+              "standalone": standalone(ROLES, 2, generate_tensor=2)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """The unsharded computation: every role on one device."""
+  workers = build_workers(colocated(ROLES, 1))
+  batch, metrics = ppo_step(workers, prompts_batch())
+  return workers, batch, metrics
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_ppo_step_matches_single_device(name, reference):
+  ref_workers, ref_batch, ref_metrics = reference
+  workers = build_workers(PLACEMENTS[name])
+  batch, metrics = ppo_step(workers, prompts_batch())
+  np.testing.assert_array_equal(np.asarray(batch["responses"]), np.asarray(ref_batch["responses"]))
+  for key in ("old_log_probs", "ref_log_prob", "values", "token_level_scores", "advantages"):
+    np.testing.assert_allclose(np.asarray(batch[key]), np.asarray(ref_batch[key]), atol=2e-5,
+                               err_msg=key)
+  for key, value in ref_metrics.items():
+    if not key.startswith(("timing_s", "reshard")):
+      np.testing.assert_allclose(float(metrics[key]), float(value), rtol=1e-4, atol=1e-6,
+                                 err_msg=key)
+  for role in ("actor", "critic"):
+    for a, b in zip(jax.tree.leaves(workers[role].params), jax.tree.leaves(ref_workers[role].params)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+  # Each role really lives on its own pool's devices.
+  pools = {r: set(w.mesh.devices.flat) for r, w in workers.items()}
+  if name == "standalone":
+    assert all(not (pools[a] & pools[b]) for a in ROLES for b in ROLES if a < b)
+  assert metrics["actor/ppo_kl_first_minibatch"] == pytest.approx(0, abs=1e-6)
+  assert metrics["actor/pg_clipfrac_first_minibatch"] == pytest.approx(0, abs=1e-6)
+
+
+def test_placement_errors_name_the_field():
+  with pytest.raises(ValueError, match=r"placement.pools asks for 12 devices .* only 8 exist"):
+    build_placement({"pools": {"a": 8, "b": 4}, "roles": {"actor": {"pool": "a"}}})
+  with pytest.raises(ValueError, match=r"placement.roles.critic.mesh: .* multiplies to 6 but "
+                                       r"pool 'a' has 4"):
+    build_placement({"pools": {"a": 4}, "roles": {"critic": {"pool": "a",
+                                                             "mesh": {"fsdp": 3, "tensor": 2}}}})
+  with pytest.raises(ValueError, match=r"placement.roles.actor.generate_tensor: 3 does not divide"):
+    build_placement({"pools": {"a": 4}, "roles": {"actor": {"pool": "a", "generate_tensor": 3}}})
+  with pytest.raises(ValueError, match=r"placement.roles.actor.pool: 'b' is not one of \['a'\]"):
+    build_placement({"pools": {"a": 4}, "roles": {"actor": {"pool": "b"}}})
+  with pytest.raises(ValueError, match="unknown role"):
+    build_placement({"pools": {"a": 4}, "roles": {"judge": {"pool": "a"}}})
+
+
+def test_batch_that_does_not_divide_is_rejected_before_device_work():
+  workers = build_workers(colocated(ROLES, 8, generate_tensor=2))
+  with pytest.raises(ValueError, match=r"actor.generate_sequences \(prompts\): 6 rows do not "
+                                       r"divide by the data-parallel size 4"):
+    workers["actor"].generate_sequences(prompts_batch(6))
+
+
+def _param_bytes(state):
+  return sum(x.nbytes for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_strided_grouping_moves_the_papers_volume(tensor):
+  """Per device, HybridFlow moves (tp - t_g)/(t_g tp) * M (p = p_g = 1), less than naive."""
+  _, state = create(CFG)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  mesh = train_mesh(jax.devices()[:8], fsdp=8)
+  train = state_shardings(abstract, mesh, TRAIN_RULES)
+  engine = HybridEngine(mesh, abstract, train, tensor)
+  tp = 8
+  # Norm scales are replicated in both layouts; everything else is split both times.
+  model_parallel = sum(np.prod(x.shape) * 4 for x in jax.tree.leaves(abstract) if x.ndim == 2)
+  expected = (tp - tensor) / (tensor * tp) * model_parallel
+  assert engine.moved["max_per_device"] == expected
+  assert all(v == expected for v in engine.moved["per_device"].values())
+  naive_mesh = generate_mesh(mesh, tensor, strided=False)
+  from hflax.sharding.layouts import GENERATE_RULES
+  naive = bytes_to_move(abstract, train, state_shardings(abstract, naive_mesh, GENERATE_RULES))
+  assert naive["total"] > engine.moved["total"]
+
+
+def test_hybrid_engine_switch():
+  workers = build_workers(colocated(ROLES, 8, generate_tensor=4))
+  actor = workers["actor"]
+  before = [np.asarray(x).copy() for x in jax.tree.leaves(actor.params)]
+  gen_state, metrics = actor.engine.to_generate(actor.params)
+  # Memory during the switch: train shard + generate shard per device, never the model.
+  whole = _param_bytes(actor.params)
+  train_held, gen_held = shard_bytes(actor.params), shard_bytes(gen_state)
+  for device in actor.mesh.devices.flat:
+    assert gen_held[device] < whole / 2
+    assert train_held[device] + gen_held[device] < whole / 2
+  assert metrics["reshard/bytes_moved"] == actor.engine.moved["total"] > 0
+  # Generating in the generate layout gives what generating in the train layout gives.
+  prompts = prompts_batch()
+  args = (jnp.asarray(prompts["prompts"]), jnp.asarray(prompts["prompt_mask"]), jax.random.key(4))
+  kw = dict(params=SAMPLING, segments=decode_segments(SAMPLING.max_new_tokens))
+  out_gen = _generate(actor.graphdef, gen_state, *args, **kw)
+  out_train = _generate(actor.graphdef, actor.params, *args, **kw)
+  np.testing.assert_array_equal(np.asarray(out_gen["responses"]), np.asarray(out_train["responses"]))
+  np.testing.assert_allclose(np.asarray(out_gen["rollout_log_probs"]),
+                             np.asarray(out_train["rollout_log_probs"]), atol=1e-5)
+  del gen_state
+  # train -> generate -> train leaves the training parameters bit-identical.
+  actor.generate_sequences(prompts)
+  for a, b in zip(before, jax.tree.leaves(actor.params)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_generate_dtype_halves_the_bytes_moved():
+  _, state = create(CFG)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  mesh = train_mesh(jax.devices()[:8], fsdp=8)
+  train = state_shardings(abstract, mesh, TRAIN_RULES)
+  fp32 = HybridEngine(mesh, abstract, train, 2)
+  bf16 = HybridEngine(mesh, abstract, train, 2, dtype="bfloat16")
+  assert bf16.moved["total"] * 2 == fp32.moved["total"]
+  gen, _ = bf16.to_generate(jax.device_put(state, train))
+  assert {x.dtype for x in jax.tree.leaves(gen)} == {jnp.dtype("bfloat16")}
+
+
+def test_roles_on_disjoint_pools_are_in_flight_together():
+  """The controller does not block: the critic's update is still running when the actor's
+  has been dispatched, so the two pools compute at the same time."""
+  workers = build_workers(SPLIT)
+  batch, _ = ppo_step(workers, prompts_batch())  # compiles everything once
+  critic_metrics = workers["critic"].update_critic(batch).meta["metrics"]
+  actor_metrics = workers["actor"].update_actor(batch).meta["metrics"]
+  in_flight = not all(v.is_ready() for v in critic_metrics.values())
+  jax.block_until_ready((critic_metrics, actor_metrics))
+  assert in_flight
+  assert set(workers["critic"].mesh.devices.flat).isdisjoint(workers["actor"].mesh.devices.flat)
