@@ -1,0 +1,9 @@
+"""The single controller's pieces: Batch, role workers and their transfer protocols."""
+from hflax.controller.batch import Batch
+from hflax.controller.protocol import Protocol, transfer
+from hflax.controller.training import OptimConfig, UpdateConfig
+from hflax.controller.workers import (ActorRolloutWorker, CriticWorker, ReferenceWorker,
+                                      RewardModelWorker, RoleWorker)
+
+__all__ = ["Batch", "Protocol", "transfer", "OptimConfig", "UpdateConfig", "RoleWorker",
+           "ActorRolloutWorker", "ReferenceWorker", "CriticWorker", "RewardModelWorker"]

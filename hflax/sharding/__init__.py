@@ -1,0 +1,1 @@
+"""Meshes, resource pools, parameter layouts, the hybrid engine and the auto-mapper."""
