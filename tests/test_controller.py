@@ -153,3 +153,23 @@ def test_roles_on_disjoint_pools_are_in_flight_together():
   jax.block_until_ready((critic_metrics, actor_metrics))
   assert in_flight
   assert set(workers["critic"].mesh.devices.flat).isdisjoint(workers["actor"].mesh.devices.flat)
+
+
+@pytest.mark.parametrize("src_spec,dst_spec,dst_shape", [
+    (("fsdp", None), (None, "tensor"), (4, 2)),   # rows -> columns
+    ((None, ("fsdp", "tensor")), ("data", "tensor"), (2, 4)),  # 2-D grid of pieces
+    ((None, None), ("data", None), (4, 2)),       # replicated -> split
+    (("fsdp", "tensor"), (None, None), (8, 1)),   # split -> replicated
+])
+def test_assemble_matches_the_values_for_any_pair_of_layouts(src_spec, dst_spec, dst_shape):
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from hflax.sharding.hybrid_engine import assemble
+  devices = np.array(jax.devices()[:8])
+  src_mesh = Mesh(devices.reshape(1, 4, 2), ("data", "fsdp", "tensor"))
+  dst_mesh = Mesh(devices[::-1].reshape(dst_shape), ("data", "tensor"))
+  value = np.arange(16 * 24, dtype=np.float32).reshape(16, 24)
+  x = jax.device_put(value, NamedSharding(src_mesh, P(*src_spec)))
+  out = assemble(x, NamedSharding(dst_mesh, P(*dst_spec)))
+  assert out.sharding == NamedSharding(dst_mesh, P(*dst_spec))
+  for shard in out.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])

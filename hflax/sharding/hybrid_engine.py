@@ -19,15 +19,59 @@ from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_sharding
 
 
 def generate_mesh(train_mesh: Mesh, tensor: int, strided: bool = True) -> Mesh:
-  """A (data, tensor) mesh over the training mesh's devices, in the order that keeps the
-  most of each device's training shard local (strided=False: the naive, contiguous order)."""
+  """A generation mesh over the training mesh's devices, in the same device order.
+
+  strided: device i of the pool gets tensor rank i // (N / t_g), so each tensor group is
+  made of devices N / t_g apart and keeps the most of its training shards local.
+  strided=False is the naive order (tensor groups of consecutive devices).
+  Keeping the flat device order lets one jitted program move the whole pytree.
+  """
   devices = train_mesh.devices.reshape(-1)  # training order: data, fsdp, tensor
   if devices.size % tensor:
     raise ValueError(f"generate tensor width {tensor} does not divide the pool's "
                      f"{devices.size} devices")
   groups = devices.size // tensor
-  grid = devices.reshape(tensor, groups).T if strided else devices.reshape(groups, tensor)
-  return Mesh(grid, GENERATE_AXES)
+  if strided:
+    return Mesh(devices.reshape(tensor, groups), ("tensor", "data"))
+  return Mesh(devices.reshape(groups, tensor), GENERATE_AXES)
+
+
+def _region(index, shape) -> tuple[tuple[int, int], ...]:
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def assemble(x: jax.Array, sharding) -> jax.Array:
+  """`x` laid out as `sharding`, built on each destination device from the pieces of the
+  source shards that cover its new shard: its own shard first, then device-to-device
+  copies of the rest. No host round trip, no full copy anywhere, and no collective
+  program (XLA's CPU collectives rendezvous all participants, which many transfers in
+  flight can starve on a small thread pool)."""
+  shape = x.shape
+  sources = [(s.device, _region(s.index, shape), s.data) for s in x.addressable_shards]
+  built = []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    want, pieces = _region(index, shape), {}
+    for src_device, have, data in sorted(sources, key=lambda t: t[0] != device):
+      part = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(want, have))
+      if any(lo >= hi for lo, hi in part) or part in pieces:
+        continue  # disjoint, or a replica of a piece already taken (local ones first)
+      local = tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(part, have))
+      whole = all(sl.stop - sl.start == n for sl, n in zip(local, data.shape))
+      piece = data if whole else data[local]
+      pieces[part] = piece if src_device == device else jax.device_put(piece, device)
+    built.append(_join(pieces))
+  return jax.make_array_from_single_device_arrays(shape, sharding, built)
+
+
+def _join(pieces: dict, dim: int = 0):
+  """Concatenates pieces keyed by their (start, stop) per dimension into one block."""
+  if len(pieces) == 1:
+    return next(iter(pieces.values()))
+  starts = sorted({key[dim][0] for key in pieces})
+  if len(starts) == 1:
+    return _join(pieces, dim + 1)
+  return jnp.concatenate([_join({k: v for k, v in pieces.items() if k[dim][0] == s}, dim + 1)
+                          for s in starts], axis=dim)
 
 
 def _overlap(a: tuple[slice, ...], b: tuple[slice, ...], shape) -> int:
@@ -78,13 +122,16 @@ class HybridEngine:
     self.dtype = dtype
     self.shardings = state_shardings(abstract_state, self.mesh, GENERATE_RULES)
     self.moved = bytes_to_move(abstract_state, train_shardings, self.shardings, dtype)
+    # Casting happens in the training layout, so fewer bytes cross devices.
     self._cast = jax.jit(lambda s: jax.tree.map(lambda x: x.astype(dtype), s)) if dtype else None
 
   def to_generate(self, train_state):
-    """The generation-layout copy (cast first, so fewer bytes cross devices)."""
+    """The generation-layout copy, built shard by shard (see `assemble`)."""
     start = time.perf_counter()
     state = self._cast(train_state) if self._cast else train_state
-    gen_state = jax.device_put(state, self.shardings)
+    leaves, treedef = jax.tree.flatten(state)
+    gen_state = jax.tree.unflatten(treedef, [
+        assemble(x, s) for x, s in zip(leaves, jax.tree.leaves(self.shardings))])
     jax.block_until_ready(gen_state)
     metrics = {"timing_s/reshard": time.perf_counter() - start,
                "reshard/bytes_moved": float(self.moved["total"]),
