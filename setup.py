@@ -19,10 +19,14 @@ setup(
         "tokenizers>=0.20",
         "jinja2",
         "numpy",
+        # Prompt files in verl's parquet schema; the end-of-run plot.
+        "pyarrow",
+        "matplotlib",
     ],
     extras_require={
         # torch only as the parity reference; pin it, or pip pulls CUDA builds.
-        "test": ["pytest", "pytest-xdist", "transformers>=4.50", "torch==2.13.0"],
+        "test": ["pytest", "pytest-xdist", "transformers>=4.50", "torch==2.13.0",
+                 "tensorboard"],  # its reader checks our event files
         "ray": ["ray[default]"],
         "gpu": ["jax-triton"],
     },

@@ -41,7 +41,10 @@ class RoleWorker:
     self.cfg = nnx.merge(graphdef, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)).cfg
     self.shardings = state_shardings(state, self.mesh, TRAIN_RULES)
-    self.params = jax.device_put(state, self.shardings)
+    # A private copy: updates donate their buffers, which other roles must not share
+    # (device_put may hand back the caller's buffers, e.g. for replicated leaves).
+    self.params = jax.tree.map(lambda x: jnp.array(x, copy=True),
+                               jax.device_put(state, self.shardings))
     self.home = home or SingleDeviceSharding(placement.pool.devices[0])
     self.rows_sharding = batch_sharding(self.mesh)
     self.update_cfg, self.seed, self.updates, self.optimizer_steps = update, seed, 0, 0
@@ -49,13 +52,13 @@ class RoleWorker:
       if update is None:
         raise ValueError(f"{placement.role}: an optimizer needs an UpdateConfig")
       self.tx, self.lr_fn = make_optimizer(optim), learning_rate(optim)
-      # Moment estimates follow their parameters' shardings; scalars (step counts) are
-      # replicated over the mesh so a step's arguments all live on it.
+      # Eager init keeps each moment estimate in its parameter's sharding (jit would put
+      # it on one device); scalars such as step counts are then replicated over the mesh.
       on_mesh = lambda x: (isinstance(x.sharding, jax.sharding.NamedSharding)  # noqa: E731
                            and x.sharding.mesh == self.mesh)
       self.opt_state = jax.tree.map(
           lambda x: x if on_mesh(x) else jax.device_put(x, replicated(self.mesh)),
-          jax.jit(self.tx.init)(self.params))
+          self.tx.init(self.params))
     self._steps: dict = {}
 
   # -- plumbing -----------------------------------------------------------------------------
@@ -118,9 +121,13 @@ class ActorRolloutWorker(RoleWorker):
   prefix = "actor"
 
   def __init__(self, placement, graphdef, state, *, sampling: SamplingParams,
-               loss_fn: Callable | None = None, generate_dtype: str | None = None, **kw):
+               loss_fn: Callable | None = None, generate_dtype: str | None = None,
+               recompute_log_prob: bool = False, loss_fields: tuple[str, ...] = (), **kw):
     super().__init__(placement, graphdef, state, **kw)
-    self.sampling, self.loss_fn = sampling, loss_fn
+    self.sampling, self.loss_fn, self.loss_fields = sampling, loss_fn, tuple(loss_fields)
+    # The sampler's log-probs are exactly the trainer's unless generation runs in another
+    # dtype; only then does PPO need a separate forward pass for the old log-probs.
+    self.recompute_log_prob = recompute_log_prob or generate_dtype not in (None, self.cfg.param_dtype)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.engine = HybridEngine(self.mesh, abstract, self.shardings, placement.generate_tensor,
                                generate_dtype)
@@ -145,10 +152,17 @@ class ActorRolloutWorker(RoleWorker):
     out = _generate(self.graphdef, gen_state, tokens, mask, rng, params=params,
                     segments=decode_segments(params.max_new_tokens))
     del gen_state  # the generation copy is freed once the program has consumed it
+    out["group_ids"] = jnp.repeat(jnp.arange(len(prompts), dtype=jnp.int32), params.n)
     result = Batch({k: jax.device_put(v, self.home) for k, v in out.items()},
                    meta={"metrics": metrics})
     objects = prompts.repeat(params.n).objects
     return Batch(result.arrays, objects, result.meta)
+
+  def old_log_probs(self, batch: Batch) -> Batch:
+    """The behaviour policy's log-probs: the rollout's own, or recomputed when they differ."""
+    if self.recompute_log_prob:
+      return self.compute_log_prob(batch)
+    return Batch({"old_log_probs": batch["rollout_log_probs"]})
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
   def compute_log_prob(self, rows, batch):
@@ -158,10 +172,10 @@ class ActorRolloutWorker(RoleWorker):
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask", "response_mask",
                                             "old_log_probs", "advantages"))
-  def update_actor(self, rows, batch, extra: tuple[str, ...] = ()):
+  def update_actor(self, rows, batch):
     if self.loss_fn is None:
       raise ValueError("actor has no loss_fn; pass one (e.g. from hflax.algorithms)")
-    for k in extra:
+    for k in self.loss_fields:  # e.g. ref_log_prob for a KL loss
       rows[k] = jax.device_put(batch[k], self.rows_sharding)
     width, temperature, graphdef, loss = _response_width(batch), self.temperature, self.graphdef, self.loss_fn
 
@@ -252,3 +266,25 @@ def _score_fn(graphdef):
     at_end = jnp.arange(width)[None, :] == (jnp.maximum(length, 1) - 1)[:, None]
     return jnp.where(at_end, score[:, None], 0.0)
   return fn
+
+
+class FunctionRewardWorker:
+  """Rewards a Python function computes on the host (rule-based and custom rewards).
+
+  score_fn(batch) -> [B] scores, given the Batch with its arrays on the host; each score
+  is placed on the last real token of its response.
+  """
+
+  def __init__(self, score_fn: Callable, *, home=None, output: str = "token_level_scores"):
+    self.score_fn, self.output = score_fn, output
+    self.home = home or SingleDeviceSharding(jax.devices()[0])
+
+  def compute_reward(self, batch: Batch) -> Batch:
+    scores = np.asarray(self.score_fn(batch.to_host()), np.float32)
+    if scores.shape != (len(batch),):
+      raise ValueError(f"reward function returned shape {scores.shape}, expected ({len(batch)},)")
+    mask = np.asarray(batch["response_mask"])
+    last = np.maximum(mask.sum(axis=1).astype(np.int64), 1) - 1
+    token_level = np.zeros(mask.shape, np.float32)
+    token_level[np.arange(len(batch)), last] = scores
+    return Batch({self.output: jax.device_put(token_level, self.home)})

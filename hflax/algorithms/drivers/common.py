@@ -1,0 +1,174 @@
+"""What every driver shares: the roles, the step state, losses built from a config, the
+advantage step, and per-stage timing.
+
+Config fields read here (ml_collections / dict-like, see configs/*.py):
+  algorithm: adv_estimator, gamma, lam, norm_adv_by_std_in_grpo, use_kl_in_reward,
+             kl_penalty, kl_ctrl {type, kl_coef, target_kl, horizon}
+  actor:     policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+             loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type
+  critic:    cliprange_value, loss_agg_mode
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hflax import algorithms as alg
+from hflax.controller.batch import Batch
+
+STAGE_NAMES = {"generate_sequences": "gen", "compute_reward": "reward",
+               "compute_log_prob": "old_log_prob", "old_log_probs": "old_log_prob",
+               "compute_ref_log_prob": "ref",
+               "compute_values": "values", "update_critic": "update_critic",
+               "update_actor": "update_actor"}
+
+
+@dataclasses.dataclass
+class Roles:
+  actor: Any
+  ref: Any = None
+  critic: Any = None
+  reward: Any = None
+  cost: Any = None
+  cost_critic: Any = None
+
+
+@dataclasses.dataclass
+class StepState:
+  """Host-side algorithm state carried across steps (and checkpointed)."""
+  step: int = 0
+  kl_ctrl: Any = None  # alg.KLControlState when KL is in the reward
+  lagrange_lambda: float = 1.0  # Safe-RLHF
+
+
+class Timed:
+  """A role whose method calls are timed as verl's timing_s/<stage>.
+
+  With block=True each stage waits for its results (per-stage times, as verl reports
+  them); block=False keeps dispatch asynchronous so roles on disjoint pools overlap, and
+  only the whole step is timed.
+  """
+
+  def __init__(self, worker, metrics: dict, block: bool = True):
+    self._worker, self._metrics, self._block = worker, metrics, block
+
+  def __getattr__(self, name):
+    method = getattr(self._worker, name)
+    if name not in STAGE_NAMES:
+      return method
+
+    def call(*args, **kwargs):
+      start = time.perf_counter()
+      out = method(*args, **kwargs)
+      if self._block:
+        jax.block_until_ready(out.arrays if isinstance(out, Batch) else out)
+        key = f"timing_s/{STAGE_NAMES[name]}"
+        self._metrics[key] = self._metrics.get(key, 0.0) + time.perf_counter() - start
+      return out
+    return call
+
+
+def timed_roles(roles: Roles, metrics: dict, block: bool = True) -> Roles:
+  return Roles(**{f.name: None if getattr(roles, f.name) is None else
+                  Timed(getattr(roles, f.name), metrics, block)
+                  for f in dataclasses.fields(roles)})
+
+
+def actor_loss(cfg):
+  """loss(log_probs, entropy, fields) -> (scalar, metrics) for ActorRolloutWorker."""
+  policy_loss = alg.get_policy_loss(cfg.get("policy_loss", "vanilla"))
+  mode = cfg.get("loss_agg_mode", "token-mean")
+  entropy_coeff = cfg.get("entropy_coeff", 0.0)
+  use_kl_loss, kl_coef = cfg.get("use_kl_loss", False), cfg.get("kl_loss_coef", 0.001)
+  kl_type = cfg.get("kl_loss_type", "low_var_kl")
+
+  def loss(log_probs, entropy, f):
+    mask = f["response_mask"]
+    per_token, metrics = policy_loss(
+        {"log_probs": log_probs, "old_log_probs": f["old_log_probs"],
+         "advantages": f["advantages"], "response_mask": mask}, cfg)
+    pg_loss = alg.aggregate_loss(per_token, mask, mode)
+    metrics = {**metrics, "pg_loss": pg_loss, "entropy": alg.aggregate_loss(entropy, mask)}
+    total = pg_loss - entropy_coeff * metrics["entropy"]
+    if use_kl_loss:
+      metrics["kl_loss"] = alg.kl_loss(log_probs, f["ref_log_prob"], mask, kl_type, mode)
+      total = total + kl_coef * metrics["kl_loss"]
+    return total, metrics
+
+  return loss
+
+
+def critic_loss(cfg):
+  """loss(values, fields) -> (scalar, metrics) for CriticWorker."""
+  clip, mode = cfg.get("cliprange_value", 0.5), cfg.get("loss_agg_mode", "token-mean")
+
+  def loss(values, f):
+    mask = f["response_mask"]
+    per_token, metrics = alg.value_loss(values, f["values"], f["returns"], mask,
+                                        cliprange_value=clip)
+    vf_loss = alg.aggregate_loss(per_token, mask, mode)
+    return vf_loss, {**metrics, "vf_loss": vf_loss,
+                     "vf_explained_var": alg.explained_variance(values, f["returns"], mask)}
+
+  return loss
+
+
+def init_state(algo_cfg) -> StepState:
+  state = StepState()
+  if algo_cfg.get("use_kl_in_reward", False):
+    kl = algo_cfg.kl_ctrl
+    state.kl_ctrl = (alg.adaptive_kl_controller(kl.kl_coef, kl.target_kl, kl.horizon)
+                     if kl.type == "adaptive" else alg.fixed_kl_controller(kl.kl_coef))
+  return state
+
+
+def compute_advantage(batch: Batch, algo_cfg, state: StepState, rows_per_step: int) -> Batch:
+  """Token-level rewards (with the KL penalty when it is in the reward) and advantages."""
+  metrics = {}
+  rewards = batch["token_level_scores"]
+  if state.kl_ctrl is not None:
+    rewards, mean_kl = alg.apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_prob"],
+                                            batch["response_mask"], state.kl_ctrl.coef,
+                                            algo_cfg.get("kl_penalty", "kl"))
+    metrics.update({"actor/reward_kl_penalty": mean_kl,
+                    "actor/reward_kl_penalty_coeff": state.kl_ctrl.coef})
+    state.kl_ctrl = alg.update_kl_controller(state.kl_ctrl, mean_kl, rows_per_step)
+  fields = {"token_level_rewards": rewards, **{k: batch[k] for k in (
+      "response_mask", "values", "group_ids", "reward_baselines") if k in batch}}
+  estimator = alg.get_advantage_estimator(algo_cfg.adv_estimator)
+  cfg = {**dict(algo_cfg), "num_groups": len(batch)}
+  advantages, returns = estimator(fields, cfg)
+  out = Batch({"token_level_rewards": rewards, "advantages": advantages, "returns": returns},
+              meta={"metrics": metrics})
+  return batch.union(out)
+
+
+def group_ids(prompts: int, n: int) -> np.ndarray:
+  """Row i * n + j answers prompt i (the sampler's interleaved order)."""
+  return np.repeat(np.arange(prompts, dtype=np.int32), n)
+
+
+def step_metrics(batch: Batch, max_response_length: int) -> dict:
+  """verl's batch statistics, as device scalars (no host sync)."""
+  mask = batch["response_mask"].astype(jnp.float32)
+  lengths = mask.sum(axis=1)
+  scores = (batch["token_level_scores"] * mask).sum(axis=1)
+  out = {"critic/score/mean": scores.mean(), "critic/score/max": scores.max(),
+         "critic/score/min": scores.min(),
+         "critic/rewards/mean": (batch["token_level_rewards"] * mask).sum(axis=1).mean(),
+         "critic/advantages/mean": alg.masked_mean(batch["advantages"], mask),
+         "critic/advantages/max": jnp.where(mask > 0, batch["advantages"], -jnp.inf).max(),
+         "critic/advantages/min": jnp.where(mask > 0, batch["advantages"], jnp.inf).min(),
+         "critic/returns/mean": alg.masked_mean(batch["returns"], mask),
+         "response_length/mean": lengths.mean(), "response_length/max": lengths.max(),
+         "response_length/min": lengths.min(),
+         "response_length/clip_ratio": (lengths >= max_response_length).mean(),
+         "prompt_length/mean": batch["prompt_mask"].sum(axis=1).mean()}
+  if "values" in batch:
+    out["critic/values/mean"] = alg.masked_mean(batch["values"], mask)
+  return out

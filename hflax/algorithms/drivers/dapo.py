@@ -1,0 +1,52 @@
+"""DAPO: GRPO with clip-higher and token-level loss (both config), overlong reward shaping,
+and dynamic sampling: groups whose samples all got the same reward carry no signal, so
+they are dropped and more prompts are generated until the batch is full."""
+import numpy as np
+
+from hflax import algorithms as alg
+from hflax.algorithms.drivers.common import Roles, StepState, compute_advantage
+from hflax.controller.batch import Batch
+
+
+def step(roles: Roles, prompt_batches, cfg, state: StepState):
+  actor, n, want = roles.actor, roles.actor.sampling.n, cfg.data.train_batch_size
+  kept, groups, rounds = [], 0, 0
+  while groups < want:
+    rounds += 1
+    if rounds > cfg.algorithm.get("max_num_gen_batches", 8):
+      raise RuntimeError(f"DAPO dynamic sampling found only {groups} of {want} prompt groups "
+                         f"with varied rewards after {rounds - 1} generation rounds "
+                         "(algorithm.max_num_gen_batches)")
+    batch = actor.generate_sequences(next(prompt_batches))
+    batch = batch.union(roles.reward.compute_reward(batch))
+    batch = _overlong_shaping(batch, cfg)
+    varied = np.asarray(alg.samples_in_groups_with_variance(
+        batch["token_level_scores"].sum(axis=1), batch["group_ids"], len(batch) // n))
+    kept.append(batch.map_rows(np.flatnonzero(varied)))
+    groups += int(varied.sum()) // n
+  batch = Batch.concat([_regroup(b, i * len(b)) for i, b in enumerate(kept)])
+  batch = batch.slice(0, want * n)
+  batch.meta.setdefault("metrics", {})["train/num_gen_batches"] = rounds
+  batch = batch.union(actor.old_log_probs(batch))
+  if roles.ref is not None:
+    batch = batch.union(roles.ref.compute_ref_log_prob(batch))
+  batch = compute_advantage(batch, cfg.algorithm, state, len(batch))
+  return batch.union(actor.update_actor(batch))
+
+
+def _overlong_shaping(batch: Batch, cfg) -> Batch:
+  shaping = cfg.algorithm.get("overlong_buffer_len", 0)
+  if not shaping:
+    return batch
+  penalty = alg.overlong_penalty(batch["response_length"], cfg.data.max_response_length,
+                                 shaping, cfg.algorithm.get("overlong_penalty_factor", 1.0))
+  last = batch["response_mask"].sum(axis=1).astype(np.int32) - 1
+  onehot = np.arange(batch["response_mask"].shape[1])[None, :] == np.asarray(last)[:, None]
+  shaped = batch["token_level_scores"] + np.asarray(penalty)[:, None] * onehot
+  return Batch({**batch.arrays, "token_level_scores": shaped}, batch.objects, batch.meta)
+
+
+def _regroup(batch: Batch, offset: int) -> Batch:
+  """Group ids that stay unique after batches from several rounds are concatenated."""
+  ids = np.unique(np.asarray(batch["group_ids"]), return_inverse=True)[1] + offset
+  return Batch({**batch.arrays, "group_ids": ids.astype(np.int32)}, batch.objects, batch.meta)

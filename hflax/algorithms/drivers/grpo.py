@@ -1,0 +1,16 @@
+"""GRPO: n samples per prompt, group-normalised outcome advantages, KL as a loss, no critic.
+
+RLOO and REINFORCE++ are this loop with another advantage estimator (see their modules).
+"""
+from hflax.algorithms.drivers.common import Roles, StepState, compute_advantage
+
+
+def step(roles: Roles, prompts, cfg, state: StepState):
+  actor = roles.actor
+  batch = actor.generate_sequences(prompts)
+  batch = batch.union(roles.reward.compute_reward(batch))
+  batch = batch.union(actor.old_log_probs(batch))
+  if roles.ref is not None:
+    batch = batch.union(roles.ref.compute_ref_log_prob(batch))
+  batch = compute_advantage(batch, cfg.algorithm, state, len(batch))
+  return batch.union(actor.update_actor(batch))

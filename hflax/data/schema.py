@@ -1,0 +1,97 @@
+"""Prompt rows in verl's schema, validated once on load so later stages can trust them.
+
+A row:
+  data_source   str    which reward rule judges it (see hflax.rewards); "unknown" if absent
+  prompt        list of chat messages {"role": str, "content": str}; a plain string is
+                accepted and becomes one user message
+  ability       str    free-form tag ("math"); "" if absent
+  reward_model  {"style": "rule", "ground_truth": ...}; ground_truth is required
+  extra_info    dict   anything per row (split, index, ...); {} if absent
+Other columns are kept as they are.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+
+def _where(source: str, index: int, line: int | None) -> str:
+  return f"{source}: row {index}" + (f" (line {line})" if line is not None else "")
+
+
+def _normalize_prompt(prompt: Any, where: str) -> list[dict]:
+  if isinstance(prompt, str):
+    if not prompt.strip():
+      raise ValueError(f"{where}: field 'prompt' is an empty string")
+    return [{"role": "user", "content": prompt}]
+  if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
+    prompt = prompt.tolist()  # numpy object arrays, as pandas hands back list columns
+  if not isinstance(prompt, (list, tuple)):
+    raise ValueError(f"{where}: field 'prompt' must be a list of chat messages or a string, "
+                     f"got {type(prompt).__name__}")
+  if not prompt:
+    raise ValueError(f"{where}: field 'prompt' is an empty list of messages")
+  messages = []
+  for j, message in enumerate(prompt):
+    if not isinstance(message, dict):
+      raise ValueError(f"{where}: field 'prompt[{j}]' must be a message dict with role and "
+                       f"content, got {type(message).__name__}")
+    for key in ("role", "content"):
+      if not isinstance(message.get(key), str):
+        problem = "is missing" if message.get(key) is None else "must be a string"
+        raise ValueError(f"{where}: field 'prompt[{j}].{key}' {problem}")
+    messages.append(dict(message))
+  return messages
+
+
+def normalize_row(row: Any, source: str = "<memory>", index: int = 0,
+                  line: int | None = None) -> dict:
+  """A validated copy of `row` with defaults filled in; ValueError names source/row/field."""
+  where = _where(source, index, line)
+  if not isinstance(row, dict):
+    raise ValueError(f"{where}: expected an object with the row's fields, got "
+                     f"{type(row).__name__}")
+  if row.get("prompt") is None:
+    raise ValueError(f"{where}: missing field 'prompt'")
+  prompt = _normalize_prompt(row["prompt"], where)
+  reward_model = row.get("reward_model")
+  if reward_model is None:
+    raise ValueError(f"{where}: missing field 'reward_model.ground_truth'")
+  if not isinstance(reward_model, dict):
+    raise ValueError(f"{where}: field 'reward_model' must be an object with 'ground_truth', "
+                     f"got {type(reward_model).__name__}")
+  if reward_model.get("ground_truth") is None:
+    raise ValueError(f"{where}: missing field 'reward_model.ground_truth'")
+  data_source = row.get("data_source") or "unknown"
+  if not isinstance(data_source, str):
+    raise ValueError(f"{where}: field 'data_source' must be a string")
+  extra_info = row.get("extra_info") or {}
+  if not isinstance(extra_info, dict):
+    raise ValueError(f"{where}: field 'extra_info' must be an object, "
+                     f"got {type(extra_info).__name__}")
+  return {**row, "data_source": data_source, "prompt": prompt,
+          "ability": row.get("ability") or "",
+          "reward_model": {**reward_model, "style": reward_model.get("style") or "rule"},
+          "extra_info": dict(extra_info)}
+
+
+class PromptDataset:
+  """An in-memory list of validated rows; `source` (a path) appears in error messages."""
+
+  def __init__(self, rows: Iterable[dict], source: str = "<memory>"):
+    self.source = source
+    self.rows = [normalize_row(row, source, i) for i, row in enumerate(rows)]
+
+  def __len__(self) -> int:
+    return len(self.rows)
+
+  def __getitem__(self, index: int) -> dict:
+    return self.rows[index]
+
+  def __iter__(self) -> Iterator[dict]:
+    return iter(self.rows)
+
+  def __repr__(self) -> str:
+    return f"PromptDataset({len(self)} rows from {self.source})"
+
+  def data_sources(self) -> list[str]:
+    return sorted({row["data_source"] for row in self.rows})

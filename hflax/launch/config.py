@@ -1,0 +1,110 @@
+"""The configuration tree every config file starts from, and its validation.
+
+Field names follow verl's where one exists (train_batch_size, ppo_mini_batch_size,
+rollout.n, clip_ratio, kl_loss_coef, critic_warmup, ...). Batch sizes count prompts;
+the actor and critic see `n` rows per prompt.
+"""
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+from hflax.algorithms import LOSS_AGG_MODES, advantage_estimator_names, policy_loss_names
+
+ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp", "dapo", "safe_rlhf")
+
+
+def _optim(lr: float) -> dict:
+  return dict(lr=lr, weight_decay=0.0, b1=0.9, b2=0.999, grad_clip=1.0, warmup_steps=0,
+              schedule="constant", total_steps=0, min_lr_ratio=0.0)
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.algorithm = dict(
+      name="ppo", adv_estimator="gae", gamma=1.0, lam=1.0, norm_adv_by_std_in_grpo=True,
+      use_kl_in_reward=False, kl_penalty="kl",
+      kl_ctrl=dict(type="fixed", kl_coef=0.001, target_kl=0.1, horizon=10000),
+      max_num_gen_batches=8, overlong_buffer_len=0, overlong_penalty_factor=1.0,
+      cost_limit=0.0, lambda_lr=0.05, lambda_init=1.0)
+  c.data = dict(
+      train_files="builtin:arithmetic", val_files="builtin:arithmetic",
+      train_batch_size=16, val_batch_size=64, max_prompt_length=32, max_response_length=8,
+      truncate_prompts=False, shuffle=True, seed=0,
+      builtin=dict(num_train=4000, num_val=200, digits=(1, 2), ops="+-"))
+  c.model = dict(
+      path="", tokenizer="byte", dtype="float32", param_dtype="float32",
+      builtin=dict(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
+                   num_kv_heads=2, rope_theta=10000.0))
+  c.actor = dict(
+      optim=_optim(1e-5), ppo_mini_batch_size=8, ppo_micro_batch_size=0, ppo_epochs=1,
+      shuffle=False, policy_loss="vanilla", clip_ratio=0.2,
+      clip_ratio_low=config_dict.placeholder(float), clip_ratio_high=config_dict.placeholder(float),
+      clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
+      kl_loss_coef=0.001, kl_loss_type="low_var_kl", recompute_log_prob=False)
+  c.rollout = dict(n=1, temperature=1.0, top_k=0, top_p=1.0, generate_tensor=1,
+                   dtype=config_dict.placeholder(str), val_temperature=0.0)
+  c.critic = dict(optim=_optim(1e-4), ppo_mini_batch_size=8, ppo_micro_batch_size=0,
+                  ppo_epochs=1, shuffle=False, cliprange_value=0.5,
+                  loss_agg_mode="token-mean", model_path="")
+  c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""))
+  c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""))
+  # Placement: "colocated", "standalone", or a dict (see hflax.sharding.placement).
+  c.placement = "colocated"
+  c.trainer = dict(
+      total_steps=20, critic_warmup=0, seed=0, run_dir="runs/default", resume=True,
+      save_every=10, keep=2, val_every=10, val_before_train=True,
+      log=("console", "jsonl", "tensorboard"), wandb_project="", profile_steps=(),
+      stage_timing=True, export_hf=True, devices=0,
+      sft_warmup=dict(steps=0, lr=1e-3, batch_size=64, cache_dir=""))
+  return c
+
+
+def validate(c) -> None:
+  """Raises ValueError naming the field and what would be valid; touches no device."""
+
+  def fail(field, why):
+    raise ValueError(f"config.{field}: {why}")
+
+  if c.algorithm.name not in ALGORITHMS:
+    fail("algorithm.name", f"{c.algorithm.name!r} is not one of {ALGORITHMS}")
+  if c.algorithm.adv_estimator not in advantage_estimator_names():
+    fail("algorithm.adv_estimator", f"{c.algorithm.adv_estimator!r} is not one of "
+         f"{advantage_estimator_names()}")
+  if c.actor.policy_loss not in policy_loss_names():
+    fail("actor.policy_loss", f"{c.actor.policy_loss!r} is not one of {policy_loss_names()}")
+  for role in ("actor", "critic"):
+    if c[role].loss_agg_mode not in LOSS_AGG_MODES:
+      fail(f"{role}.loss_agg_mode", f"{c[role].loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+  positive = {"data.train_batch_size": c.data.train_batch_size,
+              "data.max_prompt_length": c.data.max_prompt_length,
+              "data.max_response_length": c.data.max_response_length,
+              "rollout.n": c.rollout.n, "actor.ppo_mini_batch_size": c.actor.ppo_mini_batch_size,
+              "actor.ppo_epochs": c.actor.ppo_epochs, "trainer.total_steps": c.trainer.total_steps}
+  for field, value in positive.items():
+    if not isinstance(value, int) or value < 1:
+      fail(field, f"must be a positive integer, got {value!r}")
+  for role in ("actor", "critic"):
+    mini = c[role].ppo_mini_batch_size
+    if c.data.train_batch_size % mini:
+      fail(f"{role}.ppo_mini_batch_size", f"{mini} does not divide data.train_batch_size="
+           f"{c.data.train_batch_size} (both count prompts)")
+    micro = c[role].ppo_micro_batch_size
+    if micro and (mini * c.rollout.n) % micro:
+      fail(f"{role}.ppo_micro_batch_size", f"{micro} rows do not divide the mini-batch of "
+           f"{mini} prompts x rollout.n={c.rollout.n} = {mini * c.rollout.n} rows")
+  if c.algorithm.name in ("grpo", "rloo", "dapo", "reinforce_pp") and c.rollout.n < 2 and \
+      c.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+    fail("rollout.n", f"{c.algorithm.adv_estimator} compares samples of one prompt: use n >= 2")
+  if c.algorithm.adv_estimator == "gae" and c.algorithm.name not in ("ppo", "safe_rlhf"):
+    fail("algorithm.adv_estimator", f"'gae' needs a critic, which {c.algorithm.name} has not")
+  if not 0 <= c.rollout.temperature:
+    fail("rollout.temperature", "must be >= 0")
+  if c.reward.kind not in ("rule", "model"):
+    fail("reward.kind", f"{c.reward.kind!r} is not 'rule' or 'model'")
+  if c.reward.kind == "model" and not c.reward.model_path:
+    fail("reward.model_path", "reward.kind='model' needs a checkpoint directory")
+  if bool(c.reward.custom_fn.path) != bool(c.reward.custom_fn.name):
+    fail("reward.custom_fn", "set both path and name (a Python file and a function in it)")
+  if isinstance(c.placement, str) and c.placement not in ("colocated", "standalone", "auto"):
+    fail("placement", f"{c.placement!r} is not 'colocated', 'standalone', 'auto' or a dict")

@@ -1,0 +1,121 @@
+"""Builds the role workers an algorithm needs from a config: models, placement, losses."""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from hflax.algorithms.drivers import NEEDS_CRITIC, Roles
+from hflax.algorithms.drivers.common import actor_loss, critic_loss
+from hflax.controller.training import OptimConfig, UpdateConfig
+from hflax.controller.workers import (ActorRolloutWorker, CriticWorker, FunctionRewardWorker,
+                                      ReferenceWorker, RewardModelWorker)
+from hflax.models import ModelConfig, create, hf
+from hflax.rollout import SamplingParams
+from hflax.sharding.placement import build_placement, colocated, standalone
+
+
+def needed_roles(cfg) -> list[str]:
+  roles = ["actor"]
+  if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    roles.append("ref")
+  if cfg.algorithm.name in NEEDS_CRITIC:
+    roles.append("critic")
+  if cfg.reward.kind == "model":
+    roles.append("reward")
+  if cfg.algorithm.name == "safe_rlhf" and cfg.cost.kind == "model":
+    roles.append("cost")
+  return roles
+
+
+def placement_spec(cfg, roles: list[str], devices: int) -> dict:
+  spec = cfg.placement
+  tensor = cfg.rollout.generate_tensor
+  if spec == "colocated":
+    return colocated(roles, devices, tensor)
+  if spec == "standalone":
+    if devices % len(roles):
+      raise ValueError(f"config.placement: 'standalone' needs the {devices} devices to divide "
+                       f"among the {len(roles)} roles {roles}")
+    return standalone(roles, devices // len(roles), tensor)
+  if spec == "auto":
+    raise ValueError("config.placement: 'auto' is resolved by the launcher (hflax.launch.plan)")
+  return spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)
+
+
+def policy_model(cfg, vocab_size: int, tokenizer=None):
+  """(model config, graphdef, state) of the initial policy: a checkpoint or the built-in."""
+  if cfg.model.path:
+    return hf.load_checkpoint(cfg.model.path, param_dtype=cfg.model.param_dtype,
+                              dtype=cfg.model.dtype)
+  b = cfg.model.builtin
+  model_cfg = ModelConfig(
+      vocab_size=vocab_size, hidden_size=b.hidden_size, intermediate_size=b.intermediate_size,
+      num_layers=b.num_layers, num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
+      rope_theta=b.rope_theta, tie_word_embeddings=True, dtype=cfg.model.dtype,
+      param_dtype=cfg.model.param_dtype,
+      eos_token_id=tuple(tokenizer.eos_ids) if tokenizer else None,
+      pad_token_id=tokenizer.pad_id if tokenizer else None)
+  return (model_cfg, *create(model_cfg, seed=cfg.trainer.seed))
+
+
+def _value_model(path: str, policy, seed: int):
+  """A value-head model: from a checkpoint, else the policy's backbone with a fresh head."""
+  if path:
+    _, graphdef, state = hf.load_checkpoint(path, head="value", seed=seed)
+    return graphdef, state
+  model_cfg, _, policy_state = policy
+  graphdef, state = create(model_cfg, seed=seed, head="value")
+  for key in policy_state:
+    if key in state and key != "lm_head":
+      state[key] = policy_state[key]
+  return graphdef, state
+
+
+def _update(section, n: int) -> UpdateConfig:
+  rows = section.ppo_mini_batch_size * n
+  return UpdateConfig(mini_batch_size=rows, micro_batch_size=section.ppo_micro_batch_size or rows,
+                      epochs=section.ppo_epochs, shuffle=section.shuffle)
+
+
+def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
+                cost_fn: Callable | None = None, devices=None) -> Roles:
+  """policy: (model config, graphdef, state) the actor and reference start from."""
+  devices = list(devices if devices is not None else jax.devices())
+  roles = needed_roles(cfg)
+  placed = build_placement(placement_spec(cfg, roles, len(devices)), devices)
+  missing = [r for r in roles if r not in placed]
+  if missing:
+    raise ValueError(f"config.placement.roles: {cfg.algorithm.name} needs roles {missing} placed")
+  home = jax.sharding.SingleDeviceSharding(placed["actor"].pool.devices[0])
+  n, seed = cfg.rollout.n, cfg.trainer.seed
+  _, graphdef, state = policy
+  sampling = SamplingParams(
+      max_new_tokens=cfg.data.max_response_length, temperature=cfg.rollout.temperature,
+      top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, n=n, eos_ids=tuple(tokenizer.eos_ids),
+      pad_id=tokenizer.pad_id)
+  out = Roles(actor=ActorRolloutWorker(
+      placed["actor"], graphdef, state, sampling=sampling, loss_fn=actor_loss(cfg.actor),
+      loss_fields=("ref_log_prob",) if cfg.actor.use_kl_loss else (),
+      generate_dtype=cfg.rollout.dtype, recompute_log_prob=cfg.actor.recompute_log_prob,
+      optim=OptimConfig(**cfg.actor.optim), update=_update(cfg.actor, n), home=home, seed=seed))
+  if "ref" in roles:
+    out.ref = ReferenceWorker(placed["ref"], graphdef, state, home=home,
+                              temperature=cfg.rollout.temperature or 1.0)
+  if "critic" in roles:
+    out.critic = CriticWorker(placed["critic"], *_value_model(cfg.critic.model_path, policy, seed + 1),
+                              loss_fn=critic_loss(cfg.critic), optim=OptimConfig(**cfg.critic.optim),
+                              update=_update(cfg.critic, n), home=home, seed=seed)
+  for role, section, fn, output in (("reward", cfg.reward, reward_fn, "token_level_scores"),
+                                    ("cost", cfg.cost, cost_fn, "token_level_costs")):
+    if role == "cost" and cfg.algorithm.name != "safe_rlhf":
+      continue
+    if section.kind == "model":
+      worker = RewardModelWorker(placed[role], *_value_model(section.model_path, policy, seed),
+                                 output=output, home=home)
+    else:
+      if fn is None:
+        raise ValueError(f"config.{role}: kind='rule' needs a {role} function")
+      worker = FunctionRewardWorker(fn, home=home, output=output)
+    setattr(out, role, worker)
+  return out

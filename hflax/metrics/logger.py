@@ -1,0 +1,155 @@
+"""MetricsLogger: one log() per training step fans the step's metrics out to backends.
+
+  console      progress bar + key numbers (hflax.metrics.console), stderr by default
+  jsonl        run_dir/metrics.jsonl, one {"step": i, ...} object a line: the record that
+               plots and readers use (hflax.metrics.plot.read_jsonl)
+  tensorboard  event files in run_dir/tensorboard (hflax.metrics.tb_events; no TensorFlow)
+  wandb        optional; on when `wandb=` names a project; offline unless told otherwise
+
+Steps are 1-based as in verl; `start_step` is the last step completed before a resume.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from hflax.metrics.console import ConsoleBackend
+from hflax.metrics.tb_events import EventFileWriter
+
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+def to_floats(metrics: dict) -> dict[str, float]:
+  """Python floats from floats, numpy scalars or JAX device scalars (0-d arrays)."""
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    # One device_get for the whole dict starts every transfer before waiting on any:
+    # a single host sync per step instead of one per metric.
+    metrics = jax.device_get(dict(metrics))
+  out = {}
+  for key, value in metrics.items():
+    if not isinstance(key, str) or key == "step":
+      raise ValueError(f"metric names must be strings other than 'step', got {key!r}")
+    if np.ndim(value) != 0:
+      raise TypeError(f"metric {key!r} is not a scalar: shape {np.shape(value)}; "
+                      "reduce it (mean/max/...) before logging")
+    out[key] = float(value)
+  return out
+
+
+class JsonlBackend:
+  def __init__(self, run_dir: str):
+    self.path = os.path.join(run_dir, "metrics.jsonl")
+    # A run killed mid-write can leave a partial last line; start ours on a fresh one so
+    # only the broken record is lost (readers skip it).
+    needs_newline = False
+    if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
+      with open(self.path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        needs_newline = f.read(1) != b"\n"
+    # Append, even on resume: readers resolve steps logged twice (see read_jsonl).
+    self._file = open(self.path, "a", encoding="utf-8")
+    if needs_newline:
+      self._file.write("\n")
+
+  def write(self, step: int, values: dict[str, float]):
+    self._file.write(json.dumps({"step": step, **values}) + "\n")
+    self._file.flush()  # into the OS each step: a killed (not crashed-machine) run keeps it
+
+  def close(self):
+    self._file.close()
+
+
+class TensorboardBackend:
+  """Scalars to run_dir/tensorboard (see hflax.metrics.tb_events for why not tensorboardX)."""
+
+  def __init__(self, run_dir: str, start_step: int = 0):
+    # Resuming from a checkpoint at start_step: hide the crashed run's later steps.
+    self._writer = EventFileWriter(os.path.join(run_dir, "tensorboard"),
+                                   purge_step=start_step + 1 if start_step > 0 else None)
+
+  def write(self, step: int, values: dict[str, float]):
+    self._writer.write(step, values)
+
+  def close(self):
+    self._writer.close()
+
+
+class WandbBackend:
+  def __init__(self, run_dir: str, config):
+    try:
+      import wandb
+    except ImportError as e:
+      raise ImportError("the 'wandb' metrics backend needs the wandb package "
+                        "(pip install wandb)") from e
+    kwargs = {"project": config} if isinstance(config, str) else dict(config or {})
+    if not kwargs.get("project"):
+      raise ValueError("the 'wandb' backend needs a project: wandb='name' or "
+                       "wandb={'project': 'name', ...}")
+    kwargs.setdefault("mode", "offline")  # sync later with `wandb sync`; never block on network
+    kwargs.setdefault("dir", run_dir)
+    self._run = wandb.init(**kwargs)
+
+  def write(self, step: int, values: dict[str, float]):
+    self._run.log(values, step=step)
+
+  def close(self):
+    self._run.finish()
+
+
+class MetricsLogger:
+  """Logs one dict of scalar metrics per step to every backend; use as a context manager.
+
+  wandb: None (off), a project name, or a dict of wandb.init keyword arguments with a
+  'project'; giving it turns the wandb backend on.
+  stream, clock: where the console writes (stderr) and its time source (tests).
+  The ETA's clock starts here: create the logger right before the training loop.
+  """
+
+  def __init__(self, run_dir: str, total_steps: int,
+               backends=("console", "jsonl", "tensorboard"), wandb=None, start_step: int = 0,
+               *, stream=None, clock=time.monotonic):
+    names = {backends} if isinstance(backends, str) else set(backends)
+    names |= {"wandb"} if wandb is not None else set()
+    unknown = sorted(names - set(BACKENDS))
+    if unknown:
+      raise ValueError(f"unknown metrics backends {unknown}; choose from {BACKENDS}")
+    self.run_dir = str(run_dir)
+    os.makedirs(self.run_dir, exist_ok=True)
+    self.backends = []
+    try:
+      # jsonl first: it is the record, written even if a later backend fails in log().
+      for name in sorted(names, key=("jsonl", "console", "tensorboard", "wandb").index):
+        if name == "jsonl":
+          self.backends.append(JsonlBackend(self.run_dir))
+        elif name == "console":
+          self.backends.append(ConsoleBackend(total_steps, start_step, stream, clock))
+        elif name == "tensorboard":
+          self.backends.append(TensorboardBackend(self.run_dir, start_step))
+        else:
+          self.backends.append(WandbBackend(self.run_dir, wandb))
+    except BaseException:
+      self.close()  # release the files of the backends already opened
+      raise
+
+  def log(self, step: int, metrics: dict):
+    """Converts the values (the step's one host sync) and writes them to every backend."""
+    values = to_floats(metrics)
+    step = int(step)
+    for backend in self.backends:
+      backend.write(step, values)
+
+  def close(self):
+    backends, self.backends = self.backends, []
+    for backend in backends:
+      backend.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

@@ -1,0 +1,10 @@
+"""Rewards: rule rewards as pure functions, a data_source registry, a batch scorer."""
+from hflax.rewards.registry import (default_reward_fn, load_reward_function, register_reward_fn,
+                                    reward_data_sources)
+from hflax.rewards.rules import (arithmetic_exact_match, extract_gsm8k_answer, gsm8k,
+                                 leading_integer)
+from hflax.rewards.scorer import RuleRewardScorer, accuracy_metrics, last_token_scores
+
+__all__ = ["arithmetic_exact_match", "gsm8k", "extract_gsm8k_answer", "leading_integer",
+           "default_reward_fn", "register_reward_fn", "reward_data_sources",
+           "load_reward_function", "RuleRewardScorer", "accuracy_metrics", "last_token_scores"]

@@ -1,0 +1,105 @@
+"""Scoring a batch of responses with rule rewards, and validation accuracy per data source."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Sequence
+
+import numpy as np
+
+from hflax.models.tokenizer import Tokenizer
+from hflax.rewards.registry import RewardFn, default_reward_fn
+
+
+def _as_float(result: Any, data_source: str) -> float:
+  # verl-style reward functions may return {"score": ..., other diagnostics}.
+  if isinstance(result, dict):
+    if "score" not in result:
+      raise ValueError(f"reward for {data_source!r} returned a dict without 'score'")
+    result = result["score"]
+  return float(result)
+
+
+def last_token_scores(scores_B: np.ndarray, response_mask_BxT: np.ndarray) -> np.ndarray:
+  """[B, T] zeros with each score on its response's last valid token (position 0 if none)."""
+  mask = np.asarray(response_mask_BxT, bool)
+  width = mask.shape[1]
+  has_tokens = mask.any(axis=1)
+  last = np.where(has_tokens, width - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
+  out = np.zeros(mask.shape, np.float32)
+  out[np.arange(mask.shape[0]), last] = scores_B
+  return out
+
+
+class RuleRewardScorer:
+  """Scores responses with `reward_fn`, or with each sample's data_source default.
+
+  Call with token ids [B, T] plus response_mask [B, T] (decoded here, special tokens
+  skipped), or with a list of strings (response_mask then only shapes the token-level
+  output). Returns a dict: scores [B] float32, response_text list, and token_level_scores
+  [B, T] float32 (the score on the last valid response token) whenever a mask is known.
+  """
+
+  def __init__(self, tokenizer: Tokenizer | None = None, reward_fn: RewardFn | None = None):
+    self.tokenizer, self.reward_fn = tokenizer, reward_fn
+
+  def decode(self, response_ids_BxT, response_mask_BxT) -> list[str]:
+    if self.tokenizer is None:
+      raise ValueError("scoring token ids needs a tokenizer; pass one or pass strings")
+    ids, mask = np.asarray(response_ids_BxT), np.asarray(response_mask_BxT, bool)
+    if ids.ndim != 2 or ids.shape != mask.shape:
+      raise ValueError(f"response ids {ids.shape} and response_mask {mask.shape} must be "
+                       "the same [B, T] shape")
+    return [self.tokenizer.decode(row[keep], skip_special_tokens=True)
+            for row, keep in zip(ids, mask)]
+
+  def _fn(self, data_source: str | None) -> RewardFn:
+    if self.reward_fn is not None:
+      return self.reward_fn
+    if data_source is None:
+      raise ValueError("without a custom reward_fn every sample needs a data_source")
+    return default_reward_fn(data_source)
+
+  def __call__(self, responses, ground_truth: Sequence, data_source: Sequence[str] | None = None,
+               extra_info: Sequence[dict | None] | None = None,
+               response_mask=None) -> dict[str, Any]:
+    if isinstance(responses, (list, tuple)) and all(isinstance(r, str) for r in responses):
+      texts = list(responses)
+    else:
+      if response_mask is None:
+        raise ValueError("token id responses need a response_mask")
+      texts = self.decode(responses, response_mask)
+    size = len(texts)
+    data_source = [None] * size if data_source is None else list(data_source)
+    extra_info = [None] * size if extra_info is None else list(extra_info)
+    for name, values in (("ground_truth", ground_truth), ("data_source", data_source),
+                         ("extra_info", extra_info)):
+      if len(values) != size:
+        raise ValueError(f"{len(values)} {name} entries for {size} responses")
+    scores = np.array([_as_float(self._fn(source)(text, truth, info), source)
+                       for text, truth, source, info
+                       in zip(texts, ground_truth, data_source, extra_info)], np.float32)
+    out = {"scores": scores, "response_text": texts}
+    if response_mask is not None:
+      if np.shape(response_mask)[0] != size:
+        raise ValueError(f"response_mask has {np.shape(response_mask)[0]} rows for {size} "
+                         "responses")
+      out["token_level_scores"] = last_token_scores(scores, response_mask)
+    return out
+
+
+def accuracy_metrics(scores, data_sources: Sequence[str],
+                     samples_per_prompt: int | None = None) -> dict[str, float]:
+  """Mean score per data source, named as in verl: val-core/{data_source}/acc/mean[@N].
+
+  With 0/1 rule rewards the mean score is the accuracy. Pass samples_per_prompt to get
+  verl's "mean@N" suffix for N samples per prompt.
+  """
+  scores = np.asarray(scores, np.float64).reshape(-1)
+  if len(scores) != len(data_sources):
+    raise ValueError(f"{len(scores)} scores for {len(data_sources)} data sources")
+  grouped = defaultdict(list)
+  for score, source in zip(scores, data_sources):
+    grouped[source].append(score)
+  suffix = "mean" if samples_per_prompt is None else f"mean@{samples_per_prompt}"
+  return {f"val-core/{source}/acc/{suffix}": float(np.mean(values))
+          for source, values in sorted(grouped.items())}

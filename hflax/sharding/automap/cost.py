@@ -1,0 +1,252 @@
+"""The latency and memory simulator: one role's work in one stage, on one mesh.
+
+Every formula is per device. Compute runs at `peak_flops * compute_efficiency`, streaming
+memory traffic at `memory_bandwidth * bandwidth_efficiency`, collectives as in comm.py.
+FSDP weight gathers are prefetched and partly hide behind compute (Overheads.hide);
+tensor-parallel all-reduces sit on the critical path; the data-parallel gradient
+all-reduce runs after each mini-batch's last backward pass.
+
+Bytes: bf16 weights (2 bytes/param) for inference and generation; a trained model keeps
+16 bytes/param (bf16 weights and gradients, fp32 master copy, two fp32 Adam moments),
+sharded over fsdp x tensor and replicated over data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hflax.models.config import ModelConfig
+from hflax.sharding.automap import comm
+from hflax.sharding.automap.mesh import MeshShape
+from hflax.sharding.automap.profile import DeviceProfile
+from hflax.sharding.automap.workload import TRAINED, Workload
+
+TRAIN_BYTES_PER_PARAM = 16
+WEIGHT_BYTES = 2  # bf16
+
+
+@dataclasses.dataclass(frozen=True)
+class Overheads:
+  """What the hardware roofline does not see. The defaults reproduce the HybridFlow
+  paper's placement findings (see paper.py for the fit and its margins).
+
+  decode_step (set, not fitted; the pattern holds from 0 to 10 ms): fixed time of one
+    decode step of a generation engine (scheduling, sampling, launches, host sync).
+  overlap (set, not fitted; holds from 0.7 to 0.9): fraction of the shorter of compute
+    and prefetched FSDP gathers that hides behind the longer; they share HBM bandwidth
+    and SMs, so not all of it.
+  call_per_device (FITTED to the paper; the pattern needs 0.015 to 0.025 s): time per
+    device of every role call the single controller makes: dispatching the call and
+    its batch shards to each worker, collecting results, synchronising. With one worker
+    per device (as in the paper's system) this grows with the pool; it is what makes a
+    pool of everything lose to concurrent smaller pools at 96-128 GPUs. With it at 0,
+    colocating wins every cell that divides (see the report in paper.py).
+  call: a fixed time per role call, on top (0: the fit did not need it).
+  """
+  decode_step: float = 0.005
+  overlap: float = 0.8
+  call_per_device: float = 0.02
+  call: float = 0.0
+
+  @classmethod
+  def roofline(cls) -> Overheads:
+    """No software overheads at all: hardware limits only, perfect overlap."""
+    return cls(decode_step=0.0, overlap=1.0, call_per_device=0.0, call=0.0)
+
+  def call_time(self, devices: int) -> float:
+    return self.call + self.call_per_device * devices
+
+  def hide(self, compute: float, comm_time: float) -> float:
+    return max(compute, comm_time) + (1.0 - self.overlap) * min(compute, comm_time)
+
+
+def forward_flops(cfg: ModelConfig, length: int) -> float:
+  """FLOPs of one causal forward pass over `length` tokens (the embedding lookup is free)."""
+  matmul_params = cfg.num_params - cfg.vocab_size * cfg.hidden_size
+  attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * length
+  return 2 * matmul_params * length + attention
+
+
+def layer_params(cfg: ModelConfig) -> float:
+  return (cfg.num_params - 2 * cfg.vocab_size * cfg.hidden_size) / cfg.num_layers
+
+
+def shape_problem(cfg: ModelConfig, tensor: int, what: str) -> str | None:
+  """Why `tensor` cannot split this model's heads and matrices, or None."""
+  kv = cfg.num_kv_heads
+  if cfg.num_heads % tensor:
+    return f"indivisible shape: {what} tensor={tensor} does not divide num_heads={cfg.num_heads}"
+  if kv % tensor and tensor % kv:
+    return f"indivisible shape: {what} tensor={tensor} vs num_kv_heads={kv}"
+  for name in ("intermediate_size", "vocab_size"):
+    if getattr(cfg, name) % tensor:
+      return f"indivisible shape: {what} tensor={tensor} does not divide {name}"
+  return None
+
+
+@dataclasses.dataclass
+class StageCost:
+  time: float = math.inf
+  transient: float = 0.0  # bytes per device held only while this call runs
+  reason: str | None = None
+  note: str = ""
+
+
+class Simulator:
+  def __init__(self, workload: Workload, profile: DeviceProfile,
+               overheads: Overheads | None = None):
+    self.wl, self.prof = workload, profile
+    self.ovh = Overheads() if overheads is None else overheads
+    self.capacity = profile.memory_bytes * profile.usable_memory
+    self.flops_rate = profile.peak_flops * profile.compute_efficiency
+    self.hbm_rate = profile.memory_bandwidth * profile.bandwidth_efficiency
+
+  def resident(self, role: str, mesh: MeshShape) -> float:
+    per_param = TRAIN_BYTES_PER_PARAM if role in TRAINED else WEIGHT_BYTES
+    return per_param * self.wl.models[role].num_params / mesh.shards
+
+  def mesh_problem(self, role: str, mesh: MeshShape) -> str | None:
+    wl = self.wl
+    problem = shape_problem(wl.models[role], mesh.tensor, f"{role} mesh")
+    if problem:
+      return problem
+    if wl.sequences % mesh.batch_ways:
+      return f"indivisible batch: {wl.sequences} sequences % {role} data*fsdp={mesh.batch_ways}"
+    if role in TRAINED and wl.mini_batch_sequences % mesh.batch_ways:
+      return (f"indivisible batch: mini-batch of {wl.mini_batch_sequences} sequences % "
+              f"{role} data*fsdp={mesh.batch_ways}")
+    return None
+
+  def _layer_comm(self, cfg, mesh, micro_seqs, passes):
+    """Per micro-batch: tensor-parallel all-reduces (2 per layer per pass) and one
+    all-gather of the weights over fsdp (so a pass can run layer by layer)."""
+    tokens = micro_seqs * self.wl.seq_len
+    tp = passes * 2 * cfg.num_layers * comm.all_reduce(
+        self.prof, tokens * cfg.hidden_size * WEIGHT_BYTES, mesh.tensor, mesh.tensor)
+    gather = comm.all_gather(self.prof, WEIGHT_BYTES * cfg.num_params / mesh.tensor,
+                             mesh.fsdp, mesh.shards)
+    return tp, gather
+
+  def _activations(self, cfg, mesh, micro_seqs, train, remat):
+    tokens = micro_seqs * self.wl.seq_len
+    d, t = cfg.hidden_size, mesh.tensor
+    # One layer's live activations: Korthikanti et al.'s 34*d bytes per token (attention
+    # scores excluded: flash attention never stores them), split by sequence parallelism.
+    layer = tokens * 34 * d / t
+    logits = tokens * cfg.vocab_size * 4 / t * (2 if train else 1)  # fp32 (+ its gradient)
+    gathered = 2 * WEIGHT_BYTES * layer_params(cfg) / t if mesh.fsdp > 1 else 0.0
+    if not train:
+      return layer + logits + gathered
+    saved = cfg.num_layers * (tokens * 2 * d / t if remat else layer)
+    return saved + layer + logits + 2 * gathered
+
+  def forward(self, role: str, mesh: MeshShape, free: float) -> StageCost:
+    """Log-probs, values or rewards of the whole batch: one micro-batched pass."""
+    cfg, wl = self.wl.models[role], self.wl
+    per_device = wl.sequences // mesh.batch_ways
+    micro = min(wl.micro_batch_size, per_device)
+    calls = math.ceil(per_device / micro)
+    transient = self._activations(cfg, mesh, micro, train=False, remat=False)
+    if transient > free:
+      return StageCost(reason=f"OOM: {role} forward needs {transient / 1e9:.1f} GB, "
+                       f"{max(free, 0) / 1e9:.1f} GB free")
+    compute = wl.sequences * forward_flops(cfg, wl.seq_len) / (mesh.size * self.flops_rate)
+    tp, gather = self._layer_comm(cfg, mesh, micro, passes=1)
+    time = (self.ovh.hide(compute, calls * gather) + calls * tp
+            + self.ovh.call_time(mesh.size))
+    return StageCost(time, transient)
+
+  def train(self, role: str, mesh: MeshShape, free: float) -> StageCost:
+    """ppo_epochs passes over the batch in mini-batches, one optimizer step each; layers
+    are recomputed in the backward pass (remat) only when their activations do not fit."""
+    cfg, wl = self.wl.models[role], self.wl
+    per_device = wl.mini_batch_sequences // mesh.batch_ways
+    micro = min(wl.micro_batch_size, per_device)
+    remat = self._activations(cfg, mesh, micro, train=True, remat=False) > free
+    transient = self._activations(cfg, mesh, micro, train=True, remat=remat)
+    if transient > free:
+      return StageCost(reason=f"OOM: {role} training needs {transient / 1e9:.1f} GB, "
+                       f"{max(free, 0) / 1e9:.1f} GB free")
+    steps = wl.optimizer_steps
+    calls = steps * math.ceil(per_device / micro)
+    passes = 3 + remat  # forward, backward (2x), and the recomputed forward
+    compute = (wl.ppo_epochs * wl.sequences * passes * forward_flops(cfg, wl.seq_len)
+               / (mesh.size * self.flops_rate))
+    tp, gather = self._layer_comm(cfg, mesh, micro, passes=2 + remat)
+    fsdp = calls * gather * (2 + remat)  # gathers for forward and backward (+ recompute),
+    # the reduce-scatter of gradients costing as much as one gather
+    grads = WEIGHT_BYTES * cfg.num_params / mesh.shards
+    sync = steps * comm.all_reduce(self.prof, grads, mesh.data, mesh.size)
+    update = steps * 2 * TRAIN_BYTES_PER_PARAM * cfg.num_params / mesh.shards / self.hbm_rate
+    time = (self.ovh.hide(compute, fsdp) + calls * tp + sync + update
+            + self.ovh.call_time(mesh.size))
+    return StageCost(time, transient, note="remat" if remat else "")
+
+  def reshard(self, mesh: MeshShape, gen_tensor: int, strided: bool = True) -> float:
+    """The hybrid engine's switch from the train layout to the generate layout.
+
+    Training splits the weights m = fsdp * tensor ways; generation splits them t_g ways.
+    With the paper's strided grouping (Sec. 5.3) each t_g-group is taken inside an
+    m-group so that a device's generation shard (M / t_g bytes) contains its own
+    training shard (M / m): the m / t_g consecutive devices holding one generation
+    shard all-gather it and each receives M / t_g - M / m = (m - t_g) / (t_g m) * M.
+    That is Table 2's (tp - t_g p_g) / (t_g p_g tp) * M with no pipeline stages
+    (p = p_g = 1) and the fsdp axis counted into t. Nothing moves back: the train layout
+    stays the source of truth and the generate copy is dropped.
+
+    When m spans several nodes, strided groups span them too and every decoded token
+    pays inter-node all-reduces. The node-local alternative (strided=False) keeps each
+    t_g-group inside a node; then almost none of a device's generation shard is local,
+    and it receives the whole M / t_g from across the m-group.
+    """
+    cfg, m = self.wl.models["actor"], mesh.shards
+    shard = WEIGHT_BYTES * cfg.num_params / gen_tensor
+    if not strided:
+      return comm.transfer(self.prof, shard, m)
+    if gen_tensor >= m:  # the generation shard is a slice of the training shard
+      return 0.0
+    return comm.all_gather(self.prof, shard, m // gen_tensor, m // gen_tensor)
+
+  def generate(self, mesh: MeshShape, gen_tensor: int, free: float,
+               strided: bool = True) -> StageCost:
+    """Reshard, then prefill and decode every sequence on n / t_g replicas of t_g-way
+    tensor parallelism. The KV cache gets the memory left free; a replica whose
+    sequences do not all fit generates them in waves."""
+    cfg, wl, prof = self.wl.models["actor"], self.wl, self.prof
+    problem = shape_problem(cfg, gen_tensor, "actor generate")
+    if problem:
+      return StageCost(reason=problem)
+    replicas = mesh.size // gen_tensor
+    if mesh.size % gen_tensor or wl.sequences % replicas:
+      return StageCost(reason=f"indivisible batch: {wl.sequences} sequences % {replicas} "
+                       f"generate replicas (t_g={gen_tensor})")
+    weights = WEIGHT_BYTES * cfg.num_params / gen_tensor
+    kv_heads = max(1, cfg.num_kv_heads // gen_tensor)  # fewer than t_g: replicated
+    kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * WEIGHT_BYTES
+    kv_seq = kv_token * wl.seq_len
+    if free - weights < kv_seq:
+      return StageCost(reason=f"OOM: actor generate weights {weights / 1e9:.1f} GB + KV "
+                       f"{kv_seq / 1e9:.2f} GB/seq, {max(free, 0) / 1e9:.1f} GB free")
+    per_replica = wl.sequences // replicas
+    waves = math.ceil(per_replica / min(per_replica, int((free - weights) // kv_seq)))
+    batch = math.ceil(per_replica / waves)
+    span = mesh.shards if strided else gen_tensor  # devices one tensor group spreads over
+    prefill = (batch * forward_flops(cfg, wl.prompt_len) / (gen_tensor * self.flops_rate)
+               + 2 * cfg.num_layers * comm.all_reduce(
+                   prof, batch * wl.prompt_len * cfg.hidden_size * WEIGHT_BYTES,
+                   gen_tensor, span))
+    # Decode: each step reads the weights and the KV cache (context averaged over the
+    # response) and all-reduces one token's activations twice per layer.
+    context = wl.prompt_len + wl.response_len / 2
+    read = weights + batch * kv_token * context
+    flops = batch * (forward_flops(cfg, 1) + 4 * cfg.num_layers * cfg.num_heads *
+                     cfg.head_dim * context) / gen_tensor
+    token_comm = 2 * cfg.num_layers * comm.all_reduce(
+        prof, batch * cfg.hidden_size * WEIGHT_BYTES, gen_tensor, span)
+    step = (max(read / self.hbm_rate, flops / self.flops_rate) + token_comm
+            + self.ovh.decode_step)
+    time = (self.reshard(mesh, gen_tensor, strided) + waves * (prefill + wl.response_len * step)
+            + self.ovh.call_time(mesh.size))
+    notes = ([] if strided else ["node-local t_g groups"]) + \
+        ([f"waves={waves}"] if waves > 1 else [])
+    return StageCost(time, weights + batch * kv_seq, note=", ".join(notes))

@@ -1,0 +1,74 @@
+"""A plan: where each role runs, on which mesh, and what the simulator predicts for it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hflax.sharding.automap.mesh import MeshShape
+from hflax.sharding.automap.placements import Placement, label
+from hflax.sharding.automap.workload import STAGES
+
+
+@dataclasses.dataclass
+class Plan:
+  placement: Placement                 # groups of colocated roles, one pool each
+  devices: tuple[int, ...]             # devices per pool, in placement order
+  meshes: dict[str, MeshShape]         # role -> training/inference mesh
+  generate_tensor: int                 # the actor's generation tensor width t_g
+  stage_times: dict[str, float]        # stage -> seconds (max over pools of their sum)
+  pool_stage_times: tuple[dict[str, float], ...] = ()
+  peak_memory: tuple[float, ...] = ()  # bytes per device, per pool
+  reason: str | None = None            # why the plan cannot run (None: it can)
+  notes: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "remat", ...
+  generate_strided: bool = True        # False: node-local generation tensor groups
+
+  @property
+  def feasible(self) -> bool:
+    return self.reason is None
+
+  @property
+  def step_time(self) -> float:
+    return sum(self.stage_times.values()) if self.feasible else math.inf
+
+  @property
+  def label(self) -> str:
+    return label(self.placement)
+
+  def pool_of(self, role: str) -> str:
+    for i, group in enumerate(self.placement):
+      if role in group:
+        return f"pool{i}"
+    raise KeyError(role)
+
+  def to_config(self) -> dict:
+    """The placement dict the controller consumes (see hflax.sharding.placement):
+
+      {"pools": {"pool0": 8, "pool1": 8},
+       "roles": {"actor": {"pool": "pool0", "mesh": {"data": 1, "fsdp": 4, "tensor": 2},
+                           "generate_tensor": 2},
+                 "critic": {"pool": "pool1", "mesh": {...}}, ...}}
+
+    Only when the plan needs node-local generation groups (hybrid_engine.generate_mesh
+    with strided=False) does the actor's entry also carry "generate_strided": False.
+    """
+    roles = {}
+    for group in self.placement:
+      for role in group:
+        entry = {"pool": self.pool_of(role), "mesh": self.meshes[role].as_dict()}
+        if role == "actor":
+          entry["generate_tensor"] = self.generate_tensor
+          if not self.generate_strided:
+            entry["generate_strided"] = False
+        roles[role] = entry
+    return {"pools": {f"pool{i}": n for i, n in enumerate(self.devices)}, "roles": roles}
+
+  def describe(self) -> str:
+    pools = "  ".join(f"[{'+'.join(g)}]x{n}" for g, n in zip(self.placement, self.devices))
+    if not self.feasible:
+      return f"{pools}  infeasible: {self.reason}"
+    meshes = " ".join(f"{r}={m}" for r, m in self.meshes.items())
+    stages = " ".join(f"{s}={self.stage_times[s]:.1f}s" for s in STAGES if s in self.stage_times)
+    memory = "/".join(f"{b / 1e9:.0f}" for b in self.peak_memory)
+    notes = "".join(f" {r}:{n}" for r, n in self.notes.items() if n)
+    return (f"{self.step_time:8.1f}s  {pools}  {meshes} t_g={self.generate_tensor}  "
+            f"{stages}  peak {memory} GB{notes}")

@@ -1,0 +1,77 @@
+"""What one RL step asks of each model: the workload the auto-mapper plans for.
+
+Roles: "actor" (trained, and it generates), "critic" (trained), "ref", "reward" and
+"cost" (forward only). A step runs in three stages, in order (the paper's dataflow):
+generate, then every forward pass that scores the responses, then the updates.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from hflax.models.config import ModelConfig
+
+TRAINED = ("actor", "critic")
+KNOWN_ROLES = ("actor", "critic", "ref", "reward", "cost")
+STAGES = ("generate", "forward", "train")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  models: Mapping[str, ModelConfig]   # role -> model shape
+  prompts_per_step: int = 1024
+  samples_per_prompt: int = 1
+  prompt_len: int = 1024
+  response_len: int = 1024
+  mini_batch_size: int = 256          # prompts per optimizer step (verl's ppo_mini_batch_size)
+  ppo_epochs: int = 1
+  micro_batch_size: int = 8           # sequences per device per forward/backward call
+
+  def __post_init__(self):
+    roles = tuple(self.models)
+    unknown = set(roles) - set(KNOWN_ROLES)
+    if unknown:
+      raise ValueError(f"models: unknown roles {sorted(unknown)}; known: {KNOWN_ROLES}")
+    if "actor" not in roles:
+      raise ValueError("models: an 'actor' is required (it generates the responses)")
+    for name in ("prompts_per_step", "samples_per_prompt", "prompt_len", "response_len",
+                 "mini_batch_size", "ppo_epochs", "micro_batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.prompts_per_step % self.mini_batch_size:
+      raise ValueError(f"mini_batch_size={self.mini_batch_size} must divide "
+                       f"prompts_per_step={self.prompts_per_step}")
+    # Canonical role order, so placements and reports read the same everywhere.
+    object.__setattr__(self, "models", {r: self.models[r] for r in KNOWN_ROLES
+                                        if r in self.models})
+
+  @property
+  def roles(self) -> tuple[str, ...]:
+    return tuple(self.models)
+
+  @property
+  def sequences(self) -> int:
+    return self.prompts_per_step * self.samples_per_prompt
+
+  @property
+  def seq_len(self) -> int:
+    return self.prompt_len + self.response_len
+
+  @property
+  def mini_batch_sequences(self) -> int:
+    return self.mini_batch_size * self.samples_per_prompt
+
+  @property
+  def optimizer_steps(self) -> int:
+    return self.ppo_epochs * self.prompts_per_step // self.mini_batch_size
+
+  @classmethod
+  def ppo(cls, actor: ModelConfig, critic: ModelConfig | None = None, *,
+          ref: ModelConfig | None = None, reward: ModelConfig | None = None,
+          cost: ModelConfig | None = None, **kw) -> Workload:
+    """PPO's four models: ref defaults to the actor's shape, reward to the critic's."""
+    critic = critic or actor
+    models = {"actor": actor, "critic": critic, "ref": ref or actor, "reward": reward or critic}
+    if cost is not None:
+      models["cost"] = cost
+    return cls(models=models, **kw)
