@@ -22,6 +22,7 @@ from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate,
                                        make_train_step, mini_batch_order)
 from hflax.models.logprobs import sequence_log_probs
 from hflax.models.transformer import forward
+from hflax.rewards.scorer import last_token_scores
 from hflax.rollout.sampler import SamplingParams, _generate, decode_segments
 from hflax.sharding.hybrid_engine import HybridEngine
 from hflax.sharding.layouts import (TRAIN_RULES, batch_sharding, data_parallel_size,
@@ -135,8 +136,13 @@ class ActorRolloutWorker(RoleWorker):
     self._rng = jax.random.key(self.seed)
     self._calls = 0
 
-  def generate_sequences(self, prompts: Batch, sampling: SamplingParams | None = None) -> Batch:
-    """prompts: fields "prompts" [B, P] and "prompt_mask" (left-padded). Returns B * n rows."""
+  def generate_sequences(self, prompts: Batch, sampling: SamplingParams | None = None,
+                         rng=None) -> Batch:
+    """prompts: fields "prompts" [B, P] and "prompt_mask" (left-padded). Returns B * n rows.
+
+    Without `rng`, call i of the run samples with fold_in(seed key, i), so a resumed run
+    (which restores the call count) draws exactly what the uninterrupted run would have.
+    """
     params = sampling or self.sampling
     for key in ("prompts", "prompt_mask"):
       if key not in prompts:
@@ -147,8 +153,9 @@ class ActorRolloutWorker(RoleWorker):
     rows = jax.sharding.NamedSharding(self.engine.mesh, jax.sharding.PartitionSpec("data"))
     tokens = jax.device_put(prompts["prompts"], rows)
     mask = jax.device_put(prompts["prompt_mask"], rows)
-    rng = jax.random.fold_in(self._rng, self._calls)
-    self._calls += 1
+    if rng is None:
+      rng = jax.random.fold_in(self._rng, self._calls)
+      self._calls += 1
     out = _generate(self.graphdef, gen_state, tokens, mask, rng, params=params,
                     segments=decode_segments(params.max_new_tokens))
     del gen_state  # the generation copy is freed once the program has consumed it
@@ -283,8 +290,5 @@ class FunctionRewardWorker:
     scores = np.asarray(self.score_fn(batch.to_host()), np.float32)
     if scores.shape != (len(batch),):
       raise ValueError(f"reward function returned shape {scores.shape}, expected ({len(batch)},)")
-    mask = np.asarray(batch["response_mask"])
-    last = np.maximum(mask.sum(axis=1).astype(np.int64), 1) - 1
-    token_level = np.zeros(mask.shape, np.float32)
-    token_level[np.arange(len(batch)), last] = scores
+    token_level = last_token_scores(scores, np.asarray(batch["response_mask"]))
     return Batch({self.output: jax.device_put(token_level, self.home)})

@@ -29,7 +29,7 @@ def base_config() -> ml_collections.ConfigDict:
       cost_limit=0.0, lambda_lr=0.05, lambda_init=1.0)
   c.data = dict(
       train_files="builtin:arithmetic", val_files="builtin:arithmetic",
-      train_batch_size=16, val_batch_size=64, max_prompt_length=32, max_response_length=8,
+      train_batch_size=16, val_batch_size=64, max_prompt_length=48, max_response_length=8,
       truncate_prompts=False, shuffle=True, seed=0,
       builtin=dict(num_train=4000, num_val=200, digits=(1, 2), ops="+-"))
   c.model = dict(
@@ -49,8 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
                   loss_agg_mode="token-mean", model_path="")
   c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""))
   c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""))
-  # Placement: "colocated", "standalone", or a dict (see hflax.sharding.placement).
-  c.placement = "colocated"
+  # kind: "colocated" (every role on all devices), "standalone" (a pool per role), "auto"
+  # (the auto-mapper's best plan) or "custom" (pools and roles as in hflax.sharding.placement).
+  c.placement = dict(kind="colocated", pools={}, roles={})
   c.trainer = dict(
       total_steps=20, critic_warmup=0, seed=0, run_dir="runs/default", resume=True,
       save_every=10, keep=2, val_every=10, val_before_train=True,
@@ -106,5 +107,8 @@ def validate(c) -> None:
     fail("reward.model_path", "reward.kind='model' needs a checkpoint directory")
   if bool(c.reward.custom_fn.path) != bool(c.reward.custom_fn.name):
     fail("reward.custom_fn", "set both path and name (a Python file and a function in it)")
-  if isinstance(c.placement, str) and c.placement not in ("colocated", "standalone", "auto"):
-    fail("placement", f"{c.placement!r} is not 'colocated', 'standalone', 'auto' or a dict")
+  kinds = ("colocated", "standalone", "auto", "custom")
+  if c.placement.kind not in kinds:
+    fail("placement.kind", f"{c.placement.kind!r} is not one of {kinds}")
+  if c.placement.kind == "custom" and not (c.placement.pools and c.placement.roles):
+    fail("placement", "kind='custom' needs placement.pools and placement.roles")

@@ -29,18 +29,21 @@ def needed_roles(cfg) -> list[str]:
 
 
 def placement_spec(cfg, roles: list[str], devices: int) -> dict:
-  spec = cfg.placement
-  tensor = cfg.rollout.generate_tensor
-  if spec == "colocated":
+  kind, tensor = cfg.placement.kind, cfg.rollout.generate_tensor
+  if kind == "colocated":
     return colocated(roles, devices, tensor)
-  if spec == "standalone":
+  if kind == "standalone":
     if devices % len(roles):
       raise ValueError(f"config.placement: 'standalone' needs the {devices} devices to divide "
                        f"among the {len(roles)} roles {roles}")
     return standalone(roles, devices // len(roles), tensor)
-  if spec == "auto":
+  if kind == "auto":
     raise ValueError("config.placement: 'auto' is resolved by the launcher (hflax.launch.plan)")
-  return spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)
+  spec = {"pools": cfg.placement.pools.to_dict(), "roles": cfg.placement.roles.to_dict()}
+  for name, role in spec["roles"].items():  # the actor generates with rollout.generate_tensor
+    if name == "actor":
+      role.setdefault("generate_tensor", tensor)
+  return spec
 
 
 def policy_model(cfg, vocab_size: int, tokenizer=None):

@@ -15,11 +15,10 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from hflax import algorithms as alg
 from hflax.controller.batch import Batch
+from hflax.metrics import reduce_batch_metrics
 
 STAGE_NAMES = {"generate_sequences": "gen", "compute_reward": "reward",
                "compute_log_prob": "old_log_prob", "old_log_probs": "old_log_prob",
@@ -112,8 +111,7 @@ def critic_loss(cfg):
     per_token, metrics = alg.value_loss(values, f["values"], f["returns"], mask,
                                         cliprange_value=clip)
     vf_loss = alg.aggregate_loss(per_token, mask, mode)
-    return vf_loss, {**metrics, "vf_loss": vf_loss,
-                     "vf_explained_var": alg.explained_variance(values, f["returns"], mask)}
+    return vf_loss, {**metrics, "vf_loss": vf_loss}
 
   return loss
 
@@ -148,27 +146,11 @@ def compute_advantage(batch: Batch, algo_cfg, state: StepState, rows_per_step: i
   return batch.union(out)
 
 
-def group_ids(prompts: int, n: int) -> np.ndarray:
-  """Row i * n + j answers prompt i (the sampler's interleaved order)."""
-  return np.repeat(np.arange(prompts, dtype=np.int32), n)
-
-
 def step_metrics(batch: Batch, max_response_length: int) -> dict:
-  """verl's batch statistics, as device scalars (no host sync)."""
-  mask = batch["response_mask"].astype(jnp.float32)
-  lengths = mask.sum(axis=1)
-  scores = (batch["token_level_scores"] * mask).sum(axis=1)
-  out = {"critic/score/mean": scores.mean(), "critic/score/max": scores.max(),
-         "critic/score/min": scores.min(),
-         "critic/rewards/mean": (batch["token_level_rewards"] * mask).sum(axis=1).mean(),
-         "critic/advantages/mean": alg.masked_mean(batch["advantages"], mask),
-         "critic/advantages/max": jnp.where(mask > 0, batch["advantages"], -jnp.inf).max(),
-         "critic/advantages/min": jnp.where(mask > 0, batch["advantages"], jnp.inf).min(),
-         "critic/returns/mean": alg.masked_mean(batch["returns"], mask),
-         "response_length/mean": lengths.mean(), "response_length/max": lengths.max(),
-         "response_length/min": lengths.min(),
-         "response_length/clip_ratio": (lengths >= max_response_length).mean(),
-         "prompt_length/mean": batch["prompt_mask"].sum(axis=1).mean()}
-  if "values" in batch:
-    out["critic/values/mean"] = alg.masked_mean(batch["values"], mask)
-  return out
+  """verl's batch statistics (critic/score/mean, response_length/mean, ...), on device."""
+  return reduce_batch_metrics(
+      scores=batch["token_level_scores"].sum(axis=1),
+      token_level_rewards=batch["token_level_rewards"], advantages=batch["advantages"],
+      returns=batch["returns"], response_mask=batch["response_mask"],
+      prompt_mask=batch["prompt_mask"], max_response_length=max_response_length,
+      values=batch["values"] if "values" in batch else None)

@@ -1,7 +1,6 @@
 """Safe-RLHF (PPO-Lagrangian): PPO plus a cost model and a Lagrange multiplier that grows
 while the mean cost exceeds its limit. Reward advantages come from the critic (GAE);
 cost advantages are whitened cost returns (REINFORCE++), so no second critic is needed."""
-import jax.numpy as jnp
 
 from hflax import algorithms as alg
 from hflax.algorithms.drivers.common import Roles, StepState, compute_advantage

@@ -1,0 +1,81 @@
+"""Supervised warm-up: teaches a fresh policy the answer format of its task (prompt ->
+ground truth + end token), so that RL starts from a policy with something to improve.
+
+The result is cached as an HF checkpoint directory keyed by everything that determines
+it, so repeated runs (and resumed ones) skip it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from hflax.models import hf
+from hflax.models.logprobs import sequence_log_probs
+
+
+def _cache_dir(cfg, model_cfg) -> str:
+  key = json.dumps({"model": model_cfg.to_hf(), "data": cfg.data.to_dict(),
+                    "sft": cfg.trainer.sft_warmup.to_dict(), "tokenizer": cfg.model.tokenizer,
+                    "seed": cfg.trainer.seed, "path": cfg.model.path}, sort_keys=True, default=str)
+  root = cfg.trainer.sft_warmup.cache_dir or os.path.join(
+      os.path.expanduser("~"), ".cache", "hflax", "sft")
+  return os.path.join(root, hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def _examples(rows, tokenizer, max_prompt: int, max_answer: int):
+  """Left-padded prompt + answer + end token; the loss mask covers the answer part."""
+  eos = tokenizer.eos_ids[0]
+  seqs, loss = [], []
+  for row in rows:
+    prompt = tokenizer.encode_chat(row["prompt"])[-max_prompt:]
+    answer = (tokenizer.encode(str(row["reward_model"]["ground_truth"])) + [eos])[:max_answer]
+    seqs.append(prompt + answer)
+    loss.append([0] * len(prompt) + [1] * len(answer))
+  width = max_prompt + max_answer
+  tokens = np.full((len(seqs), width), tokenizer.pad_id, np.int32)
+  mask, loss_mask = np.zeros((len(seqs), width), bool), np.zeros((len(seqs), width), bool)
+  for i, (s, m) in enumerate(zip(seqs, loss)):
+    tokens[i, width - len(s):], mask[i, width - len(s):] = s, True
+    loss_mask[i, width - len(s):] = m
+  return tokens, mask, loss_mask
+
+
+def sft_warmup(cfg, policy, tokenizer, rows, log=print):
+  """Returns the warmed-up policy (model config, graphdef, state); cached on disk."""
+  model_cfg, graphdef, state = policy
+  sft = cfg.trainer.sft_warmup
+  cache = _cache_dir(cfg, model_cfg)
+  if os.path.isfile(os.path.join(cache, "config.json")):
+    log(f"sft warm-up: reusing {cache}")
+    return hf.load_checkpoint(cache, param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype)
+  tokens, mask, loss_mask = _examples(rows, tokenizer, cfg.data.max_prompt_length,
+                                      cfg.data.max_response_length)
+  tx = optax.adam(sft.lr)
+  opt_state = tx.init(state)
+
+  @jax.jit
+  def step(state, opt_state, tokens, mask, loss_mask):
+    def loss_fn(state):
+      logp, _ = sequence_log_probs(graphdef, state, tokens, mask)
+      return -(logp * loss_mask).sum() / jnp.maximum(loss_mask.sum(), 1)
+    loss, grads = jax.value_and_grad(loss_fn)(state)
+    updates, opt_state = tx.update(grads, opt_state, state)
+    return optax.apply_updates(state, updates), opt_state, loss
+
+  rng = np.random.default_rng(cfg.trainer.seed)
+  for i in range(sft.steps):
+    idx = rng.choice(len(tokens), size=min(sft.batch_size, len(tokens)), replace=False)
+    state, opt_state, loss = step(state, opt_state, tokens[idx], mask[idx], loss_mask[idx])
+    if (i + 1) % max(1, sft.steps // 5) == 0:
+      log(f"sft warm-up: step {i + 1}/{sft.steps} loss {float(loss):.4f}")
+  os.makedirs(os.path.dirname(cache), exist_ok=True)
+  tmp = cache + f".tmp{os.getpid()}"
+  hf.export_checkpoint(tmp, model_cfg, state)
+  os.replace(tmp, cache) if not os.path.exists(cache) else None
+  return model_cfg, graphdef, state

@@ -1,0 +1,212 @@
+"""The main job: data, rewards, roles, the algorithm's step loop, validation, checkpoints,
+metrics and the final export. `run(cfg)` is what `python -m hflax.launch` calls."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import numpy as np
+
+from hflax.algorithms.drivers import DRIVERS, TAKES_PROMPT_ITERATOR, init_state
+from hflax.algorithms.drivers.common import step_metrics, timed_roles
+from hflax.checkpoint import Checkpointer
+from hflax.controller.batch import Batch
+from hflax.data import PromptLoader, arithmetic_task, load_prompts
+from hflax.launch.config import validate
+from hflax.launch.roles import build_roles, policy_model
+from hflax.launch.sft import sft_warmup
+from hflax.metrics import MetricsLogger, plot_metrics, throughput
+from hflax.models import hf
+from hflax.models.tokenizer import load_tokenizer
+from hflax.rewards import RuleRewardScorer, accuracy_metrics, load_reward_function
+
+
+def load_datasets(cfg):
+  """(train, val) datasets: files in verl's schema, or "builtin:arithmetic"."""
+  d = cfg.data
+  builtin = None
+  if "builtin:arithmetic" in (d.train_files, d.val_files):
+    b = d.builtin
+    builtin = arithmetic_task(b.num_train, b.num_val, seed=d.seed, digits=tuple(b.digits),
+                              ops=b.ops)
+  def load(spec, which):
+    if spec == "builtin:arithmetic":
+      return builtin[which]
+    if not os.path.exists(spec):
+      raise FileNotFoundError(f"config.data.{'train' if which == 0 else 'val'}_files: "
+                              f"{spec!r} does not exist")
+    return load_prompts(spec)
+  return load(d.train_files, 0), load(d.val_files, 1)
+
+
+def make_reward_fn(section, tokenizer):
+  """score_fn(host batch) -> [B] scores from a rule (per data source) or a user function."""
+  custom = (load_reward_function(section.custom_fn.path, section.custom_fn.name)
+            if section.custom_fn.path else None)
+  scorer = RuleRewardScorer(tokenizer, custom)
+
+  def score(batch: Batch):
+    return scorer(batch["responses"], list(batch["ground_truth"]), list(batch["data_source"]),
+                  list(batch["extra_info"]), response_mask=batch["response_mask"])["scores"]
+  return score
+
+
+class Trainer:
+  def __init__(self, cfg, log=print):
+    validate(cfg)
+    self.cfg, self.log = cfg, log
+    self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    train, val = load_datasets(cfg)
+    self.loader = PromptLoader(train, self.tokenizer, cfg.data.train_batch_size,
+                               cfg.data.max_prompt_length, seed=cfg.data.seed,
+                               shuffle=cfg.data.shuffle, truncate=cfg.data.truncate_prompts)
+    self.val_loader = PromptLoader(val, self.tokenizer, min(len(val), cfg.data.val_batch_size),
+                                   cfg.data.max_prompt_length, shuffle=False,
+                                   truncate=cfg.data.truncate_prompts)
+    self.val_rows = val
+    self.reward_fn = make_reward_fn(cfg.reward, self.tokenizer)
+    self.cost_fn = make_reward_fn(cfg.cost, self.tokenizer) if cfg.algorithm.name == "safe_rlhf" \
+        and cfg.cost.kind == "rule" else None
+    devices = jax.devices()[:cfg.trainer.devices] if cfg.trainer.devices else jax.devices()
+    policy = policy_model(cfg, self.tokenizer.vocab_size, self.tokenizer)
+    if cfg.trainer.sft_warmup.steps:
+      policy = sft_warmup(cfg, policy, self.tokenizer, list(train), log=log)
+    self.model_cfg = policy[0]
+    self.roles = build_roles(cfg, policy, tokenizer=self.tokenizer, reward_fn=self.reward_fn,
+                             cost_fn=self.cost_fn, devices=devices)
+    self.devices = len(devices)
+    self.state = init_state(cfg.algorithm)
+    self.state.lagrange_lambda = cfg.algorithm.lambda_init
+    self.ckpt = Checkpointer(os.path.join(cfg.trainer.run_dir, "checkpoints"),
+                             keep=cfg.trainer.keep, save_every=cfg.trainer.save_every)
+
+  # -- checkpoints --------------------------------------------------------------------------
+  def _trained(self):
+    return {name: w for name, w in (("actor", self.roles.actor), ("critic", self.roles.critic))
+            if w is not None}
+
+  def save(self, step: int, force: bool = False):
+    if self.ckpt.latest_step() == step:
+      return
+    arrays = {}
+    for name, w in self._trained().items():
+      arrays[f"{name}_params"], arrays[f"{name}_opt_state"] = w.params, w.opt_state
+    host = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.state.kl_ctrl,
+            "lagrange_lambda": self.state.lagrange_lambda,
+            "workers": {name: {"updates": w.updates, "optimizer_steps": w.optimizer_steps,
+                               "calls": getattr(w, "_calls", 0)}
+                        for name, w in self._trained().items()}}
+    self.ckpt.save(step, arrays, host, force=force)
+
+  def resume(self) -> int:
+    step = self.ckpt.latest_step() if self.cfg.trainer.resume else None
+    if step is None:
+      return 0
+    targets = {}
+    for name, w in self._trained().items():
+      targets[f"{name}_params"], targets[f"{name}_opt_state"] = w.params, w.opt_state
+    arrays, host = self.ckpt.restore(step, targets)
+    for name, w in self._trained().items():
+      w.params, w.opt_state = arrays[f"{name}_params"], arrays[f"{name}_opt_state"]
+      saved = host["workers"][name]
+      w.updates, w.optimizer_steps = saved["updates"], saved["optimizer_steps"]
+      if hasattr(w, "_calls"):
+        w._calls = saved["calls"]
+    self.loader.load_state_dict(host["loader"])
+    self.state.step, self.state.kl_ctrl = host["step"], host["kl_ctrl"]
+    self.state.lagrange_lambda = host["lagrange_lambda"]
+    self.log(f"resumed from step {step} ({self.ckpt.directory})")
+    return step
+
+  # -- validation ---------------------------------------------------------------------------
+  def validate(self) -> dict:
+    """Greedy (rollout.val_temperature) accuracy on the held-out prompts, per data source."""
+    actor = self.roles.actor
+    sampling = dataclasses.replace(actor.sampling, n=1, temperature=self.cfg.rollout.val_temperature)
+    scores, sources = [], []
+    dp = actor.engine.mesh.shape["data"]
+    for raw in _full_pass(self.val_loader, len(self.val_rows)):
+      prompts, pad = Batch.from_dict(raw).pad_to_divisor(dp)
+      batch = actor.generate_sequences(prompts, sampling=sampling,
+                                       rng=jax.random.key(self.cfg.trainer.seed)).unpad(pad)
+      scores.append(self.reward_fn(batch.to_host()))
+      sources += list(batch["data_source"])
+    return accuracy_metrics(np.concatenate(scores), sources)
+
+  # -- the loop -----------------------------------------------------------------------------
+  def prompt_batches(self):
+    while True:
+      yield Batch.from_dict(self.loader.next_batch())
+
+  def fit(self) -> dict:
+    cfg = self.cfg
+    start = self.resume()
+    total = cfg.trainer.total_steps
+    logger = MetricsLogger(cfg.trainer.run_dir, total, backends=tuple(cfg.trainer.log),
+                           wandb=cfg.trainer.wandb_project or None, start_step=start)
+    first_val = last_val = None
+    if cfg.trainer.val_before_train and start == 0:
+      first_val = self.validate()
+      self.log("held-out accuracy before RL: " + _fmt(first_val))
+    driver, prompts = DRIVERS[cfg.algorithm.name], self.prompt_batches()
+    profile = set(cfg.trainer.profile_steps)
+    for step in range(start + 1, total + 1):
+      metrics: dict = {}
+      roles = timed_roles(self.roles, metrics, block=cfg.trainer.stage_timing)
+      if step in profile:
+        jax.profiler.start_trace(os.path.join(cfg.trainer.run_dir, "profile", f"step{step}"))
+      began = time.perf_counter()
+      batch = driver(roles, prompts if cfg.algorithm.name in TAKES_PROMPT_ITERATOR else next(prompts),
+                     cfg, self.state)
+      metrics.update(batch.meta.get("metrics", {}))
+      metrics.update(step_metrics(batch, cfg.data.max_response_length))
+      jax.block_until_ready(metrics)
+      elapsed = time.perf_counter() - began
+      if step in profile:
+        jax.profiler.stop_trace()
+      tokens = float(np.asarray(batch["attention_mask"]).sum())
+      metrics.update({"timing_s/step": elapsed,
+                      "perf/throughput": throughput(tokens, elapsed, self.devices),
+                      "perf/total_num_tokens": tokens})
+      self.state.step = step
+      if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
+        last_val = self.validate()
+        metrics.update(last_val)
+      logger.log(step, metrics)
+      self.save(step)
+    self.save(total, force=True)
+    logger.close()
+    if first_val is not None and last_val is not None:
+      self.log("held-out accuracy before RL: " + _fmt(first_val))
+      self.log("held-out accuracy after RL:  " + _fmt(last_val))
+    if cfg.trainer.export_hf:
+      out = os.path.join(cfg.trainer.run_dir, "hf_actor")
+      hf.export_checkpoint(out, self.model_cfg, self.roles.actor.params)
+      self.log(f"exported the actor to {out}")
+    self._plot()
+    return {"before": first_val, "after": last_val}
+
+  def _plot(self):
+    path = os.path.join(self.cfg.trainer.run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+      try:
+        plot_metrics(path, os.path.join(self.cfg.trainer.run_dir, "metrics.png"))
+      except ImportError as e:  # matplotlib missing: the JSONL is still there to re-plot
+        self.log(f"no plot: {e}")
+
+
+def _full_pass(loader: PromptLoader, rows: int):
+  """Every held-out row once, in order (the last batch may be short)."""
+  size = loader.batch_size
+  for start in range(0, rows, size):
+    yield loader.collate(np.arange(start, min(rows, start + size)))
+
+
+def _fmt(metrics: dict) -> str:
+  return ", ".join(f"{k} = {v:.3f}" for k, v in sorted(metrics.items()))
+
+
+def run(cfg, log=print) -> dict:
+  return Trainer(cfg, log=log).fit()
