@@ -132,3 +132,19 @@ def test_jsonl_data_custom_reward_and_hf_checkpoint(tmp_path):
   row = _read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]
   assert row["critic/score/mean"] == 1.0  # every response scored by the user's function
   assert "critic/vf_loss" in row
+
+
+def test_placement_auto_runs_the_best_plan(tmp_path):
+  from hflax.launch.plan import ranked_plans
+  c = tiny(tmp_path, name="ppo", total_steps=1, val_every=0, val_before_train=False,
+           export_hf=False, devices=4)
+  c.placement.kind = "auto"
+  c.trainer.sft_warmup.steps = 0
+  trainer = Trainer(c, log=lambda *_: None)
+  best = ranked_plans(c, trainer.model_cfg, jax.devices()[:4], top=1)[0].to_config()
+  for role, spec in best["roles"].items():
+    worker = getattr(trainer.roles, role)
+    assert worker.mesh.devices.size == best["pools"][spec["pool"]]
+    assert dict(worker.mesh.shape) == {a: spec["mesh"].get(a, 1) for a in ("data", "fsdp", "tensor")}
+  trainer.fit()
+  assert (tmp_path / "run" / "metrics.jsonl").exists()

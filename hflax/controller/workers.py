@@ -131,7 +131,7 @@ class ActorRolloutWorker(RoleWorker):
     self.recompute_log_prob = recompute_log_prob or generate_dtype not in (None, self.cfg.param_dtype)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.engine = HybridEngine(self.mesh, abstract, self.shardings, placement.generate_tensor,
-                               generate_dtype)
+                               generate_dtype, placement.generate_strided)
     self.temperature = sampling.temperature or 1.0
     self._rng = jax.random.key(self.seed)
     self._calls = 0

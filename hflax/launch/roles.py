@@ -28,7 +28,7 @@ def needed_roles(cfg) -> list[str]:
   return roles
 
 
-def placement_spec(cfg, roles: list[str], devices: int) -> dict:
+def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_list=None) -> dict:
   kind, tensor = cfg.placement.kind, cfg.rollout.generate_tensor
   if kind == "colocated":
     return colocated(roles, devices, tensor)
@@ -37,8 +37,9 @@ def placement_spec(cfg, roles: list[str], devices: int) -> dict:
       raise ValueError(f"config.placement: 'standalone' needs the {devices} devices to divide "
                        f"among the {len(roles)} roles {roles}")
     return standalone(roles, devices // len(roles), tensor)
-  if kind == "auto":
-    raise ValueError("config.placement: 'auto' is resolved by the launcher (hflax.launch.plan)")
+  if kind == "auto":  # the auto-mapper's best plan on a profile measured here (cached)
+    from hflax.launch.plan import ranked_plans
+    return ranked_plans(cfg, policy_cfg, device_list, top=1)[0].to_config()
   spec = {"pools": cfg.placement.pools.to_dict(), "roles": cfg.placement.roles.to_dict()}
   for name, role in spec["roles"].items():  # the actor generates with rollout.generate_tensor
     if name == "actor":
@@ -86,7 +87,7 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
   """policy: (model config, graphdef, state) the actor and reference start from."""
   devices = list(devices if devices is not None else jax.devices())
   roles = needed_roles(cfg)
-  placed = build_placement(placement_spec(cfg, roles, len(devices)), devices)
+  placed = build_placement(placement_spec(cfg, roles, len(devices), policy[0], devices), devices)
   missing = [r for r in roles if r not in placed]
   if missing:
     raise ValueError(f"config.placement.roles: {cfg.algorithm.name} needs roles {missing} placed")

@@ -117,8 +117,8 @@ class HybridEngine:
   """Builds the generation copy of the actor's parameters and measures the switch."""
 
   def __init__(self, train_mesh: Mesh, abstract_state, train_shardings, tensor: int = 1,
-               dtype: str | None = None):
-    self.mesh = generate_mesh(train_mesh, tensor)
+               dtype: str | None = None, strided: bool = True):
+    self.mesh = generate_mesh(train_mesh, tensor, strided)
     self.dtype = dtype
     self.shardings = state_shardings(abstract_state, self.mesh, GENERATE_RULES)
     self.moved = bytes_to_move(abstract_state, train_shardings, self.shardings, dtype)

@@ -42,6 +42,7 @@ class RolePlacement:
   pool: ResourcePool
   mesh: Mesh
   generate_tensor: int = 1
+  generate_strided: bool = True  # False: node-local tensor groups (see hybrid_engine)
 
 
 def colocated(roles: Sequence[str], devices: int, generate_tensor: int = 1) -> dict:
@@ -104,7 +105,8 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
                        f"{pool.name!r} of {pool.size} devices")
     mesh = train_mesh(pool.devices, int(shape.get("data", 1)), int(shape.get("fsdp", 1)),
                       int(shape.get("tensor", 1)))
-    placed[role] = RolePlacement(role, pool, mesh, tensor_g)
+    placed[role] = RolePlacement(role, pool, mesh, tensor_g,
+                                 bool(rspec.get("generate_strided", True)))
   return placed
 
 

@@ -1,0 +1,95 @@
+"""python -m hflax.launch.plan --config ppo.py [--profile calibrate|a100-80gb|...] [--devices N]
+
+Prints the auto-mapper's ranked plans for a config's models and workload: placement,
+devices per pool, mesh shapes, predicted step time per stage and peak memory, and the
+placement fragment that runs the best one. `--config.placement.kind=auto` in the main job
+runs that plan directly.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                             f"device_count={os.environ.get('HFLAX_CPU_DEVICES', '2')}").strip()
+
+
+def workload(cfg, policy_cfg):
+  """The auto-mapper's Workload for a config (every model has the policy's shape unless a
+  checkpoint says otherwise)."""
+  from hflax.launch.roles import needed_roles
+  from hflax.models import hf
+  from hflax.sharding import automap
+  models = {}
+  for role in needed_roles(cfg):
+    path = {"critic": cfg.critic.model_path, "reward": cfg.reward.model_path,
+            "cost": cfg.cost.model_path}.get(role, "")
+    models[role] = hf.read_config(path) if path else policy_cfg
+  micro = cfg.actor.ppo_micro_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+  return automap.Workload(
+      models=models, prompts_per_step=cfg.data.train_batch_size, samples_per_prompt=cfg.rollout.n,
+      prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
+      mini_batch_size=cfg.actor.ppo_mini_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
+      micro_batch_size=micro)
+
+
+def profile(name: str, devices):
+  from hflax.sharding import automap
+  return automap.calibrate(devices) if name == "calibrate" else automap.get_profile(name)
+
+
+def ranked_plans(cfg, policy_cfg, devices, profile_name: str = "calibrate", top: int = 10):
+  from hflax.sharding import automap
+  plans = automap.search(workload(cfg, policy_cfg), profile(profile_name, devices), len(devices),
+                         top_k=top)
+  if not plans:
+    raise ValueError(f"config.placement: no feasible plan for {len(devices)} devices "
+                     f"(profile {profile_name!r})")
+  return plans
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", default="ppo.py")
+  parser.add_argument("--profile", default="calibrate",
+                      help="'calibrate' (measure these devices, cached) or a preset name")
+  parser.add_argument("--devices", type=int, default=0, help="plan for this many devices "
+                      "(default: the devices here; with a preset, any number)")
+  parser.add_argument("--top", type=int, default=10)
+  args, overrides = parser.parse_known_args(argv)
+  import jax
+  from absl import flags
+  from ml_collections import config_flags
+
+  from hflax.launch.__main__ import resolve_config_arg
+  from hflax.launch.roles import policy_model
+  from hflax.models.tokenizer import load_tokenizer
+  from hflax.sharding import automap
+  config = config_flags.DEFINE_config_file("config")
+  flags.FLAGS(["plan", *resolve_config_arg(["--config", args.config]), *overrides])
+  cfg = config.value
+  tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+  if cfg.model.path:
+    from hflax.models import hf
+    policy_cfg = hf.read_config(cfg.model.path)
+  else:
+    policy_cfg = policy_model(cfg, tokenizer.vocab_size, tokenizer)[0]
+  devices = jax.devices()
+  count = args.devices or len(devices)
+  if args.profile == "calibrate" and count != len(devices):
+    sys.exit("--devices other than the local count needs a preset --profile")
+  prof = profile(args.profile, devices)
+  plans = automap.search(workload(cfg, policy_cfg), prof, count, top_k=args.top)
+  print(f"{len(plans)} best plans for {count} devices ({args.profile}); predicted step time, "
+        "pools, meshes, stage times, peak memory per pool:")
+  for i, plan in enumerate(plans):
+    print(f"{i + 1:3d}. {plan.describe()}")
+  if plans:
+    print("\nbest placement (use --config.placement.kind=auto to run it):")
+    print(plans[0].to_config())
+
+
+if __name__ == "__main__":
+  main()
