@@ -38,6 +38,8 @@ class ModelConfig:
   # "float32" or "bfloat16": what matmuls run in; parameters keep their own dtype.
   dtype: str = "float32"
   param_dtype: str = "float32"
+  # Recompute each layer's activations in the backward pass instead of storing them.
+  remat: bool = False
 
   def __post_init__(self):
     if self.head_dim is None:

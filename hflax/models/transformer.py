@@ -139,7 +139,11 @@ class DecoderLM(nnx.Module):
     cos, sin = rope_tables(self.cfg, positions_BxT)
     new_cache = []
     for i, layer in enumerate(self.layers):
-      x, layer_cache = layer(x, cos, sin, kv_valid_BxS, slot0, None if cache is None else cache[i])
+      if self.cfg.remat and cache is None:
+        x, layer_cache = nnx.remat(Block.__call__)(layer, x, cos, sin, kv_valid_BxS, slot0, None)
+      else:
+        x, layer_cache = layer(x, cos, sin, kv_valid_BxS, slot0,
+                               None if cache is None else cache[i])
       new_cache.append(layer_cache)
     return self.final_norm(x), (None if cache is None else new_cache)
 
