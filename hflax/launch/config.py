@@ -33,7 +33,8 @@ def base_config() -> ml_collections.ConfigDict:
       truncate_prompts=False, shuffle=True, seed=0,
       builtin=dict(num_train=4000, num_val=200, digits=(1, 2), ops="+-"))
   c.model = dict(
-      path="", tokenizer="byte", dtype="float32", param_dtype="float32",
+      # dtype: compute (e.g. "bfloat16" with float32 master weights in param_dtype).
+      path="", tokenizer="byte", dtype="float32", param_dtype="float32", remat=False,
       builtin=dict(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
                    num_kv_heads=2, rope_theta=10000.0))
   c.actor = dict(

@@ -91,7 +91,7 @@ class _TensorIndex:
 
 
 def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: str | None = None,
-                    dtype: str | None = None, seed: int = 0):
+                    dtype: str | None = None, remat: bool = False, seed: int = 0):
   """Loads a Llama/Qwen2/Qwen3 HF checkpoint directory.
 
   Args:
@@ -102,11 +102,13 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
       pytree of shardings shaped like the state, or a function
       `(logical_axes, shape) -> Sharding`. Default: the first device.
     param_dtype / dtype: storage and compute dtypes (default: float32 for both).
+    remat: recompute layer activations in the backward pass (less memory for training).
   Returns:
     (config, graphdef, state).
   """
   cfg = read_config(path)
-  cfg = cfg.replace(param_dtype=param_dtype or cfg.param_dtype, dtype=dtype or cfg.dtype)
+  cfg = cfg.replace(param_dtype=param_dtype or cfg.param_dtype, dtype=dtype or cfg.dtype,
+                    remat=remat)
   graphdef, abstract = create_abstract(cfg, head=head)
   index = _TensorIndex(path)
   names = hf_name_map(cfg, head)
