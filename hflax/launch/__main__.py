@@ -15,6 +15,10 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs")
 
 
+class UsageError(Exception):
+  """A bad command line or config: reported as one line, exit status 2."""
+
+
 def resolve_config_arg(argv: list[str]) -> list[str]:
   """--config NAME[:arg] -> the file under configs/ when NAME is not a path that exists."""
   out = list(argv)
@@ -30,11 +34,10 @@ def _resolve(spec: str) -> str:
   path, _, extra = spec.partition(":")
   if not os.path.exists(path):
     candidate = os.path.join(CONFIG_DIR, path if path.endswith(".py") else path + ".py")
-    if os.path.exists(candidate):
-      path = candidate
-    else:
-      known = sorted(f for f in os.listdir(CONFIG_DIR)) if os.path.isdir(CONFIG_DIR) else []
-      sys.exit(f"--config: {spec!r} is neither a file nor one of {known} in {CONFIG_DIR}")
+    if not os.path.exists(candidate):
+      known = sorted(os.listdir(CONFIG_DIR)) if os.path.isdir(CONFIG_DIR) else []
+      raise UsageError(f"--config: {spec!r} is neither a file nor one of {known} in {CONFIG_DIR}")
+    path = candidate
   return path + (":" + extra if extra else "")
 
 
@@ -61,30 +64,56 @@ def print_help(argv: list[str]) -> None:
   walk(module.get_config(), "")
 
 
-def main():
-  if any(a in ("-h", "--help", "--helpshort") for a in sys.argv[1:]):
-    print_help(resolve_config_arg(sys.argv[1:]))
-    return
-  from absl import app, flags
+def load_config(argv: list[str]):
+  """Parses --config and its --config.* overrides (a fresh flag set, so it can run twice)."""
+  from absl import flags
   from ml_collections import config_flags
+  fv = flags.FlagValues()
+  args = ["hflax.launch", *resolve_config_arg(argv)]
+  # config_flags learns which --config.* overrides exist from the argv it is given.
+  holder = config_flags.DEFINE_config_file(
+      "config", None, "config file", flag_values=fv, lock_config=True, sys_argv=args)
+  try:
+    rest = fv(args)
+  except flags.Error as e:
+    raise UsageError(" ".join(str(e).split())) from None
+  except (AttributeError, KeyError) as e:  # an override of a field the config lacks
+    field = next((a.split("=")[0] for a in argv if a.startswith("--config.")
+                  and str(e).strip("'\"") in a), "a --config.* override")
+    raise UsageError(f"{field}: no such config field ({e})") from None
+  if len(rest) > 1:
+    raise UsageError(f"unexpected arguments {rest[1:]}; options are --config and --config.*")
+  if holder.value is None:
+    raise UsageError("--config is required, e.g. --config ppo.py")
+  return holder.value
 
-  config = config_flags.DEFINE_config_file(
-      "config", None, "Config file (ppo.py, grpo.py, ... from configs/, or a path); override "
-      "any field with --config.<path>=<value>.", lock_config=True)
 
-  def run(_argv):
-    from absl import logging
-    logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
-    from hflax.launch.trainer import run as run_job
-    if config.value is None:
-      sys.exit("--config is required, e.g. --config ppo.py")
+def cli(argv: list[str], stderr=None) -> int:
+  """Runs the main job; any bad input becomes one line on stderr and exit status 2."""
+  stderr = stderr or sys.stderr
+  if any(a in ("-h", "--help", "--helpshort") for a in argv):
     try:
-      run_job(config.value)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-      sys.exit(f"error: {e}")
+      print_help(resolve_config_arg(argv))
+    except UsageError as e:
+      print(f"error: {e}", file=stderr)
+      return 2
+    return 0
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
+  try:
+    cfg = load_config(argv)
+    from hflax.launch.trainer import run as run_job
+    run_job(cfg)
+  except (UsageError, ValueError, FileNotFoundError, KeyError, TypeError, ImportError,
+          OSError) as e:
+    message = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    print(f"error: {' '.join(message.split())}", file=stderr)
+    return 2
+  return 0
 
-  del flags
-  app.run(run, argv=resolve_config_arg(sys.argv))
+
+def main():
+  sys.exit(cli(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -60,16 +60,12 @@ def main(argv=None):
   parser.add_argument("--top", type=int, default=10)
   args, overrides = parser.parse_known_args(argv)
   import jax
-  from absl import flags
-  from ml_collections import config_flags
 
-  from hflax.launch.__main__ import resolve_config_arg
+  from hflax.launch.__main__ import load_config
   from hflax.launch.roles import policy_model
   from hflax.models.tokenizer import load_tokenizer
   from hflax.sharding import automap
-  config = config_flags.DEFINE_config_file("config")
-  flags.FLAGS(["plan", *resolve_config_arg(["--config", args.config]), *overrides])
-  cfg = config.value
+  cfg = load_config(["--config", args.config, *overrides])
   tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
   if cfg.model.path:
     from hflax.models import hf

@@ -15,7 +15,8 @@ from hflax.checkpoint import Checkpointer
 from hflax.controller.batch import Batch
 from hflax.data import PromptLoader, arithmetic_task, load_prompts
 from hflax.launch.config import validate
-from hflax.launch.roles import build_roles, policy_model
+from hflax.launch.roles import build_roles, needed_roles, placement_spec, policy_model
+from hflax.sharding.placement import build_placement
 from hflax.launch.sft import sft_warmup
 from hflax.metrics import MetricsLogger, plot_metrics, throughput
 from hflax.models import hf
@@ -41,15 +42,28 @@ def load_datasets(cfg):
   return load(d.train_files, 0), load(d.val_files, 1)
 
 
-def make_reward_fn(section, tokenizer):
+def make_reward_fn(section, tokenizer, field: str = "reward"):
   """score_fn(host batch) -> [B] scores from a rule (per data source) or a user function."""
-  custom = (load_reward_function(section.custom_fn.path, section.custom_fn.name)
-            if section.custom_fn.path else None)
+  custom = None
+  if section.custom_fn.path:
+    where = f"config.{field}.custom_fn ({section.custom_fn.path})"
+    try:
+      custom = load_reward_function(section.custom_fn.path, section.custom_fn.name)
+    except (FileNotFoundError, ValueError, TypeError) as e:
+      raise ValueError(f"{where}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's file failed while importing
+      raise ValueError(f"{where}: importing it raised {type(e).__name__}: {e}") from None
   scorer = RuleRewardScorer(tokenizer, custom)
 
   def score(batch: Batch):
-    return scorer(batch["responses"], list(batch["ground_truth"]), list(batch["data_source"]),
-                  list(batch["extra_info"]), response_mask=batch["response_mask"])["scores"]
+    try:
+      return scorer(batch["responses"], list(batch["ground_truth"]), list(batch["data_source"]),
+                    list(batch["extra_info"]), response_mask=batch["response_mask"])["scores"]
+    except ValueError:
+      raise
+    except Exception as e:  # noqa: BLE001 - name the user's function, not our call stack
+      name = section.custom_fn.name or "the rule reward"
+      raise ValueError(f"config.{field}: {name} raised {type(e).__name__}: {e}") from None
   return score
 
 
@@ -57,6 +71,12 @@ class Trainer:
   def __init__(self, cfg, log=print):
     validate(cfg)
     self.cfg, self.log = cfg, log
+    devices = jax.devices()[:cfg.trainer.devices] if cfg.trainer.devices else jax.devices()
+    if cfg.placement.kind != "auto":  # placement errors surface before any work is done
+      build_placement(placement_spec(cfg, needed_roles(cfg), len(devices)), devices,
+                      where="config.placement")
+    if cfg.model.path:
+      hf.read_config(cfg.model.path)  # unsupported architecture: fail before anything runs
     self.tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     train, val = load_datasets(cfg)
     self.loader = PromptLoader(train, self.tokenizer, cfg.data.train_batch_size,
@@ -67,9 +87,8 @@ class Trainer:
                                    truncate=cfg.data.truncate_prompts)
     self.val_rows = val
     self.reward_fn = make_reward_fn(cfg.reward, self.tokenizer)
-    self.cost_fn = make_reward_fn(cfg.cost, self.tokenizer) if cfg.algorithm.name == "safe_rlhf" \
-        and cfg.cost.kind == "rule" else None
-    devices = jax.devices()[:cfg.trainer.devices] if cfg.trainer.devices else jax.devices()
+    self.cost_fn = make_reward_fn(cfg.cost, self.tokenizer, "cost") if \
+        cfg.algorithm.name == "safe_rlhf" and cfg.cost.kind == "rule" else None
     policy = policy_model(cfg, self.tokenizer.vocab_size, self.tokenizer)
     if cfg.trainer.sft_warmup.steps:
       policy = sft_warmup(cfg, policy, self.tokenizer, list(train), log=log)
@@ -107,7 +126,12 @@ class Trainer:
     targets = {}
     for name, w in self._trained().items():
       targets[f"{name}_params"], targets[f"{name}_opt_state"] = w.params, w.opt_state
-    arrays, host = self.ckpt.restore(step, targets)
+    try:
+      arrays, host = self.ckpt.restore(step, targets)
+    except Exception as e:  # noqa: BLE001 - say which checkpoint, and what to do
+      raise ValueError(f"config.trainer.run_dir: checkpoint step {step} in "
+                       f"{self.ckpt.directory} cannot be restored ({type(e).__name__}: {e}); "
+                       "remove it or set --config.trainer.resume=False") from None
     for name, w in self._trained().items():
       w.params, w.opt_state = arrays[f"{name}_params"], arrays[f"{name}_opt_state"]
       saved = host["workers"][name]

@@ -1,0 +1,139 @@
+"""Malformed inputs: each gives a one-line error naming the problem and a non-zero exit,
+before any training work where the problem is knowable up front."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from hflax.launch.__main__ import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "tests", "tiny_config.py")
+
+
+def _files(tmp_path):
+  """Inputs the cases point at."""
+  good = {"data_source": "arithmetic", "prompt": [{"role": "user", "content": "What is 1+1?"}],
+          "reward_model": {"ground_truth": "2"}}
+  (tmp_path / "no_prompt.jsonl").write_text(json.dumps({"data_source": "x",
+                                                        "reward_model": {"ground_truth": "1"}}))
+  rows = [good] * 5
+  rows[2] = {**good, "prompt": [{"role": "user", "content": "x" * 500}]}
+  (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (tmp_path / "raises.py").write_text("raise RuntimeError('broken on import')\n")
+  (tmp_path / "gpt2").mkdir()
+  (tmp_path / "gpt2" / "config.json").write_text(json.dumps(
+      {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+  (tmp_path / "noweights").mkdir()
+  (tmp_path / "noweights" / "config.json").write_text(json.dumps(
+      {"architectures": ["LlamaForCausalLM"], "vocab_size": 261, "hidden_size": 32,
+       "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}))
+  corrupt = tmp_path / "corrupt_run" / "checkpoints" / "2"
+  corrupt.mkdir(parents=True)
+  (corrupt / "commit_success.txt").write_text("ok")
+  (corrupt / "host").mkdir()
+  (corrupt / "host" / "metadata").write_text("not json")
+  return good
+
+
+CASES = {
+    "unknown config field": (["--config.actor.nope=1"], "--config.actor.nope: no such config field"),
+    "wrong type": (["--config.rollout.n=abc"], "--config.rollout.n=abc"),
+    "unknown config file": (["--config=nope_cfg.py"], "is neither a file nor one of"),
+    "mini-batch does not divide": (["--config.actor.ppo_mini_batch_size=3"],
+                                   "config.actor.ppo_mini_batch_size: 3 does not divide"),
+    "micro-batch does not divide": (["--config.actor.ppo_micro_batch_size=3"],
+                                    "config.actor.ppo_micro_batch_size: 3 rows do not divide"),
+    "mesh larger than the devices": (["--config.placement.kind=standalone", "--config.trainer.devices=3"],
+                                     "'standalone' needs the 3 devices to divide"),
+    "unknown algorithm": (["--config.algorithm.name=a3c"], "config.algorithm.name: 'a3c'"),
+    "unknown estimator": (["--config.algorithm.adv_estimator=magic"],
+                          "config.algorithm.adv_estimator: 'magic'"),
+    "n too small for grpo": (["--config.rollout.n=1"], "config.rollout.n: grpo compares samples"),
+    "missing dataset file": (["--config.data.train_files=/nonexistent/train.parquet"],
+                             "config.data.train_files: '/nonexistent/train.parquet' does not exist"),
+    "row without a prompt": (["--config.data.train_files={tmp}/no_prompt.jsonl"],
+                             "row 0 (line 1): missing field 'prompt'"),
+    "prompt too long": (["--config.data.train_files={tmp}/long.jsonl"],
+                        "row 2: field 'prompt' is 529 tokens, longer than max_prompt_length=48"),
+    "reward file that raises": (["--config.reward.custom_fn.path={tmp}/raises.py",
+                                 "--config.reward.custom_fn.name=score"],
+                                "importing it raised RuntimeError: broken on import"),
+    "reward function missing": (["--config.reward.custom_fn.path={tmp}/raises.py"],
+                                "config.reward.custom_fn: set both path and name"),
+    "unsupported architecture": (["--config.model.path={tmp}/gpt2"],
+                                 "unsupported architecture ['GPT2LMHeadModel']"),
+    "checkpoint without weights": (["--config.model.path={tmp}/noweights"],
+                                   "has neither model.safetensors nor"),
+    "missing tokenizer": (["--config.model.tokenizer={tmp}/no_such_tokenizer"], "no_such_tokenizer"),
+    "corrupt trainer checkpoint": (["--config.trainer.run_dir={tmp}/corrupt_run"],
+                                   "checkpoint step 2 in"),
+    "bad placement kind": (["--config.placement.kind=scattered"], "config.placement.kind"),
+    "negative temperature": (["--config.rollout.temperature=-1.0"], "config.rollout.temperature"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_gives_one_line_error(name, tmp_path, capsys):
+  _files(tmp_path)
+  args, message = CASES[name]
+  args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+  code = cli(["--config", TINY, f"--config.trainer.run_dir={tmp_path}/run", *args])
+  err = capsys.readouterr().err.strip()
+  assert code != 0
+  assert len(err.splitlines()) == 1, err
+  assert err.startswith("error: ") and message.replace("{tmp}", str(tmp_path)) in err, err
+
+
+def _run(run_dir, *extra, wait=True):
+  cmd = [sys.executable, "-m", "hflax.launch", "--config", TINY,
+         f"--config.trainer.run_dir={run_dir}", *extra]
+  env = {**os.environ, "PYTHONPATH": ROOT, "HFLAX_CPU_DEVICES": "2"}
+  env.pop("XLA_FLAGS", None)
+  if wait:
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+
+
+def _metrics(run_dir):
+  from hflax.metrics import read_jsonl
+  return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def _weights(run_dir):
+  from safetensors.numpy import load_file
+  return load_file(os.path.join(run_dir, "hf_actor", "model.safetensors"))
+
+
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
+  straight = _run(tmp_path / "straight")
+  assert straight.returncode == 0, straight.stderr[-2000:]
+  run_dir = tmp_path / "killed"
+  kill_after = np.random.default_rng().integers(3, 6)  # after >= 1 checkpoint (every 2 steps)
+  proc = _run(run_dir, wait=False)
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(run_dir / "metrics.jsonl") and len(_metrics(run_dir)) >= kill_after:
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.05)
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+  resumed = _run(run_dir)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "resumed from step" in resumed.stdout
+  a, b = _metrics(tmp_path / "straight"), _metrics(run_dir)
+  assert sorted(a) == sorted(b) == list(range(1, 7))
+  for step in a:
+    for key in ("actor/pg_loss", "actor/kl_loss", "critic/score/mean", "response_length/mean"):
+      assert a[step][key] == b[step][key], (step, key)
+  wa, wb = _weights(tmp_path / "straight"), _weights(run_dir)
+  assert wa.keys() == wb.keys()
+  for name in wa:
+    np.testing.assert_array_equal(wa[name], wb[name])
