@@ -28,6 +28,6 @@ setup(
         "test": ["pytest", "pytest-xdist", "transformers>=4.50", "torch==2.13.0",
                  "tensorboard"],  # its reader checks our event files
         "ray": ["ray[default]"],
-        "gpu": ["jax-triton"],
+        "gpu": ["jax[cuda12]", "jax-triton"],  # the fused log-prob kernel uses Pallas on CUDA
     },
 )

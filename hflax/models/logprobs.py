@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from hflax import kernels
 from hflax.models.transformer import forward
 
 
@@ -25,6 +26,9 @@ def log_probs_from_logits(logits_BxTxV, targets_BxT, temperature: float = 1.0):
 def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1.0,
                      chunk: int = 128):
   """Log-probs of `targets` given hidden states, projected to the vocabulary chunk by chunk."""
+  fused = kernels.maybe_hidden_log_probs(model, hidden_BxTxD, targets_BxT, temperature)
+  if fused is not None:  # the fused GPU kernel (hflax.kernels); never on CPU unless forced
+    return fused
   B, T, D = hidden_BxTxD.shape
   chunk = min(chunk, T)
   pad = -T % chunk

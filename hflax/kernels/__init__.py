@@ -1,0 +1,83 @@
+"""GPU kernels, used where they run, with the pure-JAX implementations as the fallback.
+
+HFLAX_LOGPROB_KERNEL picks how `hflax.models.logprobs.hidden_log_probs` runs:
+  unset or "auto"  the fused Pallas (Triton) kernel in a one-GPU process, else pure JAX
+  "0"              always the chunked pure-JAX path
+  "1"              the kernel in any GPU process, multi-device ones included
+  "interpret"      the kernel in Pallas interpret mode on any backend (tests; slow)
+It is read when a function is traced, so set it before the first call of a jitted step.
+
+"auto" skips multi-device processes because XLA cannot partition a Pallas custom call: in
+a sharded program it would gather the operands and every device would compute every row.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+
+ENV = "HFLAX_LOGPROB_KERNEL"
+_OFF, _AUTO, _ON = ("0", "false", "off"), ("", "auto"), ("1", "true", "on")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+  try:
+    from jax.experimental.pallas import triton  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def logprob_kernel_mode() -> str | None:
+  """"gpu", "interpret", or None for the pure-JAX path."""
+  flag = os.environ.get(ENV, "auto").strip().lower()
+  if flag not in _OFF + _AUTO + _ON + ("interpret",):
+    raise ValueError(f"{ENV}={flag!r}: expected auto, 0, 1 or interpret")
+  if flag in _OFF:
+    return None
+  if flag == "interpret":
+    return "interpret"
+  if jax.default_backend() != "gpu" or not _triton_importable():
+    return None
+  if flag in _AUTO and jax.device_count() > 1:
+    return None
+  return "gpu"
+
+
+def _projection(model):
+  """(W, transposed, compute dtype, logits dtype) exactly as DecoderLM.logits uses them."""
+  from hflax.models.transformer import DecoderLM  # late: hflax.models imports this package
+  if not isinstance(model, DecoderLM) or model.head != "lm":
+    return None
+  if model.lm_head is None:  # tied: embed [V, D] in hidden's dtype, f32 logits
+    return model.embed[...], True, None, "float32"
+  if model.lm_head.bias is not None:
+    return None
+  dtype = model.lm_head.dtype  # Dense computes and returns its dtype; logits() upcasts
+  return model.lm_head.kernel[...], False, dtype, dtype
+
+
+def model_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0, **config):
+  """hidden_log_probs through the fused kernel, or None where it does not apply."""
+  head = _projection(model)
+  if head is None or not isinstance(temperature, (int, float)):
+    return None  # a traced temperature stays on the fallback: the kernel bakes it in
+  from hflax.kernels.logprobs import fused_log_probs
+  w, transposed, dtype, logits_dtype = head
+  B, T, D = hidden_BxTxD.shape
+  dtype = dtype or hidden_BxTxD.dtype
+  logp, ent = fused_log_probs(hidden_BxTxD.reshape(B * T, D).astype(dtype), w.astype(dtype),
+                              targets_BxT.reshape(B * T), temperature=temperature,
+                              transposed=transposed, logits_dtype=logits_dtype, **config)
+  return logp.reshape(B, T), ent.reshape(B, T)
+
+
+def maybe_hidden_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0):
+  """The kernel's (log-probs, entropy) when HFLAX_LOGPROB_KERNEL's mode selects it, else None."""
+  mode = logprob_kernel_mode()
+  if mode is None:
+    return None
+  return model_log_probs(model, hidden_BxTxD, targets_BxT, temperature,
+                         interpret=mode == "interpret")
