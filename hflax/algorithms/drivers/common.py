@@ -65,7 +65,8 @@ class Timed:
       start = time.perf_counter()
       out = method(*args, **kwargs)
       if self._block:
-        jax.block_until_ready(out.arrays if isinstance(out, Batch) else out)
+        # An update returns only metrics (in meta): waiting on them waits for the step.
+        jax.block_until_ready((out.arrays, out.meta) if isinstance(out, Batch) else out)
         key = f"timing_s/{STAGE_NAMES[name]}"
         self._metrics[key] = self._metrics.get(key, 0.0) + time.perf_counter() - start
       return out
