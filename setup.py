@@ -26,7 +26,8 @@ setup(
     extras_require={
         # torch only as the parity reference; pin it, or pip pulls CUDA builds.
         "test": ["pytest", "pytest-xdist", "transformers>=4.50", "torch==2.13.0",
-                 "tensorboard"],  # its reader checks our event files
+                 "tensorboard",  # its reader checks our event files
+                 "ray[default]"],  # the Ray backend's tests (run under netless)
         "ray": ["ray[default]"],
         "gpu": ["jax[cuda12]", "jax-triton"],  # the fused log-prob kernel uses Pallas on CUDA
     },

@@ -60,7 +60,7 @@ CASES = {
     "row without a prompt": (["--config.data.train_files={tmp}/no_prompt.jsonl"],
                              "row 0 (line 1): missing field 'prompt'"),
     "prompt too long": (["--config.data.train_files={tmp}/long.jsonl"],
-                        "row 2: field 'prompt' is 529 tokens, longer than max_prompt_length=48"),
+                        "row 2: field 'prompt' is 519 tokens, longer than max_prompt_length=48"),
     "reward file that raises": (["--config.reward.custom_fn.path={tmp}/raises.py",
                                  "--config.reward.custom_fn.name=score"],
                                 "importing it raised RuntimeError: broken on import"),

@@ -59,6 +59,16 @@ def base_config() -> ml_collections.ConfigDict:
       log=("console", "jsonl", "tensorboard"), wandb_project="", profile_steps=(),
       stage_timing=True, export_hf=True, devices=0,
       sft_warmup=dict(steps=0, lr=1e-3, batch_size=64, cache_dir=""))
+  # Where the roles run: "local" (this process's devices) or "ray" (each placement pool is
+  # a group of Ray actor processes forming one jax.distributed job; see
+  # hflax/controller/ray_backend). A pool of S devices runs on processes_per_pool
+  # processes of devices_per_process devices each (set either; 0 derives it from the
+  # other, both 0: one process per pool).
+  c.cluster = dict(
+      backend="local", address="", processes_per_pool=0, devices_per_process=0,
+      platform="cpu", cpus_per_process=0.0, gpus_per_process=0.0, strategy="",
+      max_restarts=0, require_loopback=True, temp_dir="", init_timeout_s=120,
+      log_to_driver=False)
   return c
 
 
@@ -113,3 +123,6 @@ def validate(c) -> None:
     fail("placement.kind", f"{c.placement.kind!r} is not one of {kinds}")
   if c.placement.kind == "custom" and not (c.placement.pools and c.placement.roles):
     fail("placement", "kind='custom' needs placement.pools and placement.roles")
+  if "cluster" in c:
+    from hflax.controller.ray_backend.config import validate_cluster
+    validate_cluster(c, fail)

@@ -83,15 +83,22 @@ def _update(section, n: int) -> UpdateConfig:
 
 
 def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
-                cost_fn: Callable | None = None, devices=None) -> Roles:
-  """policy: (model config, graphdef, state) the actor and reference start from."""
+                cost_fn: Callable | None = None, devices=None, spec: dict | None = None,
+                only: tuple[str, ...] | None = None) -> Roles:
+  """policy: (model config, graphdef, state) the actor and reference start from.
+
+  A remote backend builds one pool's share: `spec` places just that pool's roles on
+  `devices` (the pool's global devices) and `only` names the roles to build there.
+  """
   devices = list(devices if devices is not None else jax.devices())
   roles = needed_roles(cfg)
-  placed = build_placement(placement_spec(cfg, roles, len(devices), policy[0], devices), devices)
-  missing = [r for r in roles if r not in placed]
+  placed = build_placement(spec or placement_spec(cfg, roles, len(devices), policy[0], devices),
+                           devices)
+  wanted = [r for r in roles if only is None or r in only]
+  missing = [r for r in wanted if r not in placed]
   if missing:
     raise ValueError(f"config.placement.roles: {cfg.algorithm.name} needs roles {missing} placed")
-  home = jax.sharding.SingleDeviceSharding(placed["actor"].pool.devices[0])
+  home = jax.sharding.SingleDeviceSharding(placed[wanted[0] if wanted else "actor"].pool.devices[0])
   n, seed = cfg.rollout.n, cfg.trainer.seed
   _, graphdef, state = policy
   sampling = SamplingParams(
@@ -102,17 +109,18 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
       placed["actor"], graphdef, state, sampling=sampling, loss_fn=actor_loss(cfg.actor),
       loss_fields=("ref_log_prob",) if cfg.actor.use_kl_loss else (),
       generate_dtype=cfg.rollout.dtype, recompute_log_prob=cfg.actor.recompute_log_prob,
-      optim=OptimConfig(**cfg.actor.optim), update=_update(cfg.actor, n), home=home, seed=seed))
-  if "ref" in roles:
+      optim=OptimConfig(**cfg.actor.optim), update=_update(cfg.actor, n), home=home, seed=seed)
+      if "actor" in wanted else None)
+  if "ref" in wanted:
     out.ref = ReferenceWorker(placed["ref"], graphdef, state, home=home,
                               temperature=cfg.rollout.temperature or 1.0)
-  if "critic" in roles:
+  if "critic" in wanted:
     out.critic = CriticWorker(placed["critic"], *_value_model(cfg.critic.model_path, policy, seed + 1),
                               loss_fn=critic_loss(cfg.critic), optim=OptimConfig(**cfg.critic.optim),
                               update=_update(cfg.critic, n), home=home, seed=seed)
   for role, section, fn, output in (("reward", cfg.reward, reward_fn, "token_level_scores"),
                                     ("cost", cfg.cost, cost_fn, "token_level_costs")):
-    if role == "cost" and cfg.algorithm.name != "safe_rlhf":
+    if role == "cost" and cfg.algorithm.name != "safe_rlhf" or only is not None and role not in only:
       continue
     if section.kind == "model":
       worker = RewardModelWorker(placed[role], *_value_model(section.model_path, policy, seed),

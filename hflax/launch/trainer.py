@@ -72,7 +72,8 @@ class Trainer:
     validate(cfg)
     self.cfg, self.log = cfg, log
     devices = jax.devices()[:cfg.trainer.devices] if cfg.trainer.devices else jax.devices()
-    if cfg.placement.kind != "auto":  # placement errors surface before any work is done
+    # Placement errors surface before any work is done (the Ray backend checks its pools).
+    if cfg.placement.kind != "auto" and cfg.cluster.backend == "local":
       build_placement(placement_spec(cfg, needed_roles(cfg), len(devices)), devices,
                       where="config.placement")
     if cfg.model.path:
@@ -93,13 +94,17 @@ class Trainer:
     if cfg.trainer.sft_warmup.steps:
       policy = sft_warmup(cfg, policy, self.tokenizer, list(train), log=log)
     self.model_cfg = policy[0]
-    self.roles = build_roles(cfg, policy, tokenizer=self.tokenizer, reward_fn=self.reward_fn,
-                             cost_fn=self.cost_fn, devices=devices)
+    self.roles = self.make_roles(policy, devices)
     self.devices = len(devices)
     self.state = init_state(cfg.algorithm)
     self.state.lagrange_lambda = cfg.algorithm.lambda_init
     self.ckpt = Checkpointer(os.path.join(cfg.trainer.run_dir, "checkpoints"),
                              keep=cfg.trainer.keep, save_every=cfg.trainer.save_every)
+
+  def make_roles(self, policy, devices):
+    """The role workers on this process's devices (the Ray backend overrides this)."""
+    return build_roles(self.cfg, policy, tokenizer=self.tokenizer, reward_fn=self.reward_fn,
+                       cost_fn=self.cost_fn, devices=devices)
 
   # -- checkpoints --------------------------------------------------------------------------
   def _trained(self):
@@ -233,4 +238,7 @@ def _fmt(metrics: dict) -> str:
 
 
 def run(cfg, log=print) -> dict:
+  if cfg.cluster.backend == "ray":  # the driver here, role workers in Ray actor processes
+    from hflax.controller.ray_backend.trainer import run as run_on_ray
+    return run_on_ray(cfg, log=log)
   return Trainer(cfg, log=log).fit()

@@ -45,7 +45,14 @@ def assemble(x: jax.Array, sharding) -> jax.Array:
   source shards that cover its new shard: its own shard first, then device-to-device
   copies of the rest. No host round trip, no full copy anywhere, and no collective
   program (XLA's CPU collectives rendezvous all participants, which many transfers in
-  flight can starve on a small thread pool)."""
+  flight can starve on a small thread pool).
+
+  A pool spanning several processes (the Ray backend) cannot build shards from pieces it
+  does not address; there the switch is one jax.device_put, which for two shardings over
+  the same devices in the same order (the generate mesh keeps the training order)
+  compiles to a resharding program whose collectives cross the processes."""
+  if not x.is_fully_addressable:
+    return jax.device_put(x, sharding)
   shape = x.shape
   sources = [(s.device, _region(s.index, shape), s.data) for s in x.addressable_shards]
   built = []

@@ -1,0 +1,155 @@
+"""One process of a resource pool, run as a Ray actor.
+
+The members of a pool join one `jax.distributed` job, so `jax.devices()` inside each
+member lists the whole pool (every member's devices) and each member addresses its own.
+They build the same role workers (the local backend's classes, on the job's global
+devices) and run every method the driver broadcasts: each member runs the same jitted
+programs on its own shards (multi-controller SPMD), and XLA's collectives (gloo on CPU,
+NCCL on GPU) connect them.
+
+Only the `home` of the workers differs from the local backend: results are collected
+onto the pool's fully replicated sharding (one device_put, a same-device-set reshard that
+compiles to an all-gather), from which `transport.to_host` reads the host copy.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+_FORCE_DEVICES = "--xla_force_host_platform_device_count"
+
+
+def _node_ip() -> str:
+  import ray
+  return ray.util.get_node_ip_address()
+
+
+class PoolMember:
+  """Process `process_id` of `num_processes` in pool `pool` (devices: its local devices)."""
+
+  def __init__(self, pool: str, process_id: int, num_processes: int, devices: int,
+               platform: str = "cpu", jax_config: dict | None = None):
+    self.pool, self.process_id, self.num_processes = pool, process_id, num_processes
+    self.devices, self.platform, self.jax_config = devices, platform, dict(jax_config or {})
+    self.workers: dict = {}
+    self._checkpointers: dict = {}
+    if platform == "cpu":
+      # Before JAX starts its backend: CPU only, and this process's own device count
+      # (the driver's simulated-device flag is inherited through the environment).
+      os.environ["JAX_PLATFORMS"] = "cpu"
+      flags = os.environ.get("XLA_FLAGS", "").split()
+      os.environ["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(_FORCE_DEVICES))
+
+  def info(self) -> dict:
+    return {"pid": os.getpid(), "node": _node_ip()}
+
+  def coordinator_address(self) -> str:
+    """host:port for the jax.distributed coordinator (process 0 serves it)."""
+    ip = _node_ip()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+      s.bind((ip, 0))
+      port = s.getsockname()[1]
+    return f"{ip}:{port}"
+
+  def initialize(self, coordinator: str, timeout_s: int) -> dict:
+    import jax
+    if self.platform == "cpu":
+      jax.config.update("jax_num_cpu_devices", self.devices)
+    for key, value in self.jax_config.items():
+      jax.config.update(key, value)
+    if self.num_processes > 1:
+      # A one-process pool stays a plain JAX process: its devices then talk through XLA's
+      # in-process collectives instead of the distributed (gloo/NCCL) ones.
+      jax.distributed.initialize(coordinator, self.num_processes, self.process_id,
+                                 initialization_timeout=int(timeout_s))
+    if jax.local_device_count() != self.devices:
+      raise RuntimeError(f"pool {self.pool!r} process {self.process_id}: expected "
+                         f"{self.devices} local devices, JAX sees {jax.local_device_count()}")
+    return {"global_devices": jax.device_count(), "local_devices": jax.local_device_count()}
+
+  # -- roles ----------------------------------------------------------------------------------
+  def build(self, builder, *args) -> dict:
+    """builder(devices, *args) -> {role: worker} on the pool's global devices."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    devices = jax.devices()
+    workers = builder(devices, *args)
+    home = NamedSharding(Mesh(np.asarray(devices), ("pool",)), P())
+    for worker in workers.values():
+      if hasattr(worker, "home"):
+        worker.home = home
+    self.workers.update(workers)
+    return {role: _describe(w) for role, w in workers.items()}
+
+  def call(self, role: str, method: str, payload: tuple):
+    """payload: (args, kwargs) on the host, as `transport.to_wire` made them."""
+    from hflax.controller.ray_backend.transport import from_wire, to_host
+    args, kwargs = payload
+    out = getattr(self.workers[role], method)(*from_wire(args), **from_wire(kwargs))
+    out = to_host(out)  # collective where needed: every member converts
+    return out if self.process_id == 0 else None
+
+  def get(self, role: str, attribute: str):
+    from hflax.controller.ray_backend.transport import to_host
+    out = to_host(getattr(self.workers[role], attribute))
+    return out if self.process_id == 0 else None
+
+  # -- checkpoints (orbax, written by every process of the pool) ------------------------------
+  def _checkpointer(self, directory: str, keep: int):
+    from hflax.checkpoint import Checkpointer
+    if directory not in self._checkpointers:
+      self._checkpointers[directory] = Checkpointer(directory, keep=keep, save_every=1)
+    return self._checkpointers[directory]
+
+  def _drop_after(self, ckpt, step: int):
+    """Removes steps newer than `step`: a save the driver never recorded (it died midway)."""
+    for newer in [s for s in ckpt.all_steps() if s > step]:
+      ckpt._manager.delete(newer)  # noqa: SLF001 - every process calls it; orbax coordinates
+    ckpt._manager.reload()  # noqa: SLF001
+
+  def save(self, directory: str, keep: int, step: int, roles: list[str]) -> dict:
+    ckpt = self._checkpointer(directory, keep)
+    self._drop_after(ckpt, step - 1)
+    arrays = {}
+    for role in roles:
+      w = self.workers[role]
+      arrays[f"{role}_params"], arrays[f"{role}_opt_state"] = w.params, w.opt_state
+    ckpt.save(step, arrays, {}, force=True)
+    ckpt.wait_until_finished()
+    return self.counters(roles)
+
+  def restore(self, directory: str, keep: int, step: int, roles: list[str], counters: dict):
+    ckpt = self._checkpointer(directory, keep)
+    self._drop_after(ckpt, step)
+    targets = {}
+    for role in roles:
+      w = self.workers[role]
+      targets[f"{role}_params"], targets[f"{role}_opt_state"] = w.params, w.opt_state
+    arrays, _ = ckpt.restore(step, targets)
+    for role in roles:
+      w, saved = self.workers[role], counters[role]
+      w.params, w.opt_state = arrays[f"{role}_params"], arrays[f"{role}_opt_state"]
+      w.updates, w.optimizer_steps = saved["updates"], saved["optimizer_steps"]
+      if hasattr(w, "_calls"):
+        w._calls = saved["calls"]  # noqa: SLF001 - the sampler's call count (exact resume)
+    return True
+
+  def counters(self, roles: list[str]) -> dict:
+    return {role: {"updates": self.workers[role].updates,
+                   "optimizer_steps": self.workers[role].optimizer_steps,
+                   "calls": getattr(self.workers[role], "_calls", 0)} for role in roles}
+
+
+def _describe(worker) -> dict:
+  """What the driver's handle needs without a round trip: methods and a few settings."""
+  methods = sorted(name for name in dir(type(worker)) if not name.startswith("_")
+                   and callable(getattr(type(worker), name, None)))
+  info = {"methods": methods, "type": type(worker).__name__}
+  if hasattr(worker, "sampling"):
+    info["sampling"] = worker.sampling
+  if hasattr(worker, "engine"):
+    info["generate_mesh_shape"] = dict(worker.engine.mesh.shape)
+  if hasattr(worker, "mesh"):
+    info["mesh_shape"] = dict(worker.mesh.shape)
+  return info

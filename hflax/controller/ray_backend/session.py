@@ -1,0 +1,73 @@
+"""Starting (or joining) the Ray cluster, and keeping a local one on loopback.
+
+A local cluster is started only inside a loopback-only network namespace (the project's
+`shared/bin/netless`), unless `cluster.require_loopback=False`: Ray binds to the
+machine's address and some of its components probe the network at start. Usage stats and
+the dashboard are always off, and the session's files live in a temp dir of its own.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+SAFE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_AUTH_MODE": "disabled"}
+
+
+def network_interfaces() -> list[str]:
+  """Interfaces of this process's network namespace (/sys/class/net may show another's)."""
+  with open("/proc/self/net/dev") as f:
+    return sorted(line.split(":")[0].strip() for line in f.readlines()[2:] if ":" in line)
+
+
+def loopback_only_reason() -> str | None:
+  """None inside a loopback-only namespace (netless), else why this process is not in one."""
+  if os.environ.get("HFLAX_NETLESS") != "1":
+    return "HFLAX_NETLESS is not set: not started by shared/bin/netless"
+  try:
+    interfaces = network_interfaces()
+  except OSError as e:
+    return f"cannot read /proc/self/net/dev ({e})"
+  if interfaces != ["lo"]:
+    return f"network interfaces {interfaces} besides loopback are reachable"
+  return None
+
+
+class RaySession:
+  """ray.init with hflax's settings; `close()` shuts down what this session started."""
+
+  def __init__(self, cluster):
+    import ray
+    for key, value in SAFE_ENV.items():  # inherited by every process Ray starts from here
+      os.environ.setdefault(key, value)
+    self.started, self.temp_dir, self._own_temp = False, None, False
+    if ray.is_initialized():  # e.g. a test fixture or the caller already joined a cluster
+      return
+    kw = dict(log_to_driver=bool(cluster.log_to_driver), logging_level=logging.WARNING,
+              include_dashboard=False)
+    if cluster.address:
+      ray.init(address=cluster.address, **kw)
+    else:
+      reason = loopback_only_reason()
+      if cluster.require_loopback and reason:
+        raise ValueError(
+            f"config.cluster.require_loopback: not starting a local Ray cluster outside a "
+            f"loopback-only network namespace ({reason}); run under shared/bin/netless, "
+            "join a cluster with cluster.address, or set cluster.require_loopback=False")
+      # A short path: Ray's unix sockets live under it (107-character limit).
+      self._own_temp = not cluster.temp_dir
+      self.temp_dir = cluster.temp_dir or tempfile.mkdtemp(prefix="hflax-ray-", dir="/tmp")
+      ray.init(_temp_dir=self.temp_dir, _node_ip_address="127.0.0.1",
+               num_cpus=os.cpu_count(), **kw)
+    self.started = True
+
+  def close(self):
+    import ray
+    if self.started and ray.is_initialized():
+      ray.shutdown()
+    self.started = False
+    if self._own_temp and self.temp_dir:
+      shutil.rmtree(self.temp_dir, ignore_errors=True)
+      self.temp_dir = None

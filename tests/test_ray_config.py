@@ -1,0 +1,79 @@
+"""The Ray backend's config and guards, checked without starting Ray (runs anywhere)."""
+import pytest
+
+from hflax.controller.ray_backend.config import pool_layouts
+from hflax.controller.ray_backend.session import loopback_only_reason
+from hflax.launch.config import base_config, validate
+from hflax.launch.roles import needed_roles, placement_spec
+
+
+def ray_config(**cluster):
+  c = base_config()
+  c.cluster.update(backend="ray", **cluster)
+  c.trainer.devices = 8
+  return c
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("backend", "slurm", "config.cluster.backend: 'slurm' is not one of"),
+    ("processes_per_pool", -1, "config.cluster.processes_per_pool: must be an integer >= 0"),
+    ("platform", "tpu", "config.cluster.platform: 'tpu' is not one of"),
+    ("strategy", "SPREAD", "config.cluster.strategy: a placement-group strategy needs"),
+    ("max_restarts", -1, "config.cluster.max_restarts: must be an integer >= 0"),
+])
+def test_cluster_fields_are_validated(field, value, message):
+  c = ray_config()
+  c.cluster[field] = value
+  with pytest.raises(ValueError, match=message):
+    validate(c)
+
+
+def test_ray_needs_a_device_count_and_no_auto_placement():
+  c = ray_config()
+  c.trainer.devices = 0
+  with pytest.raises(ValueError, match="config.trainer.devices: placement.kind='colocated'"):
+    validate(c)
+  c = ray_config()
+  c.placement.kind = "auto"
+  with pytest.raises(ValueError, match="config.placement.kind: 'auto' measures"):
+    validate(c)
+
+
+def _layouts(c):
+  roles = needed_roles(c)
+  return pool_layouts(c, placement_spec(c, roles, 8), roles)
+
+
+def test_pools_map_onto_processes():
+  c = ray_config(processes_per_pool=2)  # PPO colocated on 8 devices: actor + critic
+  (pool,) = _layouts(c)
+  assert (pool.size, pool.processes, pool.devices_per_process) == (8, 2, 4)
+  assert pool.roles == ("actor", "critic")
+  c = ray_config(devices_per_process=2)
+  assert _layouts(c)[0].processes == 4
+  c = ray_config()
+  c.placement.update(kind="custom", pools={"policy": 4, "value": 4},
+                     roles={"actor": {"pool": "policy"}, "critic": {"pool": "value"}})
+  assert [(p.name, p.processes, p.roles) for p in _layouts(c)] == [
+      ("policy", 1, ("actor",)), ("value", 1, ("critic",))]
+  with pytest.raises(ValueError, match="config.cluster.processes_per_pool: 3 does not divide "
+                                       "pool 'all' of 8 devices"):
+    _layouts(ray_config(processes_per_pool=3))
+  with pytest.raises(ValueError, match=r"config.cluster: processes_per_pool=2 x "
+                                       r"devices_per_process=2 is 4, but pool 'all' has 8"):
+    _layouts(ray_config(processes_per_pool=2, devices_per_process=2))
+
+
+def test_a_local_cluster_starts_only_on_loopback(monkeypatch):
+  monkeypatch.delenv("HFLAX_NETLESS", raising=False)
+  assert "HFLAX_NETLESS is not set" in loopback_only_reason()
+  pytest.importorskip("ray")
+  import ray
+  from hflax.controller.ray_backend.session import RaySession
+  if ray.is_initialized():
+    pytest.skip("a Ray session is already open in this process")
+  c = ray_config()
+  with pytest.raises(ValueError, match="config.cluster.require_loopback: not starting a local "
+                                       "Ray cluster outside a loopback-only network namespace"):
+    RaySession(c.cluster)
+  assert not ray.is_initialized()
