@@ -73,6 +73,9 @@ CASES = {
     "missing tokenizer": (["--config.model.tokenizer={tmp}/no_such_tokenizer"], "no_such_tokenizer"),
     "corrupt trainer checkpoint": (["--config.trainer.run_dir={tmp}/corrupt_run"],
                                    "checkpoint step 2 in"),
+    "existing run without resume": (["--config.trainer.run_dir={tmp}/corrupt_run",
+                                     "--config.trainer.resume=False"],
+                                    "already holds checkpoints up to step 2"),
     "bad placement kind": (["--config.placement.kind=scattered"], "config.placement.kind"),
     "negative temperature": (["--config.rollout.temperature=-1.0"], "config.rollout.temperature"),
 }

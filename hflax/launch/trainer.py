@@ -125,7 +125,12 @@ class Trainer:
     self.ckpt.save(step, arrays, host, force=force)
 
   def resume(self) -> int:
-    step = self.ckpt.latest_step() if self.cfg.trainer.resume else None
+    latest = self.ckpt.latest_step() if os.path.isdir(self.ckpt.directory) else None
+    if latest is not None and not self.cfg.trainer.resume:
+      raise ValueError(f"config.trainer.run_dir: {self.cfg.trainer.run_dir} already holds "
+                       f"checkpoints up to step {latest}; set trainer.resume=True to continue "
+                       "it, or use a new run_dir (nothing is overwritten)")
+    step = latest
     if step is None:
       return 0
     targets = {}

@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Auto-mapper check on 8 CPU devices: predicted vs measured step time.
+
+For a small PPO config (actor, critic, reference; a rule reward on the host), the
+auto-mapper ranks every plan with a profile calibrated on these devices. The top 5 and 5
+random other feasible plans are then run for a few steps each, alternating, and their
+measured step times printed beside the predictions, with the rank correlation and how far
+the auto-mapper's choice is from the best measured plan.
+
+  python bench/automap.py [--steps 3] [--random 5] [--seed 0]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hflax.algorithms.drivers import DRIVERS, init_state  # noqa: E402
+from hflax.controller.batch import Batch  # noqa: E402
+from hflax.launch.config import base_config  # noqa: E402
+from hflax.launch.plan import ranked_plans  # noqa: E402
+from hflax.launch.roles import build_roles, policy_model  # noqa: E402
+from hflax.models.tokenizer import ByteTokenizer  # noqa: E402
+from hflax.rollout import left_pad  # noqa: E402
+
+
+def config():
+  c = base_config()
+  c.algorithm.name, c.algorithm.adv_estimator = "ppo", "gae"
+  c.algorithm.use_kl_in_reward = True
+  c.rollout.n = 2
+  c.data.train_batch_size, c.data.max_response_length = 16, 16
+  c.actor.ppo_mini_batch_size = c.critic.ppo_mini_batch_size = 8
+  c.model.builtin.update(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=8,
+                         num_kv_heads=4)
+  c.trainer.stage_timing = False
+  return c
+
+
+def parity_reward(batch):
+  tokens, mask = batch["responses"], batch["response_mask"]
+  return ((tokens % 2 == 0) * mask).sum(1) / np.maximum(mask.sum(1), 1)
+
+
+def spearman(a, b):
+  ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+  return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--random", type=int, default=5)
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args()
+  tokenizer, devices = ByteTokenizer(), jax.devices()[:8]
+  cfg = config()
+  policy = policy_model(cfg, tokenizer.vocab_size, tokenizer)
+  start = time.perf_counter()
+  plans = ranked_plans(cfg, policy[0], devices, top=1000)
+  search_s = time.perf_counter() - start
+  rng = np.random.default_rng(args.seed)
+  others = list(rng.choice(np.arange(5, len(plans)), size=min(args.random, len(plans) - 5),
+                           replace=False)) if len(plans) > 5 else []
+  chosen = list(range(min(5, len(plans)))) + [int(i) for i in others]
+  rs = np.random.RandomState(0)
+  prompts = [rs.randint(10, 256, size=rs.randint(8, 24)).tolist() for _ in range(16)]
+  tokens, mask = left_pad(prompts, tokenizer.pad_id)
+  batch = Batch({"prompts": tokens, "prompt_mask": mask})
+
+  runs = {}
+  for i in chosen:
+    cfg_i = config()
+    cfg_i.placement.kind = "custom"
+    cfg_i.placement.update(plans[i].to_config())
+    cfg_i.rollout.generate_tensor = plans[i].generate_tensor
+    roles = build_roles(cfg_i, policy, tokenizer=tokenizer, reward_fn=parity_reward,
+                        devices=devices)
+    state = init_state(cfg_i.algorithm)
+    jax.block_until_ready(DRIVERS["ppo"](roles, batch, cfg_i, state).arrays)  # compile
+    runs[i] = (roles, cfg_i, state, [])
+  for _ in range(args.steps):  # alternate plans, so load changes hit all of them alike
+    for i, (roles, cfg_i, state, times) in runs.items():
+      began = time.perf_counter()
+      out = DRIVERS["ppo"](roles, batch, cfg_i, state)
+      jax.block_until_ready((out.arrays, out.meta["metrics"]))
+      times.append(time.perf_counter() - began)
+
+  predicted = np.array([plans[i].step_time for i in chosen])
+  measured = np.array([statistics.median(runs[i][3]) for i in chosen])
+  print(f"devices: {len(devices)} x {devices[0].platform}; {len(plans)} feasible plans ranked in "
+        f"{search_s:.1f} s; model {policy[0].num_params / 1e6:.1f}M params; median of "
+        f"{args.steps} steps per plan")
+  print(f"{'rank':>4} | {'predicted s':>11} | {'measured s':>10} | plan")
+  for i, p, m in zip(chosen, predicted, measured):
+    print(f"{i + 1:>4} | {p:>11.3f} | {m:>10.3f} | {plans[i].describe().split('  ', 1)[1][:110]}")
+  best = measured.min()
+  print(f"auto-mapper's choice (rank 1) measured {measured[0]:.3f} s; best measured {best:.3f} s: "
+        f"{measured[0] / best - 1:+.1%} (target: within 15%)")
+  print(f"Spearman rank correlation, predicted vs measured: {spearman(predicted, measured):.2f}")
+
+
+if __name__ == "__main__":
+  main()
