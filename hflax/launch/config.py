@@ -96,7 +96,8 @@ def validate(c) -> None:
   for field, value in positive.items():
     if not isinstance(value, int) or value < 1:
       fail(field, f"must be a positive integer, got {value!r}")
-  for role in ("actor", "critic"):
+  with_critic = c.algorithm.name in ("ppo", "safe_rlhf")
+  for role in ("actor", "critic") if with_critic else ("actor",):
     mini = c[role].ppo_mini_batch_size
     if c.data.train_batch_size % mini:
       fail(f"{role}.ppo_mini_batch_size", f"{mini} does not divide data.train_batch_size="
