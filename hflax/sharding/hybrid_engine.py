@@ -12,7 +12,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
@@ -144,10 +143,3 @@ class HybridEngine:
                "reshard/bytes_moved": float(self.moved["total"]),
                "reshard/max_bytes_per_device": float(self.moved["max_per_device"])}
     return gen_state, metrics
-
-
-def generate_state_bytes(abstract_state, tensor: int, dtype=None) -> int:
-  """Parameter bytes of one device's generation shard (for memory checks)."""
-  total = sum(np.prod(x.shape) * jnp.dtype(dtype or x.dtype).itemsize
-              for x in jax.tree.leaves(abstract_state))
-  return int(total // tensor)
