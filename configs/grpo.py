@@ -15,10 +15,9 @@ def get_config():
   c.rollout.n, c.rollout.temperature = 8, 0.7
   c.data.train_batch_size = 32
   c.actor.ppo_mini_batch_size = c.critic.ppo_mini_batch_size = 16
-  c.data.builtin.update(num_train=12000, num_val=500)
   c.data.val_batch_size = 100
-  c.trainer.update(total_steps=200, val_every=25, save_every=50)
-  c.trainer.sft_warmup.update(steps=800, lr=2e-3)
+  c.trainer.update(total_steps=100, val_every=25, save_every=50)
+  c.trainer.sft_warmup.update(steps=300, lr=2e-3)
   c.placement.kind = "custom"
   c.placement.update({"pools": {"policy": 1, "reference": 1},
                       "roles": {"actor": {"pool": "policy"}, "ref": {"pool": "reference"}}})

@@ -14,14 +14,13 @@ def get_config():
   c.algorithm.use_kl_in_reward = True
   c.algorithm.kl_ctrl.kl_coef = 0.001
   c.algorithm.lam = 0.95
-  c.actor.optim.lr, c.critic.optim.lr = 2e-4, 5e-4
-  c.rollout.n, c.rollout.temperature = 8, 0.7
-  c.data.train_batch_size = 32
-  c.actor.ppo_mini_batch_size = c.critic.ppo_mini_batch_size = 16
-  c.data.builtin.update(num_train=12000, num_val=500)
+  c.actor.optim.lr, c.critic.optim.lr = 2e-4, 1e-3
+  c.rollout.n, c.rollout.temperature = 4, 0.7
+  c.data.train_batch_size = 64
+  c.actor.ppo_mini_batch_size = c.critic.ppo_mini_batch_size = 32
   c.data.val_batch_size = 100
-  c.trainer.update(total_steps=200, val_every=25, save_every=50)
-  c.trainer.sft_warmup.update(steps=800, lr=2e-3)
+  c.trainer.update(total_steps=100, val_every=25, save_every=50)
+  c.trainer.sft_warmup.update(steps=300, lr=2e-3)
   c.placement.kind = "custom"
   c.placement.update({"pools": {"policy": 1, "value": 1},
                       "roles": {"actor": {"pool": "policy"}, "ref": {"pool": "policy"},

@@ -108,7 +108,8 @@ class Checkpointer:
                async_save: bool = False):
     if save_every < 1 or (keep is not None and keep < 1):
       raise ValueError(f"need save_every >= 1 and keep >= 1 (or None), got {save_every}, {keep}")
-    self.directory, self.save_every = str(directory), save_every
+    # orbax needs an absolute path; a relative run_dir is relative to where the run started.
+    self.directory, self.save_every = os.path.abspath(directory), save_every
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
             # The directory appears with the first save, not when a reader opens it.

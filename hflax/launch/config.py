@@ -31,7 +31,7 @@ def base_config() -> ml_collections.ConfigDict:
       train_files="builtin:arithmetic", val_files="builtin:arithmetic",
       train_batch_size=16, val_batch_size=64, max_prompt_length=48, max_response_length=8,
       truncate_prompts=False, shuffle=True, seed=0,
-      builtin=dict(num_train=4000, num_val=200, digits=(1, 2), ops="+-"))
+      builtin=dict(num_train=7000, num_val=500, digits=(2, 2), ops="+"))
   c.model = dict(
       # dtype: compute (e.g. "bfloat16" with float32 master weights in param_dtype).
       path="", tokenizer="byte", dtype="float32", param_dtype="float32", remat=False,
