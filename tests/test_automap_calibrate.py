@@ -1,5 +1,6 @@
 """calibrate(): a DeviceProfile measured on the local (simulated CPU) devices, cached."""
 import json
+import os
 
 import jax
 
@@ -15,6 +16,9 @@ def test_calibrate_measures_positive_numbers_and_caches(tmp_path, monkeypatch):
                 "inter_node_bandwidth", "memory_bytes", "collective_latency"):
     assert getattr(prof, field) > 0, field
   assert prof.devices_per_node == jax.device_count() == 8
+  assert prof.call_overhead > 0 and prof.call_overhead_per_device >= 0
+  if (os.cpu_count() or 1) <= 4:  # 8 simulated devices on a few cores share them
+    assert prof.shared_compute
   assert json.loads(path.read_text())["peak_flops"] == prof.peak_flops
   # A second call reads the cache instead of measuring again.
   monkeypatch.setattr(calibration, "measure",

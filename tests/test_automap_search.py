@@ -131,3 +131,25 @@ def test_search_128_devices_4_roles_under_60s():
 def test_roofline_overheads_are_zero():
   ovh = Overheads.roofline()
   assert ovh.call_time(128) == 0 and ovh.decode_step == 0 and ovh.hide(2.0, 1.0) == 2.0
+
+
+def test_on_a_shared_host_pools_take_turns_and_any_pool_gets_the_whole_host():
+  """Simulated CPU devices share the cores: a stage costs the sum of its pools' times,
+  and a pool of 2 computes as fast as a pool of 8 (the rates are per device, all busy)."""
+  wl = Workload.ppo(automap.llama2_config("7b"))
+  shared = A100.replace(shared_compute=True)
+  split = (("actor", "ref"), ("critic", "reward"))
+  meshes = {"actor": MeshShape(1, 8, 1), "ref": MeshShape(8, 1, 1),
+            "critic": MeshShape(1, 8, 1), "reward": MeshShape(8, 1, 1)}
+  for prof, merge in ((A100, max), (shared, lambda a, b: a + b)):
+    plan = Planner(wl, prof).evaluate(split, (8, 8), meshes)
+    assert plan.feasible, plan.reason
+    for stage, t in plan.stage_times.items():
+      assert t == pytest.approx(merge(*(p.get(stage, 0.0) for p in plan.pool_stage_times)))
+  hardware_only = Overheads.roofline()
+  small, big = (Simulator(wl, shared.replace(devices_per_node=8), hardware_only)
+                .forward("ref", MeshShape(n, 1, 1), free=1e12) for n in (2, 8))
+  assert small.time == pytest.approx(big.time)
+  own = Simulator(wl, A100, hardware_only)
+  assert own.forward("ref", MeshShape(2, 1, 1), 1e12).time == pytest.approx(
+      4 * own.forward("ref", MeshShape(8, 1, 1), 1e12).time)

@@ -7,6 +7,8 @@ so the profile's efficiency factors are 1.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import time
@@ -61,7 +63,13 @@ def measure(devices, *, small: bool | None = None) -> DeviceProfile:
   side = 512 if small else 8192
   a = ones(n, side, side, dtype=dtype)
   matmul = jax.jit(lambda x, y: jnp.einsum("dij,djk->dik", x, y), out_shardings=split)
-  flops = 2 * side ** 3 / _best_time(matmul, a, a)
+  all_busy = _best_time(matmul, a, a)
+  flops = 2 * side ** 3 / all_busy
+  one = jax.device_put(np.ones((1, side, side), dtype), devices[0])
+  matmul_one = jax.jit(lambda x, y: jnp.einsum("dij,djk->dik", x, y))
+  # Devices with their own hardware each run as fast with all of them busy as alone;
+  # simulated CPU devices share the cores, so n of them take about n / cores times longer.
+  shared = n > 1 and all_busy > 1.5 * _best_time(matmul_one, one, one)
 
   words = (4 << 20) if small else (256 << 20)  # elements per device
   x = ones(n, words)
@@ -80,13 +88,32 @@ def measure(devices, *, small: bool | None = None) -> DeviceProfile:
     latency = _best_time(psum, tiny, repeats=5) / math.ceil(math.log2(n))
 
   d = devices[0]
+  call, per_device = _call_overhead(devices)
   return DeviceProfile(
       name=f"calibrated-{platform}-{n}", peak_flops=flops, memory_bandwidth=hbm,
       intra_node_bandwidth=link, inter_node_bandwidth=link, devices_per_node=n,
       memory_bytes=_memory_per_device(devices), compute_efficiency=1.0,
-      bandwidth_efficiency=1.0, collective_latency=latency,
+      bandwidth_efficiency=1.0, collective_latency=latency, shared_compute=shared,
+      call_overhead=call, call_overhead_per_device=per_device,
       source=(f"hflax calibrate() on {n} x {getattr(d, 'device_kind', platform)}, "
               f"{jnp.dtype(dtype).name} matmul, {time.strftime('%Y-%m-%d %H:%M:%S')}"))
+
+
+def _call_overhead(devices) -> tuple[float, float]:
+  """Fixed and per-device time of one small controller call on a pool: rows from the host
+  laid over the pool, a jitted reduction with a collective, the result waited for."""
+
+  def call_time(pool) -> float:
+    mesh = Mesh(np.asarray(pool), ("d",))
+    rows = np.ones((8 * len(pool), 64), np.float32)
+    fn = jax.jit(lambda x: jnp.sum(x * 2.0, axis=0), out_shardings=NamedSharding(mesh, P()))
+    place = lambda: fn(jax.device_put(rows, NamedSharding(mesh, P("d"))))  # noqa: E731
+    return _best_time(place, repeats=20)
+
+  alone = call_time(devices[:1])
+  if len(devices) == 1:
+    return alone, 0.0
+  return alone, max(0.0, (call_time(devices) - alone) / (len(devices) - 1))
 
 
 def calibrate(devices=None, path: str | None = None, *, refresh: bool = False) -> DeviceProfile:
@@ -96,7 +123,11 @@ def calibrate(devices=None, path: str | None = None, *, refresh: bool = False) -
   devices = list(jax.devices() if devices is None else devices)
   path = path or default_cache_path(devices)
   if not refresh and os.path.exists(path):
-    return DeviceProfile.load(path)
+    with open(path) as f:
+      cached = json.load(f)
+    # A cache written before the profile gained fields is measured again.
+    if {f.name for f in dataclasses.fields(DeviceProfile)} <= set(cached):
+      return DeviceProfile.from_json(cached)
   profile = measure(devices)
   profile.save(path)
   return profile

@@ -49,6 +49,14 @@ class Overheads:
   call: float = 0.0
 
   @classmethod
+  def for_profile(cls, profile: DeviceProfile) -> Overheads:
+    """The defaults, with the per-call cost calibrate() measured where it did."""
+    if profile.call_overhead is None:
+      return cls()
+    return cls(call=profile.call_overhead,
+               call_per_device=profile.call_overhead_per_device or 0.0)
+
+  @classmethod
   def roofline(cls) -> Overheads:
     """No software overheads at all: hardware limits only, perfect overlap."""
     return cls(decode_step=0.0, overlap=1.0, call_per_device=0.0, call=0.0)
@@ -96,10 +104,18 @@ class Simulator:
   def __init__(self, workload: Workload, profile: DeviceProfile,
                overheads: Overheads | None = None):
     self.wl, self.prof = workload, profile
-    self.ovh = Overheads() if overheads is None else overheads
+    self.ovh = Overheads.for_profile(profile) if overheads is None else overheads
     self.capacity = profile.memory_bytes * profile.usable_memory
     self.flops_rate = profile.peak_flops * profile.compute_efficiency
     self.hbm_rate = profile.memory_bandwidth * profile.bandwidth_efficiency
+
+  def share(self, mesh: MeshShape) -> float:
+    """Factor on a pool's compute and memory-traffic times: 1, or on a shared host (where
+    the rates are per device with all devices busy) the pool's fraction of the host, as
+    any pool running alone gets all of the host's cores."""
+    if not self.prof.shared_compute:
+      return 1.0
+    return min(1.0, mesh.size / self.prof.devices_per_node)
 
   def resident(self, role: str, mesh: MeshShape) -> float:
     per_param = TRAIN_BYTES_PER_PARAM if role in TRAINED else WEIGHT_BYTES
@@ -150,7 +166,8 @@ class Simulator:
     if transient > free:
       return StageCost(reason=f"OOM: {role} forward needs {transient / 1e9:.1f} GB, "
                        f"{max(free, 0) / 1e9:.1f} GB free")
-    compute = wl.sequences * forward_flops(cfg, wl.seq_len) / (mesh.size * self.flops_rate)
+    compute = (wl.sequences * forward_flops(cfg, wl.seq_len) / (mesh.size * self.flops_rate)
+               * self.share(mesh))
     tp, gather = self._layer_comm(cfg, mesh, micro, passes=1)
     time = (self.ovh.hide(compute, calls * gather) + calls * tp
             + self.ovh.call_time(mesh.size))
@@ -171,13 +188,14 @@ class Simulator:
     calls = steps * math.ceil(per_device / micro)
     passes = 3 + remat  # forward, backward (2x), and the recomputed forward
     compute = (wl.ppo_epochs * wl.sequences * passes * forward_flops(cfg, wl.seq_len)
-               / (mesh.size * self.flops_rate))
+               / (mesh.size * self.flops_rate) * self.share(mesh))
     tp, gather = self._layer_comm(cfg, mesh, micro, passes=2 + remat)
     fsdp = calls * gather * (2 + remat)  # gathers for forward and backward (+ recompute),
     # the reduce-scatter of gradients costing as much as one gather
     grads = WEIGHT_BYTES * cfg.num_params / mesh.shards
     sync = steps * comm.all_reduce(self.prof, grads, mesh.data, mesh.size)
-    update = steps * 2 * TRAIN_BYTES_PER_PARAM * cfg.num_params / mesh.shards / self.hbm_rate
+    update = (steps * 2 * TRAIN_BYTES_PER_PARAM * cfg.num_params / mesh.shards / self.hbm_rate
+              * self.share(mesh))
     time = (self.ovh.hide(compute, fsdp) + calls * tp + sync + update
             + self.ovh.call_time(mesh.size))
     return StageCost(time, transient, note="remat" if remat else "")
@@ -232,6 +250,7 @@ class Simulator:
     batch = math.ceil(per_replica / waves)
     span = mesh.shards if strided else gen_tensor  # devices one tensor group spreads over
     prefill = (batch * forward_flops(cfg, wl.prompt_len) / (gen_tensor * self.flops_rate)
+               * self.share(mesh)
                + 2 * cfg.num_layers * comm.all_reduce(
                    prof, batch * wl.prompt_len * cfg.hidden_size * WEIGHT_BYTES,
                    gen_tensor, span))
@@ -243,7 +262,7 @@ class Simulator:
                      cfg.head_dim * context) / gen_tensor
     token_comm = 2 * cfg.num_layers * comm.all_reduce(
         prof, batch * cfg.hidden_size * WEIGHT_BYTES, gen_tensor, span)
-    step = (max(read / self.hbm_rate, flops / self.flops_rate) + token_comm
+    step = (max(read / self.hbm_rate, flops / self.flops_rate) * self.share(mesh) + token_comm
             + self.ovh.decode_step)
     time = (self.reshard(mesh, gen_tensor, strided) + waves * (prefill + wl.response_len * step)
             + self.ovh.call_time(mesh.size))

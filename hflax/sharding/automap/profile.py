@@ -34,6 +34,14 @@ class DeviceProfile:
   collective_latency: float = 10e-6
   # Fraction of device memory plans may fill (the rest: runtime, fragmentation).
   usable_memory: float = 0.9
+  # True where the devices share one host's compute (simulated CPU devices): a pool of any
+  # size then computes with the whole host (rates above are per device with all of them
+  # busy), and disjoint pools take turns instead of running concurrently.
+  shared_compute: bool = False
+  # Measured time of one controller call on a pool (fixed part and per device), where
+  # calibrate() measured it; None leaves the simulator's Overheads defaults.
+  call_overhead: float | None = None
+  call_overhead_per_device: float | None = None
   source: str = ""
 
   def replace(self, **kw) -> DeviceProfile:

@@ -3,10 +3,12 @@
 For each colocated group of roles and each pool size, the best layouts are searched once
 and memoised (the paper's auto_parallel); allocations then only combine those results:
 a stage takes the longest of the pools' summed role times, a step the sum of its stages.
+On a shared host (DeviceProfile.shared_compute) pools take turns, so a stage takes the sum.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -207,10 +209,11 @@ class Planner:
       for n, pool, times in rows[i]:
         if n + reserve <= budget:
           walk(i + 1, budget - n, chosen + [(n, pool)],
-               tuple(map(max, stage_max, times)))
+               tuple(map(merge, stage_max, times)))
 
+    merge = _merge(self.prof)
     walk(0, total, [], (0.0,) * len(STAGES))
-    return [_combine(placement, chosen) for _, _, chosen in sorted(best, reverse=True)]
+    return [_combine(placement, chosen, merge) for _, _, chosen in sorted(best, reverse=True)]
 
   # -- one given plan -----------------------------------------------------------------------
   def evaluate(self, placement: Placement, devices: Sequence[int],
@@ -221,21 +224,27 @@ class Planner:
       raise ValueError(f"{len(placement)} pools but {len(devices)} device counts")
     chosen = [(n, self.evaluate_pool(g, n, meshes, generate_tensor, generate_strided))
               for g, n in zip(placement, devices)]
-    plan = _combine(placement, chosen)
+    plan = _combine(placement, chosen, _merge(self.prof))
     plan.meshes = {r: meshes[r] for g in placement for r in g}
     plan.reason = next((f"{'+'.join(g)}: {p.reason}" for g, (_, p) in zip(placement, chosen)
                         if p.reason), None)
     return plan
 
 
-def _combine(placement: Placement, chosen) -> Plan:
+def _merge(profile: DeviceProfile):
+  """How two pools' times for one stage combine: concurrently, or in turn on a shared host."""
+  return (lambda a, b: a + b) if profile.shared_compute else max
+
+
+def _combine(placement: Placement, chosen, merge=max) -> Plan:
   meshes, notes, gen, strided = {}, {}, 1, True
   for group, (_, pool) in zip(placement, chosen):
     meshes.update(pool.meshes)
     notes.update(pool.notes)
     if "actor" in group:
       gen, strided = pool.generate_tensor, pool.generate_strided
-  stages = {s: max(p.stage_times.get(s, 0.0) for _, p in chosen) for s in STAGES}
+  stages = {s: functools.reduce(merge, (p.stage_times.get(s, 0.0) for _, p in chosen))
+            for s in STAGES}
   return Plan(placement, tuple(n for n, _ in chosen), meshes, gen,
               {s: t for s, t in stages.items() if t > 0},
               tuple(p.stage_times for _, p in chosen), tuple(p.peak_memory for _, p in chosen),
