@@ -305,8 +305,11 @@ def main(argv=None) -> int:
   args.steps_per_round = args.steps_per_round or (1 if q else 2)
   trl_warmup, hflax_warmup = 1, 2
 
+  from hflax.launch.xla_env import configure_cpu
+  configure_cpu(devices=1)  # hflax runs on one device here
   import jax
-  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+  print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")
+  if "xla_force_host_platform_device_count=1" not in os.environ["XLA_FLAGS"]:
     print("WARNING: XLA_FLAGS simulates several host devices; hflax uses 1 of them here, "
           "but timings will not be representative")
   jax.devices()  # fix the backend (and its device count) before hflax modules load

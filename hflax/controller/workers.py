@@ -19,7 +19,8 @@ from jax.sharding import SingleDeviceSharding
 from hflax.controller.batch import Batch
 from hflax.controller.protocol import Protocol, replicated, transfer
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
-                                       make_train_step, mini_batch_order)
+                                       make_train_step, mini_batch_order,
+                                       train_compiler_options)
 from hflax.models.logprobs import sequence_log_probs
 from hflax.models.transformer import forward
 from hflax.rewards.scorer import last_token_scores
@@ -94,7 +95,8 @@ class RoleWorker:
       self._steps[name] = jax.jit(
           step, donate_argnums=(0, 1), in_shardings=(self.shardings, opt_shardings,
                                                      self.rows_sharding),
-          out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)))
+          out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)),
+          compiler_options=train_compiler_options(self.mesh.devices.flat))
     history = []
     for index in mini_batch_order(n, cfg, self.seed + self.updates):
       if len(index) == n:

@@ -6,10 +6,9 @@ On CPU, HFLAX_CPU_DEVICES (default 2) simulated devices give each role its own m
 import os
 import sys
 
-# Before JAX starts: simulated CPU devices, so per-model meshes exist on a plain CPU.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
-                             f"device_count={os.environ.get('HFLAX_CPU_DEVICES', '2')}").strip()
+from hflax.launch.xla_env import configure_cpu
+
+configure_cpu()  # before JAX starts: simulated CPU devices for per-model meshes
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs")

@@ -8,12 +8,11 @@ runs that plan directly.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
-                             f"device_count={os.environ.get('HFLAX_CPU_DEVICES', '2')}").strip()
+from hflax.launch.xla_env import configure_cpu
+
+configure_cpu()  # before JAX starts
 
 
 def workload(cfg, policy_cfg):

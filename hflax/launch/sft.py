@@ -6,6 +6,7 @@ it, so repeated runs (and resumed ones) skip it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hflax.controller.training import train_compiler_options
 from hflax.models import hf
 from hflax.models.logprobs import sequence_log_probs
 
@@ -59,7 +61,7 @@ def sft_warmup(cfg, policy, tokenizer, rows, log=print):
   tx = optax.adam(sft.lr)
   opt_state = tx.init(state)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=train_compiler_options(jax.devices()[:1]))
   def step(state, opt_state, tokens, mask, loss_mask):
     def loss_fn(state):
       logp, _ = sequence_log_probs(graphdef, state, tokens, mask)
