@@ -16,11 +16,9 @@ def move(x, sharding):
   """`x` (host data or a jax.Array) laid out as `sharding`, without waiting for `x`."""
   if not isinstance(x, jax.Array):
     return jax.device_put(x, sharding)
-  if x.sharding == sharding:
-    return x
   if isinstance(sharding, jax.Device):
     sharding = jax.sharding.SingleDeviceSharding(sharding)
-  return assemble(x, sharding)
+  return x if x.sharding == sharding else assemble(x, sharding)
 
 
 def _region(index, shape) -> tuple[tuple[int, int], ...]:
