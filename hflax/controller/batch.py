@@ -14,8 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hflax.sharding.transfer import move
-
 
 def _rows(x) -> int:
   return int(x.shape[0])
@@ -136,7 +134,7 @@ class Batch:
   def place(self, sharding, keys: Iterable[str] | None = None) -> "Batch":
     """Arrays (or just `keys`) moved onto `sharding` (asynchronously)."""
     keys = set(self.arrays if keys is None else keys)
-    moved = {k: move(v, sharding) if k in keys else v for k, v in self.arrays.items()}
+    moved = {k: jax.device_put(v, sharding) if k in keys else v for k, v in self.arrays.items()}
     return Batch(moved, dict(self.objects), dict(self.meta))
 
   def to_host(self) -> "Batch":

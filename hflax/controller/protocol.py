@@ -15,7 +15,6 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hflax.controller.batch import Batch
-from hflax.sharding.transfer import move
 
 
 class Protocol(enum.Enum):
@@ -41,10 +40,10 @@ def transfer(protocol: Protocol, inputs: tuple[str, ...] = ()):
       sharding = self.input_sharding(protocol)
       if protocol is Protocol.DATA_PARALLEL:
         self.check_rows(len(batch), method.__name__)
-      placed = {k: move(batch.arrays[k], sharding) for k in inputs}
+      placed = {k: jax.device_put(batch.arrays[k], sharding) for k in inputs}
       out = method(self, placed, batch, *args, **kwargs)
       if isinstance(out, dict):
-        return Batch({k: move(v, self.home) for k, v in out.items()}, meta={})
+        return Batch({k: jax.device_put(v, self.home) for k, v in out.items()}, meta={})
       return out
 
     call.protocol, call.inputs = protocol, inputs

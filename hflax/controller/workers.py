@@ -26,7 +26,6 @@ from hflax.models.transformer import forward
 from hflax.rewards.scorer import last_token_scores
 from hflax.rollout.sampler import SamplingParams, _generate, decode_segments
 from hflax.sharding.hybrid_engine import HybridEngine
-from hflax.sharding.transfer import move
 from hflax.sharding.layouts import (TRAIN_RULES, batch_sharding, data_parallel_size,
                                     state_shardings)
 from hflax.sharding.placement import RolePlacement
@@ -97,14 +96,15 @@ class RoleWorker:
                                                      self.rows_sharding),
           out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)),
           compiler_options=train_compiler_options(self.mesh.devices.flat))
+    # Every mini-batch is cut before the first step is dispatched: device_put waits for
+    # its input, and a cut queued behind this role's own steps would hold the controller
+    # until all but the last step had run, instead of letting other pools' calls start.
+    minis = [rows if len(index) == n else
+             {k: jax.device_put(jnp.take(v, jnp.asarray(index), axis=0), self.rows_sharding)
+              for k, v in rows.items()}
+             for index in mini_batch_order(n, cfg, self.seed + self.updates)]
     history = []
-    for index in mini_batch_order(n, cfg, self.seed + self.updates):
-      if len(index) == n:
-        mini = rows
-      else:
-        take = jnp.asarray(index)
-        mini = {k: move(jnp.take(v, take, axis=0), self.rows_sharding)
-                for k, v in rows.items()}
+    for mini in minis:
       self.params, self.opt_state, metrics = self._steps[name](self.params, self.opt_state, mini)
       history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps))})
       self.optimizer_steps += 1
@@ -154,8 +154,8 @@ class ActorRolloutWorker(RoleWorker):
     self.check_rows(len(prompts), "generate_sequences (prompts)", dp=gen_rows)
     gen_state, metrics = self.engine.to_generate(self.params)
     rows = jax.sharding.NamedSharding(self.engine.mesh, jax.sharding.PartitionSpec("data"))
-    tokens = move(prompts["prompts"], rows)
-    mask = move(prompts["prompt_mask"], rows)
+    tokens = jax.device_put(prompts["prompts"], rows)
+    mask = jax.device_put(prompts["prompt_mask"], rows)
     if rng is None:
       rng = jax.random.fold_in(self._rng, self._calls)
       self._calls += 1
@@ -163,7 +163,7 @@ class ActorRolloutWorker(RoleWorker):
                     segments=decode_segments(params.max_new_tokens))
     del gen_state  # the generation copy is freed once the program has consumed it
     out["group_ids"] = jnp.repeat(jnp.arange(len(prompts), dtype=jnp.int32), params.n)
-    result = Batch({k: move(v, self.home) for k, v in out.items()},
+    result = Batch({k: jax.device_put(v, self.home) for k, v in out.items()},
                    meta={"metrics": metrics})
     objects = prompts.repeat(params.n).objects
     return Batch(result.arrays, objects, result.meta)
@@ -186,7 +186,7 @@ class ActorRolloutWorker(RoleWorker):
     if self.loss_fn is None:
       raise ValueError("actor has no loss_fn; pass one (e.g. from hflax.algorithms)")
     for k in self.loss_fields:  # e.g. ref_log_prob for a KL loss
-      rows[k] = move(batch[k], self.rows_sharding)
+      rows[k] = jax.device_put(batch[k], self.rows_sharding)
     width, temperature, graphdef, loss = _response_width(batch), self.temperature, self.graphdef, self.loss_fn
 
     def loss_fn(params, fields):

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
-from hflax.sharding.transfer import assemble
 
 
 def generate_mesh(train_mesh: Mesh, tensor: int, strided: bool = True) -> Mesh:
@@ -34,6 +33,51 @@ def generate_mesh(train_mesh: Mesh, tensor: int, strided: bool = True) -> Mesh:
   if strided:
     return Mesh(devices.reshape(tensor, groups), ("tensor", "data"))
   return Mesh(devices.reshape(groups, tensor), GENERATE_AXES)
+
+
+def _region(index, shape) -> tuple[tuple[int, int], ...]:
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def assemble(x: jax.Array, sharding) -> jax.Array:
+  """`x` laid out as `sharding`, built on each destination device from the pieces of the
+  source shards that cover its new shard: its own shard first, then device-to-device
+  copies of the rest. No host round trip, no full copy anywhere, and no collective
+  program (XLA's CPU collectives rendezvous all participants, which many transfers in
+  flight can starve on a small thread pool).
+
+  A pool spanning several processes (the Ray backend) cannot build shards from pieces it
+  does not address; there the switch is one jax.device_put, which for two shardings over
+  the same devices in the same order (the generate mesh keeps the training order)
+  compiles to a resharding program whose collectives cross the processes."""
+  if not x.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  shape = x.shape
+  sources = [(s.device, _region(s.index, shape), s.data) for s in x.addressable_shards]
+  built = []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    want, pieces = _region(index, shape), {}
+    for src_device, have, data in sorted(sources, key=lambda t: t[0] != device):
+      part = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(want, have))
+      if any(lo >= hi for lo, hi in part) or part in pieces:
+        continue  # disjoint, or a replica of a piece already taken (local ones first)
+      local = tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(part, have))
+      whole = all(sl.stop - sl.start == n for sl, n in zip(local, data.shape))
+      piece = data if whole else data[local]
+      pieces[part] = piece if src_device == device else jax.device_put(piece, device)
+    built.append(_join(pieces))
+  return jax.make_array_from_single_device_arrays(shape, sharding, built)
+
+
+def _join(pieces: dict, dim: int = 0):
+  """Concatenates pieces keyed by their (start, stop) per dimension into one block."""
+  if len(pieces) == 1:
+    return next(iter(pieces.values()))
+  starts = sorted({key[dim][0] for key in pieces})
+  if len(starts) == 1:
+    return _join(pieces, dim + 1)
+  return jnp.concatenate([_join({k: v for k, v in pieces.items() if k[dim][0] == s}, dim + 1)
+                          for s in starts], axis=dim)
 
 
 def _overlap(a: tuple[slice, ...], b: tuple[slice, ...], shape) -> int:
