@@ -147,6 +147,7 @@ def test_roles_on_disjoint_pools_are_in_flight_together():
   has been dispatched, so the two pools compute at the same time."""
   workers = build_workers(SPLIT)
   batch, _ = ppo_step(workers, prompts_batch())  # compiles everything once
+  jax.block_until_ready((batch.arrays, workers["actor"].params, workers["critic"].params))
   critic_metrics = workers["critic"].update_critic(batch).meta["metrics"]
   actor_metrics = workers["actor"].update_actor(batch).meta["metrics"]
   in_flight = not all(v.is_ready() for v in critic_metrics.values())

@@ -91,21 +91,24 @@ class RoleWorker:
     if name not in self._steps:
       opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
       step = make_train_step(loss_fn, self.tx, cfg.mini_batch_size // micro)
+      rows_sharding = self.rows_sharding
+
+      # The mini-batch is cut inside the step: a cut dispatched on its own would make the
+      # controller wait (device_put of an unfinished array) behind this role's earlier
+      # steps, and on a busy CPU behind other pools' work too.
+      def cut_and_step(params, opt_state, all_rows, index):
+        mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
+        return step(params, opt_state, jax.lax.with_sharding_constraint(mini, rows_sharding))
+
       self._steps[name] = jax.jit(
-          step, donate_argnums=(0, 1), in_shardings=(self.shardings, opt_shardings,
-                                                     self.rows_sharding),
+          cut_and_step, donate_argnums=(0, 1),
+          in_shardings=(self.shardings, opt_shardings, rows_sharding, replicated(self.mesh)),
           out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)),
           compiler_options=train_compiler_options(self.mesh.devices.flat))
-    # Every mini-batch is cut before the first step is dispatched: device_put waits for
-    # its input, and a cut queued behind this role's own steps would hold the controller
-    # until all but the last step had run, instead of letting other pools' calls start.
-    minis = [rows if len(index) == n else
-             {k: jax.device_put(jnp.take(v, jnp.asarray(index), axis=0), self.rows_sharding)
-              for k, v in rows.items()}
-             for index in mini_batch_order(n, cfg, self.seed + self.updates)]
     history = []
-    for mini in minis:
-      self.params, self.opt_state, metrics = self._steps[name](self.params, self.opt_state, mini)
+    for index in mini_batch_order(n, cfg, self.seed + self.updates):
+      self.params, self.opt_state, metrics = self._steps[name](
+          self.params, self.opt_state, rows, np.asarray(index, np.int32))
       history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps))})
       self.optimizer_steps += 1
     self.updates += 1
