@@ -162,9 +162,11 @@ def test_roles_on_disjoint_pools_are_in_flight_together():
     ((None, None), ("data", None), (4, 2)),       # replicated -> split
     (("fsdp", "tensor"), (None, None), (8, 1)),   # split -> replicated
 ])
-def test_assemble_matches_the_values_for_any_pair_of_layouts(src_spec, dst_spec, dst_shape):
+@pytest.mark.parametrize("path", ["_assemble_by_copies", "_assemble_in_host_memory"])
+def test_assemble_matches_the_values_for_any_pair_of_layouts(src_spec, dst_spec, dst_shape, path):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from hflax.sharding.hybrid_engine import assemble
+  from hflax.sharding import hybrid_engine
+  assemble = getattr(hybrid_engine, path)
   devices = np.array(jax.devices()[:8])
   src_mesh = Mesh(devices.reshape(1, 4, 2), ("data", "fsdp", "tensor"))
   dst_mesh = Mesh(devices[::-1].reshape(dst_shape), ("data", "tensor"))
@@ -174,3 +176,24 @@ def test_assemble_matches_the_values_for_any_pair_of_layouts(src_spec, dst_spec,
   assert out.sharding == NamedSharding(dst_mesh, P(*dst_spec))
   for shard in out.addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+  jax.block_until_ready(jax.jit(lambda a: a * 2)(out))  # usable as a program input
+
+
+def test_cpu_switch_writes_each_generate_shard_once():
+  """On CPU the replicas of a generate shard share one host buffer, and that buffer is
+  the new array's own: donating the training copy afterwards leaves it intact."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from hflax.sharding.hybrid_engine import assemble
+  devices = np.array(jax.devices()[:8])
+  value = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  train = jax.device_put(value, NamedSharding(Mesh(devices, ("fsdp",)), P("fsdp", None)))
+  gen = assemble(train, NamedSharding(Mesh(devices.reshape(2, 4), ("tensor", "data")),
+                                      P("tensor", None)))
+  buffers = {}
+  for shard in gen.addressable_shards:
+    buffers.setdefault(shard.index[0].start, set()).add(shard.data.unsafe_buffer_pointer())
+  assert sorted(buffers) == [0, 32] and all(len(b) == 1 for b in buffers.values())
+  train_buffers = {s.data.unsafe_buffer_pointer() for s in train.addressable_shards}
+  assert train_buffers.isdisjoint(set().union(*buffers.values()))
+  jax.block_until_ready(jax.jit(lambda a: a + 1, donate_argnums=0)(train))
+  np.testing.assert_array_equal(np.asarray(gen), value)

@@ -12,6 +12,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
@@ -40,11 +41,15 @@ def _region(index, shape) -> tuple[tuple[int, int], ...]:
 
 
 def assemble(x: jax.Array, sharding) -> jax.Array:
-  """`x` laid out as `sharding`, built on each destination device from the pieces of the
-  source shards that cover its new shard: its own shard first, then device-to-device
-  copies of the rest. No host round trip, no full copy anywhere, and no collective
-  program (XLA's CPU collectives rendezvous all participants, which many transfers in
-  flight can starve on a small thread pool).
+  """`x` laid out as `sharding` without a host round trip of the whole array: each
+  destination shard is built from the pieces of the source shards that cover it.
+
+  On accelerators (`_assemble_by_copies`) a device keeps its own piece and receives the
+  rest as device-to-device copies; there is no collective program, because XLA's CPU
+  collectives rendezvous all participants, which many transfers in flight can starve on a
+  small thread pool. On the CPU backend every device's memory is the same host memory,
+  so `_assemble_in_host_memory` writes each distinct destination shard once and lets its
+  replicas share that buffer.
 
   A pool spanning several processes (the Ray backend) cannot build shards from pieces it
   does not address; there the switch is one jax.device_put, which for two shardings over
@@ -52,21 +57,75 @@ def assemble(x: jax.Array, sharding) -> jax.Array:
   compiles to a resharding program whose collectives cross the processes."""
   if not x.is_fully_addressable:
     return jax.device_put(x, sharding)
+  if all(d.platform == "cpu" for d in sharding.device_set | x.sharding.device_set):
+    return _assemble_in_host_memory(x, sharding)
+  return _assemble_by_copies(x, sharding)
+
+
+def _overlap_slices(want, have):
+  """The part of region `want` inside region `have`, as slices into each, or None."""
+  part = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(want, have))
+  if any(lo >= hi for lo, hi in part):
+    return None
+  into = lambda region: tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _) in zip(part, region))
+  return part, into(want), into(have)
+
+
+def _assemble_by_copies(x: jax.Array, sharding) -> jax.Array:
   shape = x.shape
   sources = [(s.device, _region(s.index, shape), s.data) for s in x.addressable_shards]
   built = []
   for device, index in sharding.addressable_devices_indices_map(shape).items():
     want, pieces = _region(index, shape), {}
     for src_device, have, data in sorted(sources, key=lambda t: t[0] != device):
-      part = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(want, have))
-      if any(lo >= hi for lo, hi in part) or part in pieces:
+      overlap = _overlap_slices(want, have)
+      if overlap is None or overlap[0] in pieces:
         continue  # disjoint, or a replica of a piece already taken (local ones first)
-      local = tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(part, have))
+      part, _, local = overlap
       whole = all(sl.stop - sl.start == n for sl, n in zip(local, data.shape))
       piece = data if whole else data[local]
       pieces[part] = piece if src_device == device else jax.device_put(piece, device)
     built.append(_join(pieces))
   return jax.make_array_from_single_device_arrays(shape, sharding, built)
+
+
+def _assemble_in_host_memory(x: jax.Array, sharding) -> jax.Array:
+  """CPU devices share host memory: each distinct destination shard is written once, from
+  zero-copy views of the source shards, into a fresh 64-byte-aligned host buffer that the
+  CPU client adopts without copying, so the replicas of a shard (the generate layout's
+  data axis) are one buffer. A shard a device already holds is kept as it is (as on
+  accelerators); every other buffer is private to the new array."""
+  shape = x.shape
+  sources, held = {}, {}
+  for shard in x.addressable_shards:
+    region = _region(shard.index, shape)
+    sources.setdefault(region, shard.data)
+    held[shard.device, region] = shard.data
+  blocks, built = {}, []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    want = _region(index, shape)
+    if (device, want) in held:  # this device already holds exactly this shard
+      built.append(held[device, want])
+      continue
+    if want not in blocks:
+      block = _aligned_empty([hi - lo for lo, hi in want], x.dtype)
+      for have, data in sources.items():
+        overlap = _overlap_slices(want, have)
+        if overlap is not None:
+          block[overlap[1]] = np.asarray(data)[overlap[2]]
+      blocks[want] = block
+    built.append(jax.device_put(blocks[want], device))
+  return jax.make_array_from_single_device_arrays(shape, sharding, built)
+
+
+def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+  """An uninitialised array whose data starts on an `align`-byte boundary, the alignment
+  XLA:CPU needs to use a host buffer in place instead of copying it."""
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + align, np.uint8)
+  start = -raw.ctypes.data % align
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _join(pieces: dict, dim: int = 0):
