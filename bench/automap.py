@@ -7,7 +7,7 @@ random other feasible plans are then run for a few steps each, alternating, and 
 measured step times printed beside the predictions, with the rank correlation and how far
 the auto-mapper's choice is from the best measured plan.
 
-  python bench/automap.py [--steps 3] [--random 5] [--seed 0]
+  python bench/automap.py [--steps 5] [--random 5] [--seed 0]
 """
 import argparse
 import os
@@ -56,7 +56,7 @@ def spearman(a, b):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--random", type=int, default=5)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
@@ -84,10 +84,13 @@ def main():
     roles = build_roles(cfg_i, policy, tokenizer=tokenizer, reward_fn=parity_reward,
                         devices=devices)
     state = init_state(cfg_i.algorithm)
-    jax.block_until_ready(DRIVERS["ppo"](roles, batch, cfg_i, state).arrays)  # compile
+    for _ in range(2):  # compile, then one more: a plan's first steps run slower
+      jax.block_until_ready(DRIVERS["ppo"](roles, batch, cfg_i, state).arrays)
     runs[i] = (roles, cfg_i, state, [])
-  for _ in range(args.steps):  # alternate plans, so load changes hit all of them alike
-    for i, (roles, cfg_i, state, times) in runs.items():
+  order = list(runs)
+  for step in range(args.steps):  # alternate plans, so load changes hit all of them alike
+    for i in order[step % len(order):] + order[:step % len(order)]:  # rotated each round
+      roles, cfg_i, state, times = runs[i]
       began = time.perf_counter()
       out = DRIVERS["ppo"](roles, batch, cfg_i, state)
       jax.block_until_ready((out.arrays, out.meta["metrics"]))
@@ -101,6 +104,8 @@ def main():
   print(f"{'rank':>4} | {'predicted s':>11} | {'measured s':>10} | plan")
   for i, p, m in zip(chosen, predicted, measured):
     print(f"{i + 1:>4} | {p:>11.3f} | {m:>10.3f} | {plans[i].describe().split('  ', 1)[1][:110]}")
+    if os.environ.get("HFLAX_BENCH_VERBOSE"):
+      print("       steps: " + ", ".join(f"{t:.3f}" for t in runs[i][3]))
   best = measured.min()
   print(f"auto-mapper's choice (rank 1) measured {measured[0]:.3f} s; best measured {best:.3f} s: "
         f"{measured[0] / best - 1:+.1%} (target: within 15%)")

@@ -133,19 +133,27 @@ def test_roofline_overheads_are_zero():
   assert ovh.call_time(128) == 0 and ovh.decode_step == 0 and ovh.hide(2.0, 1.0) == 2.0
 
 
-def test_on_a_shared_host_pools_take_turns_and_any_pool_gets_the_whole_host():
-  """Simulated CPU devices share the cores: a stage costs the sum of its pools' times,
-  and a pool of 2 computes as fast as a pool of 8 (the rates are per device, all busy)."""
+def test_on_a_shared_host_pools_share_the_cores_and_any_pool_gets_the_whole_host():
+  """Simulated CPU devices share the cores: a stage costs its pools' total over the host's
+  concurrency (but never less than its longest pool), and a pool of 2 computes as fast as
+  a pool of 8 (the rates are per device, all busy)."""
   wl = Workload.ppo(automap.llama2_config("7b"))
-  shared = A100.replace(shared_compute=True)
   split = (("actor", "ref"), ("critic", "reward"))
   meshes = {"actor": MeshShape(1, 8, 1), "ref": MeshShape(8, 1, 1),
             "critic": MeshShape(1, 8, 1), "reward": MeshShape(8, 1, 1)}
-  for prof, merge in ((A100, max), (shared, lambda a, b: a + b)):
+  in_turn = A100.replace(shared_compute=True)
+  profiles = ((A100, max), (in_turn, sum),
+              (in_turn.replace(host_concurrency=1.5), lambda t: max(max(t), sum(t) / 1.5)),
+              (in_turn.replace(host_concurrency=100.0), max))
+  steps = []
+  for prof, stage_time in profiles:
     plan = Planner(wl, prof).evaluate(split, (8, 8), meshes)
     assert plan.feasible, plan.reason
     for stage, t in plan.stage_times.items():
-      assert t == pytest.approx(merge(*(p.get(stage, 0.0) for p in plan.pool_stage_times)))
+      assert t == pytest.approx(stage_time([p.get(stage, 0.0) for p in plan.pool_stage_times]))
+    steps.append(plan.step_time)
+  assert steps[1] > steps[2] > steps[3]
+  shared = in_turn
   hardware_only = Overheads.roofline()
   small, big = (Simulator(wl, shared.replace(devices_per_node=8), hardware_only)
                 .forward("ref", MeshShape(n, 1, 1), free=1e12) for n in (2, 8))

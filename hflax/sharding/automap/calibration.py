@@ -89,11 +89,13 @@ def measure(devices, *, small: bool | None = None) -> DeviceProfile:
 
   d = devices[0]
   call, per_device = _call_overhead(devices)
+  concurrency = _host_concurrency(devices) if shared else None
   return DeviceProfile(
       name=f"calibrated-{platform}-{n}", peak_flops=flops, memory_bandwidth=hbm,
       intra_node_bandwidth=link, inter_node_bandwidth=link, devices_per_node=n,
       memory_bytes=_memory_per_device(devices), compute_efficiency=1.0,
       bandwidth_efficiency=1.0, collective_latency=latency, shared_compute=shared,
+      host_concurrency=concurrency,
       call_overhead=call, call_overhead_per_device=per_device,
       source=(f"hflax calibrate() on {n} x {getattr(d, 'device_kind', platform)}, "
               f"{jnp.dtype(dtype).name} matmul, {time.strftime('%Y-%m-%d %H:%M:%S')}"))
@@ -114,6 +116,20 @@ def _call_overhead(devices) -> tuple[float, float]:
   if len(devices) == 1:
     return alone, 0.0
   return alone, max(0.0, (call_time(devices) - alone) / (len(devices) - 1))
+
+
+def _host_concurrency(devices) -> float:
+  """How much sooner two devices finish a small program each when dispatched together
+  than in turn. The program (a chain of 64-row, 128-wide matmuls) is sized like the small
+  models CPU pools run: too small for XLA to spread one op over the cores, so two pools
+  can use two cores at once; programs big enough to fill the cores get no such gain."""
+  chain = jax.jit(lambda x, w: jax.lax.fori_loop(0, 50, lambda i, h: jnp.tanh(h @ w), x))
+  args = [(jax.device_put(np.ones((64, 128), np.float32), d),
+           jax.device_put(np.eye(128, dtype=np.float32), d)) for d in devices[:2]]
+  in_turn = _best_time(lambda: [jax.block_until_ready(chain(*args[0])) for _ in range(2)],
+                       repeats=5)
+  at_once = _best_time(lambda: [chain(*a) for a in args], repeats=5)
+  return max(1.0, in_turn / at_once)
 
 
 def calibrate(devices=None, path: str | None = None, *, refresh: bool = False) -> DeviceProfile:

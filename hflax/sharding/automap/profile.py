@@ -36,8 +36,12 @@ class DeviceProfile:
   usable_memory: float = 0.9
   # True where the devices share one host's compute (simulated CPU devices): a pool of any
   # size then computes with the whole host (rates above are per device with all of them
-  # busy), and disjoint pools take turns instead of running concurrently.
+  # busy), and disjoint pools share the host (see host_concurrency).
   shared_compute: bool = False
+  # On a shared host: how much faster two pools' small programs finish when dispatched at
+  # once than one after the other (1 = they take turns; up to the number of cores, since a
+  # small program leaves cores idle). Measured by calibrate(); None counts as 1.
+  host_concurrency: float | None = None
   # Measured time of one controller call on a pool (fixed part and per device), where
   # calibrate() measured it; None leaves the simulator's Overheads defaults.
   call_overhead: float | None = None

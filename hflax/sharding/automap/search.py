@@ -3,15 +3,17 @@
 For each colocated group of roles and each pool size, the best layouts are searched once
 and memoised (the paper's auto_parallel); allocations then only combine those results:
 a stage takes the longest of the pools' summed role times, a step the sum of its stages.
-On a shared host (DeviceProfile.shared_compute) pools take turns, so a stage takes the sum.
+On a shared host (DeviceProfile.shared_compute) pools share the cores: a stage takes at
+least its longest pool and at least the pools' total divided by the host's measured
+concurrency (1: they take turns).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import itertools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 
 from hflax.sharding.automap.cost import Overheads, Simulator
@@ -197,9 +199,9 @@ class Planner:
     best: list = []  # heap of (-cost, -order, choice): the worst kept plan on top
     order = itertools.count()
 
-    def walk(i, budget, chosen, stage_max):
+    def walk(i, budget, chosen, stage_sum, stage_max):
       if i == len(rows):
-        cost = sum(stage_max)
+        cost = sum(map(stage_time, stage_sum, stage_max))
         if len(best) < keep or cost < -best[0][0]:
           heapq.heappush(best, (-cost, -next(order), tuple(chosen)))
           if len(best) > keep:
@@ -209,11 +211,12 @@ class Planner:
       for n, pool, times in rows[i]:
         if n + reserve <= budget:
           walk(i + 1, budget - n, chosen + [(n, pool)],
-               tuple(map(merge, stage_max, times)))
+               tuple(map(operator.add, stage_sum, times)), tuple(map(max, stage_max, times)))
 
-    merge = _merge(self.prof)
-    walk(0, total, [], (0.0,) * len(STAGES))
-    return [_combine(placement, chosen, merge) for _, _, chosen in sorted(best, reverse=True)]
+    stage_time = _stage_time(self.prof)
+    walk(0, total, [], (0.0,) * len(STAGES), (0.0,) * len(STAGES))
+    return [_combine(placement, chosen, stage_time)
+            for _, _, chosen in sorted(best, reverse=True)]
 
   # -- one given plan -----------------------------------------------------------------------
   def evaluate(self, placement: Placement, devices: Sequence[int],
@@ -224,27 +227,32 @@ class Planner:
       raise ValueError(f"{len(placement)} pools but {len(devices)} device counts")
     chosen = [(n, self.evaluate_pool(g, n, meshes, generate_tensor, generate_strided))
               for g, n in zip(placement, devices)]
-    plan = _combine(placement, chosen, _merge(self.prof))
+    plan = _combine(placement, chosen, _stage_time(self.prof))
     plan.meshes = {r: meshes[r] for g in placement for r in g}
     plan.reason = next((f"{'+'.join(g)}: {p.reason}" for g, (_, p) in zip(placement, chosen)
                         if p.reason), None)
     return plan
 
 
-def _merge(profile: DeviceProfile):
-  """How two pools' times for one stage combine: concurrently, or in turn on a shared host."""
-  return (lambda a, b: a + b) if profile.shared_compute else max
+def _stage_time(profile: DeviceProfile):
+  """A stage's time from its pools' total and longest time: the longest where pools have
+  their own hardware; on a shared host also at least the total over the host's
+  concurrency."""
+  if not profile.shared_compute:
+    return lambda total, longest: longest
+  concurrency = profile.host_concurrency or 1.0
+  return lambda total, longest: max(longest, total / concurrency)
 
 
-def _combine(placement: Placement, chosen, merge=max) -> Plan:
+def _combine(placement: Placement, chosen, stage_time=lambda total, longest: longest) -> Plan:
   meshes, notes, gen, strided = {}, {}, 1, True
   for group, (_, pool) in zip(placement, chosen):
     meshes.update(pool.meshes)
     notes.update(pool.notes)
     if "actor" in group:
       gen, strided = pool.generate_tensor, pool.generate_strided
-  stages = {s: functools.reduce(merge, (p.stage_times.get(s, 0.0) for _, p in chosen))
-            for s in STAGES}
+  times = {s: [p.stage_times.get(s, 0.0) for _, p in chosen] for s in STAGES}
+  stages = {s: stage_time(sum(t), max(t)) for s, t in times.items()}
   return Plan(placement, tuple(n for n, _ in chosen), meshes, gen,
               {s: t for s, t in stages.items() if t > 0},
               tuple(p.stage_times for _, p in chosen), tuple(p.peak_memory for _, p in chosen),
