@@ -305,10 +305,12 @@ def main(argv=None) -> int:
   args.steps_per_round = args.steps_per_round or (1 if q else 2)
   trl_warmup, hflax_warmup = 1, 2
 
-  from hflax.launch.xla_env import configure_cpu
+  from hflax.launch.xla_env import configure_cpu, keep_freed_memory
   configure_cpu(devices=1)  # hflax runs on one device here
   import jax
   print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")
+  print(f"glibc malloc keeps freed memory, one arena (hflax's CPU setting; it applies to both "
+        f"frameworks in this process; HFLAX_CPU_MALLOC=0 turns it off): {keep_freed_memory()}")
   if "xla_force_host_platform_device_count=1" not in os.environ["XLA_FLAGS"]:
     print("WARNING: XLA_FLAGS simulates several host devices; hflax uses 1 of them here, "
           "but timings will not be representative")

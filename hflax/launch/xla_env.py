@@ -1,15 +1,22 @@
-"""XLA settings a CPU run needs before JAX starts (this module must not import jax):
-simulated host devices, so per-model meshes exist on a plain CPU. Flags the user already
-set in XLA_FLAGS are left as they are."""
+"""Process settings a CPU run needs before JAX starts (this module must not import jax):
+simulated host devices, so per-model meshes exist on a plain CPU, and a malloc that keeps
+freed memory. Settings the user already made (XLA_FLAGS, glibc's MALLOC_* variables) are
+left as they are."""
 from __future__ import annotations
 
+import ctypes
 import os
 
 _DEVICES_FLAG = "--xla_force_host_platform_device_count"
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
+_MALLOC_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                     "GLIBC_TUNABLES")
 
 
 def configure_cpu(devices: int | None = None) -> str:
-  """Adds the simulated device count to XLA_FLAGS (unless set) and returns XLA_FLAGS.
+  """Adds the simulated device count to XLA_FLAGS (unless set), keeps freed host memory
+  for reuse (see keep_freed_memory) and returns XLA_FLAGS.
 
   devices: None takes HFLAX_CPU_DEVICES (default 2).
   """
@@ -18,4 +25,29 @@ def configure_cpu(devices: int | None = None) -> str:
     count = devices if devices is not None else int(os.environ.get("HFLAX_CPU_DEVICES", "2"))
     flags.append(f"{_DEVICES_FLAG}={count}")
   os.environ["XLA_FLAGS"] = " ".join(flags)
+  keep_freed_memory()
   return os.environ["XLA_FLAGS"]
+
+
+def keep_freed_memory() -> bool:
+  """Tells glibc to serve every thread from its one main heap, to take buffers up to 2 GiB
+  from it, and to keep freed memory there for reuse instead of returning it to the OS.
+
+  XLA:CPU allocates each program's intermediates with malloc on its worker threads. By
+  default those threads get their own arenas, whose big buffers are mapped fresh and
+  unmapped on free, so every training step touches new pages: a 10M-param model's step
+  took 360k minor page faults (1.4 GB), about 1 s of kernel time, and more right after
+  other work freed memory. With these settings the same steady step takes none. The cost:
+  the process keeps its peak heap size.
+
+  HFLAX_CPU_MALLOC=0, any MALLOC_* / GLIBC_TUNABLES variable, or a libc other than glibc
+  leaves malloc as it is. Returns whether the settings were made."""
+  if os.environ.get("HFLAX_CPU_MALLOC", "1") == "0" or any(v in os.environ for v in _MALLOC_VARIABLES):
+    return False
+  try:
+    mallopt = ctypes.CDLL("libc.so.6").mallopt
+  except (OSError, AttributeError):
+    return False
+  largest = (1 << 31) - 1  # mallopt takes an int
+  return all(mallopt(param, value) for param, value in (
+      (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, largest), (_M_TRIM_THRESHOLD, largest)))
