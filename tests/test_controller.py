@@ -197,3 +197,28 @@ def test_cpu_switch_writes_each_generate_shard_once():
   assert train_buffers.isdisjoint(set().union(*buffers.values()))
   jax.block_until_ready(jax.jit(lambda a: a + 1, donate_argnums=0)(train))
   np.testing.assert_array_equal(np.asarray(gen), value)
+
+
+def test_optimizer_offload_during_generation_changes_no_number():
+  """With optimizer_offload the actor's optimizer state sits in host memory from
+  generation to the next update, in its own sharding; two steps give bit-identical
+  parameters and optimizer state to the run without it."""
+  runs = {}
+  for offload in (False, True):
+    workers = build_workers(colocated(ROLES, 8, generate_tensor=2))
+    actor = workers["actor"]
+    actor.optimizer_offload = offload
+    for seed in range(2):
+      ppo_step(workers, prompts_batch(seed=seed))
+    batch = actor.generate_sequences(prompts_batch(seed=2))
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(actor.opt_state)}
+    assert kinds == ({"pinned_host"} if offload else {"device"})
+    if offload:
+      assert batch.meta["metrics"]["offload/optimizer_bytes"] == sum(
+          x.nbytes for x in jax.tree.leaves(actor.opt_state))
+      assert all(x.sharding.spec == y.spec for x, y in
+                 zip(jax.tree.leaves(actor.opt_state), jax.tree.leaves(actor._opt_on_device)))
+    actor._reload_optimizer()
+    runs[offload] = [np.asarray(x) for x in jax.tree.leaves((actor.params, actor.opt_state))]
+  for a, b in zip(runs[False], runs[True]):
+    np.testing.assert_array_equal(a, b)

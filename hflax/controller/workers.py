@@ -8,6 +8,7 @@ asynchronous), so roles on disjoint pools run concurrently; nothing here calls
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable
 
 import jax
@@ -129,9 +130,14 @@ class ActorRolloutWorker(RoleWorker):
 
   def __init__(self, placement, graphdef, state, *, sampling: SamplingParams,
                loss_fn: Callable | None = None, generate_dtype: str | None = None,
-               recompute_log_prob: bool = False, loss_fields: tuple[str, ...] = (), **kw):
+               recompute_log_prob: bool = False, loss_fields: tuple[str, ...] = (),
+               optimizer_offload: bool = False, **kw):
     super().__init__(placement, graphdef, state, **kw)
     self.sampling, self.loss_fn, self.loss_fields = sampling, loss_fn, tuple(loss_fields)
+    # Optimizer state in host memory from generation until the next update, so the KV
+    # cache and the generation copy of the weights have the accelerator to themselves.
+    self.optimizer_offload = optimizer_offload and hasattr(self, "opt_state")
+    self._opt_on_device = None  # the device shardings while the state is offloaded
     # The sampler's log-probs are exactly the trainer's unless generation runs in another
     # dtype; only then does PPO need a separate forward pass for the old log-probs.
     self.recompute_log_prob = recompute_log_prob or generate_dtype not in (None, self.cfg.param_dtype)
@@ -156,6 +162,8 @@ class ActorRolloutWorker(RoleWorker):
     gen_rows = self.engine.mesh.shape["data"]
     self.check_rows(len(prompts), "generate_sequences (prompts)", dp=gen_rows)
     gen_state, metrics = self.engine.to_generate(self.params)
+    if self.optimizer_offload:
+      metrics.update(self._offload_optimizer())
     rows = jax.sharding.NamedSharding(self.engine.mesh, jax.sharding.PartitionSpec("data"))
     tokens = jax.device_put(prompts["prompts"], rows)
     mask = jax.device_put(prompts["prompt_mask"], rows)
@@ -183,11 +191,29 @@ class ActorRolloutWorker(RoleWorker):
     logp, entropy = fn(self.params, rows)
     return {"old_log_probs": logp, "entropy": entropy}
 
+  def _offload_optimizer(self) -> dict:
+    """The optimizer state to host memory, each leaf keeping its sharding."""
+    if self._opt_on_device is not None:
+      return {}
+    start = time.perf_counter()
+    self._opt_on_device = jax.tree.map(lambda x: x.sharding, self.opt_state)
+    self.opt_state = jax.device_put(self.opt_state, jax.tree.map(
+        lambda s: s.with_memory_kind("pinned_host"), self._opt_on_device))
+    jax.block_until_ready(self.opt_state)
+    return {"timing_s/optimizer_offload": time.perf_counter() - start,
+            "offload/optimizer_bytes": float(sum(x.nbytes for x in jax.tree.leaves(self.opt_state)))}
+
+  def _reload_optimizer(self):
+    if self._opt_on_device is not None:
+      self.opt_state = jax.device_put(self.opt_state, self._opt_on_device)
+      self._opt_on_device = None
+
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask", "response_mask",
                                             "old_log_probs", "advantages"))
   def update_actor(self, rows, batch):
     if self.loss_fn is None:
       raise ValueError("actor has no loss_fn; pass one (e.g. from hflax.algorithms)")
+    self._reload_optimizer()
     for k in self.loss_fields:  # e.g. ref_log_prob for a KL loss
       rows[k] = jax.device_put(batch[k], self.rows_sharding)
     width, temperature, graphdef, loss = _response_width(batch), self.temperature, self.graphdef, self.loss_fn

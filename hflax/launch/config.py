@@ -42,7 +42,10 @@ def base_config() -> ml_collections.ConfigDict:
       shuffle=False, policy_loss="vanilla", clip_ratio=0.2,
       clip_ratio_low=config_dict.placeholder(float), clip_ratio_high=config_dict.placeholder(float),
       clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
-      kl_loss_coef=0.001, kl_loss_type="low_var_kl", recompute_log_prob=False)
+      kl_loss_coef=0.001, kl_loss_type="low_var_kl", recompute_log_prob=False,
+      # Optimizer state in host memory from generation until the next update (verl's
+      # optimizer_offload, for the KV cache's sake on accelerators).
+      optimizer_offload=False)
   c.rollout = dict(n=1, temperature=1.0, top_k=0, top_p=1.0, generate_tensor=1,
                    dtype=config_dict.placeholder(str), val_temperature=0.0)
   c.critic = dict(optim=_optim(1e-4), ppo_mini_batch_size=8, ppo_micro_batch_size=0,
