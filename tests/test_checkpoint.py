@@ -241,3 +241,18 @@ def test_errors_say_what_is_wrong(tmp_path):
     ckpt.restore(targets={"a": {**_tiny(0), "w": jnp.zeros((2, 4))}})
   with pytest.raises(ValueError, match="item name 'host'"):
     ckpt.save(2, {"host": _tiny(2)}, {})
+
+
+def test_optimizer_state_saved_from_host_memory_restores_on_device(tmp_path, run):
+  """With actor.optimizer_offload a save can meet the optimizer state in pinned host memory
+  (e.g. after validation generated): it is written as is and restored on the device."""
+  params, opt_state = run[0], run[1]
+  offloaded = jax.device_put(opt_state, jax.tree.map(
+      lambda x: x.sharding.with_memory_kind("pinned_host"), opt_state))
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  ckpt.save(1, {"opt_state": offloaded}, {"step": 1}, force=True)
+  arrays, _ = ckpt.restore(1, {"opt_state": opt_state})
+  for a, b in zip(jax.tree.leaves(arrays["opt_state"]), jax.tree.leaves(opt_state)):
+    assert a.sharding.memory_kind == b.sharding.memory_kind
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -197,6 +197,11 @@ def test_cpu_switch_writes_each_generate_shard_once():
   assert train_buffers.isdisjoint(set().union(*buffers.values()))
   jax.block_until_ready(jax.jit(lambda a: a + 1, donate_argnums=0)(train))
   np.testing.assert_array_equal(np.asarray(gen), value)
+  # A shard a device already holds is kept: the same buffer, nothing written.
+  train = jax.device_put(value, NamedSharding(Mesh(devices, ("fsdp",)), P("fsdp", None)))
+  same = assemble(train, NamedSharding(Mesh(devices, ("tensor",)), P("tensor", None)))
+  assert ([s.data.unsafe_buffer_pointer() for s in same.addressable_shards]
+          == [s.data.unsafe_buffer_pointer() for s in train.addressable_shards])
 
 
 def test_optimizer_offload_during_generation_changes_no_number():

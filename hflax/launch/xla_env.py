@@ -5,6 +5,7 @@ left as they are."""
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 
 _DEVICES_FLAG = "--xla_force_host_platform_device_count"
@@ -12,11 +13,14 @@ _DEVICES_FLAG = "--xla_force_host_platform_device_count"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _MALLOC_VARIABLES = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                      "GLIBC_TUNABLES")
+_ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
+                        "jax_rocm7_plugin", "libtpu")
 
 
 def configure_cpu(devices: int | None = None) -> str:
   """Adds the simulated device count to XLA_FLAGS (unless set), keeps freed host memory
-  for reuse (see keep_freed_memory) and returns XLA_FLAGS.
+  for reuse where JAX will compute on the CPU (see keep_freed_memory) and returns
+  XLA_FLAGS.
 
   devices: None takes HFLAX_CPU_DEVICES (default 2).
   """
@@ -25,7 +29,8 @@ def configure_cpu(devices: int | None = None) -> str:
     count = devices if devices is not None else int(os.environ.get("HFLAX_CPU_DEVICES", "2"))
     flags.append(f"{_DEVICES_FLAG}={count}")
   os.environ["XLA_FLAGS"] = " ".join(flags)
-  keep_freed_memory()
+  if not accelerator_expected():
+    keep_freed_memory()
   return os.environ["XLA_FLAGS"]
 
 
@@ -48,6 +53,16 @@ def keep_freed_memory() -> bool:
     mallopt = ctypes.CDLL("libc.so.6").mallopt
   except (OSError, AttributeError):
     return False
-  largest = (1 << 31) - 1  # mallopt takes an int
-  return all(mallopt(param, value) for param, value in (
-      (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, largest), (_M_TRIM_THRESHOLD, largest)))
+  # Some glibc builds refuse an mmap threshold above 32 MiB; that still covers most buffers.
+  threshold = any(mallopt(_M_MMAP_THRESHOLD, v) for v in ((1 << 31) - 1, 32 << 20))
+  trim = bool(mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))  # mallopt takes an int
+  return bool(mallopt(_M_ARENA_MAX, 1)) and threshold and trim
+
+
+def accelerator_expected() -> bool:
+  """Whether JAX will start on an accelerator, judged without importing it: JAX_PLATFORMS
+  names one, or (JAX_PLATFORMS unset) a GPU or TPU plugin is installed."""
+  platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+  if platforms:
+    return platforms.split(",")[0].strip() not in ("cpu", "")
+  return any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_PLUGINS)

@@ -54,10 +54,15 @@ def assemble(x: jax.Array, sharding) -> jax.Array:
   A pool spanning several processes (the Ray backend) cannot build shards from pieces it
   does not address; there the switch is one jax.device_put, which for two shardings over
   the same devices in the same order (the generate mesh keeps the training order)
-  compiles to a resharding program whose collectives cross the processes."""
+  compiles to a resharding program whose collectives cross the processes.
+
+  Where a device already holds exactly its new shard, both paths reuse that buffer: the
+  result must be dropped before `x` is donated (the actor frees its generation copy
+  before any update)."""
   if not x.is_fully_addressable:
     return jax.device_put(x, sharding)
-  if all(d.platform == "cpu" for d in sharding.device_set | x.sharding.device_set):
+  on_cpu = all(d.platform == "cpu" for d in sharding.device_set | x.sharding.device_set)
+  if on_cpu and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # numpy-readable
     return _assemble_in_host_memory(x, sharding)
   return _assemble_by_copies(x, sharding)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import socket
 
+from hflax.launch.xla_env import keep_freed_memory
+
 _FORCE_DEVICES = "--xla_force_host_platform_device_count"
 
 
@@ -39,6 +41,7 @@ class PoolMember:
       os.environ["JAX_PLATFORMS"] = "cpu"
       flags = os.environ.get("XLA_FLAGS", "").split()
       os.environ["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(_FORCE_DEVICES))
+      keep_freed_memory()  # before XLA's threads start allocating, as in configure_cpu
 
   def info(self) -> dict:
     return {"pid": os.getpid(), "node": _node_ip()}
