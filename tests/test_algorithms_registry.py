@@ -104,3 +104,28 @@ def test_user_registers_their_own():
   with pytest.raises(ValueError, match="already registered"):
     A.register_advantage_estimator("grpo")(mean_baseline)
   A.register_policy_loss("test_algorithms_reinforce", override=True)(reinforce)
+
+
+def test_advantage_fn_compiles_a_builtin_once_and_runs_host_code_eagerly():
+  from hflax.algorithms import registry
+  batch = _batch()
+  cfg = {"gamma": 0.99, "lam": 0.95, "num_groups": 4, "kl_ctrl": {"type": "fixed"}}
+  gae = A.advantage_fn("gae", cfg)
+  assert A.advantage_fn("gae", dict(cfg)) is gae  # one compiled function per config
+  for _ in range(3):
+    got = gae(batch)
+  assert gae._cache_size() == 1  # traced and compiled once, not on every call
+  want = A.gae_advantage(batch["token_level_rewards"], batch["values"], MASK, 0.99, 0.95)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-6)
+  assert A.advantage_fn("gae", {**cfg, "lam": 0.9}) is not gae
+
+  @A.register_advantage_estimator("test_algorithms_numpy_baseline")
+  def numpy_baseline(fields, cfg):  # host code: fine without jit=True
+    scores = np.asarray(fields["token_level_rewards"]).sum(-1)
+    adv = (scores - np.median(scores))[:, None] * fields["response_mask"]
+    return adv, adv
+
+  adv, _ = A.advantage_fn("test_algorithms_numpy_baseline", cfg)(batch)
+  np.testing.assert_allclose(adv[:, 0], [0.25, -0.75, -0.25, 0.25])
+  assert numpy_baseline not in registry._JITTABLE

@@ -17,7 +17,8 @@ from hflax.algorithms.masked import (group_mean_std, masked_mean, masked_sum, ma
                                      masked_whiten)
 from hflax.algorithms.losses import (entropy_from_logits, entropy_loss, explained_variance,
                                      gspo_loss, ppo_clip_loss, value_loss)
-from hflax.algorithms.registry import (advantage_estimator_names, get_advantage_estimator,
+from hflax.algorithms.registry import (advantage_estimator_names, advantage_fn,
+                                       get_advantage_estimator,
                                        get_policy_loss, policy_loss_names,
                                        register_advantage_estimator, register_policy_loss)
 from hflax.algorithms.recipes import (groups_with_variance, lagrange_update, overlong_penalty,
@@ -41,5 +42,6 @@ __all__ = [
     "masked_sum", "masked_mean", "masked_var", "masked_whiten", "group_mean_std",
     # registry
     "register_advantage_estimator", "register_policy_loss", "get_advantage_estimator",
+    "advantage_fn",
     "get_policy_loss", "advantage_estimator_names", "policy_loss_names",
 ]

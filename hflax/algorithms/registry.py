@@ -20,18 +20,26 @@ the batch size), clip_ratio (0.2), clip_ratio_low / clip_ratio_high (default cli
 
 A user registers their own from any module, and selects it by name:
 
-  @register_advantage_estimator("my_estimator")
+  @register_advantage_estimator("my_estimator", jit=True)  # jit=True: pure jnp code
   def my_estimator(batch, cfg): ...
+
+Drivers call an estimator through `advantage_fn`, which compiles it once per (estimator,
+scalar cfg) when it was registered with jit=True (every built-in one is); others run
+eagerly, so host code (numpy, Python control flow on values) works in them.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
+
+import jax
 
 from hflax.algorithms import advantages as adv
 from hflax.algorithms.losses import gspo_loss, ppo_clip_loss
 
 _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 _POLICY_LOSSES: dict[str, Callable] = {}
+_JITTABLE: set[Callable] = set()
 
 
 def _register(table, what, names, override):
@@ -53,9 +61,37 @@ def _lookup(table, what, name):
   return table[name]
 
 
-def register_advantage_estimator(*names: str, override: bool = False):
-  """Decorator: register fn(batch, cfg) -> (advantages_BxT, returns_BxT) under names."""
-  return _register(_ADVANTAGE_ESTIMATORS, "advantage estimator", names, override)
+def register_advantage_estimator(*names: str, override: bool = False, jit: bool = False):
+  """Decorator: register fn(batch, cfg) -> (advantages_BxT, returns_BxT) under names;
+  jit=True lets `advantage_fn` compile it (it must then be traceable: jnp only)."""
+  register = _register(_ADVANTAGE_ESTIMATORS, "advantage estimator", names, override)
+
+  def decorator(fn):
+    if jit:
+      _JITTABLE.add(fn)
+    return register(fn)
+  return decorator
+
+
+def advantage_fn(name: str, cfg: Mapping[str, Any]) -> Callable:
+  """fields -> (advantages_BxT, returns_BxT) for estimator `name` under `cfg`.
+
+  Only cfg's scalar entries reach the estimator (they are what estimators read). A jit
+  estimator is compiled once per (estimator, those entries): called eagerly, a lax.scan
+  such as GAE's is traced and compiled again on every call (about 0.13 s each here)."""
+  fn = get_advantage_estimator(name)
+  scalars = tuple(sorted((k, v) for k, v in cfg.items()
+                         if isinstance(v, (bool, int, float, str, type(None)))))
+  return _compiled(fn, scalars) if fn in _JITTABLE else functools.partial(_call, fn, scalars)
+
+
+def _call(fn, scalars, fields):
+  return fn(fields, dict(scalars))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(fn, scalars) -> Callable:
+  return jax.jit(functools.partial(_call, fn, scalars))
 
 
 def register_policy_loss(*names: str, override: bool = False):
@@ -90,34 +126,34 @@ def _scores(batch, who):
                              _field(batch, "response_mask", who))
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", jit=True)
 def _gae(batch, cfg):
   return adv.gae_advantage(_field(batch, "token_level_rewards", "gae"),
                            _field(batch, "values", "gae"), _field(batch, "response_mask", "gae"),
                            gamma=cfg.get("gamma", 1.0), lam=cfg.get("lam", 1.0))
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", jit=True)
 def _grpo(batch, cfg):
   return adv.grpo_advantage(_scores(batch, "grpo"), batch["response_mask"],
                             _field(batch, "group_ids", "grpo"), cfg.get("num_groups"),
                             norm_by_std=cfg.get("norm_adv_by_std_in_grpo", True))
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", jit=True)
 def _rloo(batch, cfg):
   return adv.rloo_advantage(_scores(batch, "rloo"), batch["response_mask"],
                             _field(batch, "group_ids", "rloo"), cfg.get("num_groups"))
 
 
-@register_advantage_estimator("reinforce_plus_plus")
+@register_advantage_estimator("reinforce_plus_plus", jit=True)
 def _reinforce_plus_plus(batch, cfg):
   return adv.reinforce_plus_plus_advantage(
       _field(batch, "token_level_rewards", "reinforce_plus_plus"),
       _field(batch, "response_mask", "reinforce_plus_plus"), gamma=cfg.get("gamma", 1.0))
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", jit=True)
 def _reinforce_plus_plus_baseline(batch, cfg):
   who = "reinforce_plus_plus_baseline"
   return adv.reinforce_plus_plus_baseline_advantage(
@@ -125,7 +161,7 @@ def _reinforce_plus_plus_baseline(batch, cfg):
       cfg.get("num_groups"))
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", jit=True)
 def _remax(batch, cfg):
   return adv.remax_advantage(_field(batch, "token_level_rewards", "remax"),
                              _field(batch, "reward_baselines", "remax"),

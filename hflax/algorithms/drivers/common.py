@@ -139,9 +139,8 @@ def compute_advantage(batch: Batch, algo_cfg, state: StepState, rows_per_step: i
     state.kl_ctrl = alg.update_kl_controller(state.kl_ctrl, mean_kl, rows_per_step)
   fields = {"token_level_rewards": rewards, **{k: batch[k] for k in (
       "response_mask", "values", "group_ids", "reward_baselines") if k in batch}}
-  estimator = alg.get_advantage_estimator(algo_cfg.adv_estimator)
   cfg = {**dict(algo_cfg), "num_groups": len(batch)}
-  advantages, returns = estimator(fields, cfg)
+  advantages, returns = alg.advantage_fn(algo_cfg.adv_estimator, cfg)(fields)
   out = Batch({"token_level_rewards": rewards, "advantages": advantages, "returns": returns},
               meta={"metrics": metrics})
   return batch.union(out)
