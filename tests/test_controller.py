@@ -1,5 +1,7 @@
 """Role workers on per-role meshes: placements, equivalence with the single-device run,
 the hybrid engine, and concurrency of roles on disjoint pools."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,9 +148,13 @@ def test_roles_on_disjoint_pools_are_in_flight_together():
   """The controller does not block: the critic's update is still running when the actor's
   has been dispatched, so the two pools compute at the same time."""
   workers = build_workers(SPLIT)
+  # Eight epochs keep the critic busy (about 8 steps) well past the actor's dispatch (a
+  # few ms) even when another test process holds one of the two cores.
+  critic = workers["critic"]
+  critic.update_cfg = dataclasses.replace(critic.update_cfg, epochs=8)
   batch, _ = ppo_step(workers, prompts_batch())  # compiles everything once
-  jax.block_until_ready((batch.arrays, workers["actor"].params, workers["critic"].params))
-  critic_metrics = workers["critic"].update_critic(batch).meta["metrics"]
+  jax.block_until_ready((batch.arrays, workers["actor"].params, critic.params))
+  critic_metrics = critic.update_critic(batch).meta["metrics"]
   actor_metrics = workers["actor"].update_actor(batch).meta["metrics"]
   in_flight = not all(v.is_ready() for v in critic_metrics.values())
   jax.block_until_ready((critic_metrics, actor_metrics))
