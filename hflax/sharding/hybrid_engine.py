@@ -8,6 +8,7 @@ and only the rest of its generation shard has to arrive from other devices.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -144,17 +145,8 @@ def _join(pieces: dict, dim: int = 0):
                           for s in starts], axis=dim)
 
 
-def _overlap(a: tuple[slice, ...], b: tuple[slice, ...], shape) -> int:
-  count = 1
-  for sa, sb, n in zip(a, b, shape):
-    lo_a, hi_a, _ = sa.indices(n)
-    lo_b, hi_b, _ = sb.indices(n)
-    count *= max(0, min(hi_a, hi_b) - max(lo_a, lo_b))
-  return count
-
-
-def _size(index: tuple[slice, ...], shape) -> int:
-  return _overlap(index, index, shape)
+def _elements(region) -> int:
+  return math.prod(hi - lo for lo, hi in region)
 
 
 def bytes_to_move(abstract_state, src_shardings, dst_shardings, dst_dtype=None) -> dict:
@@ -168,8 +160,11 @@ def bytes_to_move(abstract_state, src_shardings, dst_shardings, dst_dtype=None) 
     itemsize = jnp.dtype(dst_dtype or leaf.dtype).itemsize
     src_index = src.devices_indices_map(shape)
     for device, dst_idx in dst.devices_indices_map(shape).items():
-      local = _overlap(dst_idx, src_index[device], shape) if device in src_index else 0
-      per_device[device] = per_device.get(device, 0) + (_size(dst_idx, shape) - local) * itemsize
+      want = _region(dst_idx, shape)
+      overlap = (_overlap_slices(want, _region(src_index[device], shape))
+                 if device in src_index else None)
+      local = _elements(overlap[0]) if overlap else 0
+      per_device[device] = per_device.get(device, 0) + (_elements(want) - local) * itemsize
   return {"total": sum(per_device.values()), "max_per_device": max(per_device.values()),
           "per_device": per_device}
 

@@ -244,7 +244,7 @@ def _stage_time(profile: DeviceProfile):
   return lambda total, longest: max(longest, total / concurrency)
 
 
-def _combine(placement: Placement, chosen, stage_time=lambda total, longest: longest) -> Plan:
+def _combine(placement: Placement, chosen, stage_time) -> Plan:
   meshes, notes, gen, strided = {}, {}, 1, True
   for group, (_, pool) in zip(placement, chosen):
     meshes.update(pool.meshes)
