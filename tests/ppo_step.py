@@ -29,13 +29,13 @@ def critic_loss(values, f):
   return aggregate_loss(loss, f["response_mask"]), metrics
 
 
-def build_workers(placement_spec, devices=None):
+def build_workers(placement_spec, devices=None, update=None):
   placed = build_placement(placement_spec, devices)
   home = jax.sharding.SingleDeviceSharding(placed["actor"].pool.devices[0])
   policy = create(CFG, seed=0)
   value = create(CFG, seed=1, head="value")
   reward = create(CFG, seed=2, head="value")
-  update = UpdateConfig(mini_batch_size=16, micro_batch_size=8, epochs=2)
+  update = update or UpdateConfig(mini_batch_size=16, micro_batch_size=8, epochs=2)
   optim = OptimConfig(lr=1e-2, grad_clip=1.0)
   return dict(
       actor=ActorRolloutWorker(placed["actor"], *policy, sampling=SAMPLING, loss_fn=actor_loss,

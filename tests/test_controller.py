@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ppo_step import build_workers, ppo_step, prompts_batch, CFG, SAMPLING
+from hflax.controller.training import UpdateConfig
 from hflax.models import create
 from hflax.rollout.sampler import _generate, decode_segments
 from hflax.sharding.hybrid_engine import (HybridEngine, bytes_to_move, generate_mesh,
@@ -73,11 +74,37 @@ def test_placement_errors_name_the_field():
     build_placement({"pools": {"a": 4}, "roles": {"judge": {"pool": "a"}}})
 
 
-def test_batch_that_does_not_divide_is_rejected_before_device_work():
-  workers = build_workers(colocated(ROLES, 8, generate_tensor=2))
-  with pytest.raises(ValueError, match=r"actor.generate_sequences \(prompts\): 6 rows do not "
-                                       r"divide by the data-parallel size 4"):
-    workers["actor"].generate_sequences(prompts_batch(6))
+def test_rows_the_data_parallel_size_does_not_divide_are_padded():
+  """5 prompts (10 rows, mini-batches of 5) on 4-way data parallelism: prompts, rows and
+  every mini-batch are padded, and the step equals the unpadded one-device step."""
+  update = UpdateConfig(mini_batch_size=5, epochs=2)
+  ref_workers = build_workers(colocated(ROLES, 1), update=update)
+  ref = ppo_step(ref_workers, prompts_batch(5))
+  workers = build_workers(colocated(ROLES, 4), update=update)
+  assert workers["actor"].data_parallel_rows == 4 and workers["actor"].engine.mesh.shape["data"] == 4
+  batch, metrics = ppo_step(workers, prompts_batch(5))
+  assert len(batch) == 10
+  np.testing.assert_array_equal(np.asarray(batch["responses"]), np.asarray(ref[0]["responses"]))
+  for key in ("old_log_probs", "ref_log_prob", "values", "token_level_scores", "advantages"):
+    np.testing.assert_allclose(np.asarray(batch[key]), np.asarray(ref[0][key]), atol=2e-5,
+                               err_msg=key)
+  for key, value in ref[1].items():
+    if not key.startswith(("timing_s", "reshard")):
+      np.testing.assert_allclose(float(metrics[key]), float(value), rtol=1e-4, atol=1e-6,
+                                 err_msg=key)
+  for role in ("actor", "critic"):
+    for a, b in zip(jax.tree.leaves(workers[role].params),
+                    jax.tree.leaves(ref_workers[role].params)):
+      # Adam at lr 1e-2 turns float noise in near-zero gradients into ~lr/100 steps.
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+def test_micro_batch_smaller_than_data_parallel_size_is_rejected():
+  workers = build_workers(colocated(ROLES, 8), update=UpdateConfig(mini_batch_size=16,
+                                                                   micro_batch_size=4))
+  with pytest.raises(ValueError, match="micro_batch_size=4 rows is less than the "
+                                       "data-parallel size 8"):
+    ppo_step(workers, prompts_batch())
 
 
 def _param_bytes(state):

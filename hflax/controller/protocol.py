@@ -17,6 +17,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hflax.controller.batch import Batch
 
 
+# Batch.meta key of a padded batch: how many of its rows are real (the rest repeat them).
+LIVE_ROWS = "live_rows"
+
+
 class Protocol(enum.Enum):
   REPLICATE = "replicate"
   DATA_PARALLEL = "data_parallel"
@@ -38,18 +42,25 @@ def transfer(protocol: Protocol, inputs: tuple[str, ...] = ()):
         raise KeyError(f"{type(self).__name__}.{method.__name__} needs batch fields {missing}; "
                        f"the batch has {sorted(batch.keys())}")
       sharding = self.input_sharding(protocol)
+      rows, pad = len(batch), 0
       if protocol is Protocol.DATA_PARALLEL:
-        self.check_rows(len(batch), method.__name__)
+        batch, pad = batch.pad_to_divisor(self.data_parallel_rows)
+        batch = Batch(batch.arrays, batch.objects, {**batch.meta, LIVE_ROWS: rows})
       placed = {k: jax.device_put(batch.arrays[k], sharding) for k in inputs}
       out = method(self, placed, batch, *args, **kwargs)
       if isinstance(out, dict):
-        return Batch({k: jax.device_put(v, self.home) for k, v in out.items()}, meta={})
+        return Batch({k: _first_rows(jax.device_put(v, self.home), rows, pad)
+                      for k, v in out.items()}, meta={})
       return out
 
     call.protocol, call.inputs = protocol, inputs
     return call
 
   return wrap
+
+
+def _first_rows(x, rows: int, pad: int):
+  return x[:rows] if pad else x
 
 
 def replicated(mesh) -> NamedSharding:

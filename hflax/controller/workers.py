@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from hflax.controller.batch import Batch
-from hflax.controller.protocol import Protocol, replicated, transfer
+from hflax.controller.protocol import LIVE_ROWS, Protocol, replicated, transfer
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
                                        make_train_step, mini_batch_order,
                                        train_compiler_options)
@@ -67,11 +67,10 @@ class RoleWorker:
   def input_sharding(self, protocol: Protocol):
     return self.rows_sharding if protocol is Protocol.DATA_PARALLEL else replicated(self.mesh)
 
-  def check_rows(self, rows: int, what: str, dp: int | None = None):
-    dp = dp or data_parallel_size(self.mesh)
-    if rows % dp:
-      raise ValueError(f"{self.placement.role}.{what}: {rows} rows do not divide by the "
-                       f"data-parallel size {dp} of pool {self.placement.pool.name!r}")
+  @property
+  def data_parallel_rows(self) -> int:
+    """How many ways a batch's rows are split (a padded batch divides by it)."""
+    return data_parallel_size(self.mesh)
 
   @functools.cached_property
   def _jit_rows(self):
@@ -81,13 +80,22 @@ class RoleWorker:
                      out_shardings=self.rows_sharding)
     return functools.lru_cache(maxsize=None)(build)
 
-  def _train(self, name: str, loss_fn: Callable, rows: dict) -> Batch:
+  def _train(self, name: str, loss_fn: Callable, rows: dict, batch: Batch) -> Batch:
     """Mini-batch loop over `rows` (arrays on this mesh); metrics (device scalars, averaged
     over mini-batches) come back in meta["metrics"]."""
     cfg = self.update_cfg
-    n = next(iter(rows.values())).shape[0]
+    live_rows = batch.meta.get(LIVE_ROWS, len(batch))
     micro = cfg.micro_batch_size or cfg.mini_batch_size
-    self.check_rows(micro, f"{name} micro_batch_size")
+    dp = self.data_parallel_rows
+    if micro < dp:
+      raise ValueError(f"{self.placement.role}.{name}: micro_batch_size={micro} rows is less than "
+                       f"the data-parallel size {dp} of pool {self.placement.pool.name!r}: "
+                       "most devices would compute padding")
+    if "response_mask" not in rows:
+      raise KeyError(f"{self.placement.role}.{name}: updates need the 'response_mask' field")
+    # Each micro-batch is padded to a multiple of dp with masked copies of row 0, so a
+    # mini-batch the data-parallel size does not divide still splits evenly.
+    unit = cfg.mini_batch_size // micro * dp
     if name not in self._steps:
       opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
       step = make_train_step(loss_fn, self.tx, cfg.mini_batch_size // micro)
@@ -96,19 +104,25 @@ class RoleWorker:
       # The mini-batch is cut inside the step: a cut dispatched on its own would make the
       # controller wait (device_put of an unfinished array) behind this role's earlier
       # steps, and on a busy CPU behind other pools' work too.
-      def cut_and_step(params, opt_state, all_rows, index):
+      def cut_and_step(params, opt_state, all_rows, index, live):
         mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
+        mask = mini["response_mask"]
+        mini["response_mask"] = mask * live[:, None].astype(mask.dtype)
         return step(params, opt_state, jax.lax.with_sharding_constraint(mini, rows_sharding))
 
       self._steps[name] = jax.jit(
           cut_and_step, donate_argnums=(0, 1),
-          in_shardings=(self.shardings, opt_shardings, rows_sharding, replicated(self.mesh)),
+          in_shardings=(self.shardings, opt_shardings, rows_sharding, replicated(self.mesh),
+                        replicated(self.mesh)),
           out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)),
           compiler_options=train_compiler_options(self.mesh.devices.flat))
     history = []
-    for index in mini_batch_order(n, cfg, self.seed + self.updates):
+    for index in mini_batch_order(live_rows, cfg, self.seed + self.updates):
+      padded = -len(index) % unit
+      live = np.concatenate([np.ones(len(index), np.float32), np.zeros(padded, np.float32)])
+      index = np.concatenate([index, np.zeros(padded, index.dtype)]).astype(np.int32)
       self.params, self.opt_state, metrics = self._steps[name](
-          self.params, self.opt_state, rows, np.asarray(index, np.int32))
+          self.params, self.opt_state, rows, index, live)
       history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps))})
       self.optimizer_steps += 1
     self.updates += 1
@@ -158,8 +172,9 @@ class ActorRolloutWorker(RoleWorker):
     for key in ("prompts", "prompt_mask"):
       if key not in prompts:
         raise KeyError(f"actor.generate_sequences needs field {key!r}; batch has {prompts.keys()}")
-    gen_rows = self.engine.mesh.shape["data"]
-    self.check_rows(len(prompts), "generate_sequences (prompts)", dp=gen_rows)
+    count = len(prompts)
+    # Generation replicas split the prompts: pad with repeats, drop their samples after.
+    prompts, pad = prompts.pad_to_divisor(self.engine.mesh.shape["data"])
     gen_state, metrics = self.engine.to_generate(self.params)
     if self.optimizer_offload:
       metrics.update(self._offload_optimizer())
@@ -173,9 +188,10 @@ class ActorRolloutWorker(RoleWorker):
                     segments=decode_segments(params.max_new_tokens))
     del gen_state  # the generation copy is freed once the program has consumed it
     out["group_ids"] = jnp.repeat(jnp.arange(len(prompts), dtype=jnp.int32), params.n)
-    result = Batch({k: jax.device_put(v, self.home) for k, v in out.items()},
-                   meta={"metrics": metrics})
-    objects = prompts.repeat(params.n).objects
+    rows = count * params.n  # samples of prompt i are rows i*n .. i*n + n - 1
+    result = Batch({k: jax.device_put(v, self.home)[:rows] if pad else jax.device_put(v, self.home)
+                    for k, v in out.items()}, meta={"metrics": metrics})
+    objects = prompts.unpad(pad).repeat(params.n).objects
     return Batch(result.arrays, objects, result.meta)
 
   def old_log_probs(self, batch: Batch) -> Batch:
@@ -221,7 +237,7 @@ class ActorRolloutWorker(RoleWorker):
                                          fields["attention_mask"], temperature=temperature)
       return loss(logp[:, -width:], entropy[:, -width:], fields)
 
-    return self._train("update_actor", loss_fn, rows)
+    return self._train("update_actor", loss_fn, rows, batch)
 
 
 class ReferenceWorker(RoleWorker):
@@ -254,7 +270,7 @@ class CriticWorker(RoleWorker):
                                             "values", "returns"))
   def update_critic(self, rows, batch):
     values_of, loss = _values_fn(self.graphdef, _response_width(batch)), self.loss_fn
-    return self._train("update_critic", lambda p, f: loss(values_of(p, f), f), rows)
+    return self._train("update_critic", lambda p, f: loss(values_of(p, f), f), rows, batch)
 
 
 class RewardModelWorker(RoleWorker):

@@ -160,11 +160,9 @@ class Trainer:
     actor = self.roles.actor
     sampling = dataclasses.replace(actor.sampling, n=1, temperature=self.cfg.rollout.val_temperature)
     scores, sources = [], []
-    dp = actor.engine.mesh.shape["data"]
     for raw in _full_pass(self.val_loader, len(self.val_rows)):
-      prompts, pad = Batch.from_dict(raw).pad_to_divisor(dp)
-      batch = actor.generate_sequences(prompts, sampling=sampling,
-                                       rng=jax.random.key(self.cfg.trainer.seed)).unpad(pad)
+      batch = actor.generate_sequences(Batch.from_dict(raw), sampling=sampling,
+                                       rng=jax.random.key(self.cfg.trainer.seed))
       scores.append(self.reward_fn(batch.to_host()))
       sources += list(batch["data_source"])
     return accuracy_metrics(np.concatenate(scores), sources)

@@ -108,13 +108,3 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
     placed[role] = RolePlacement(role, pool, mesh, tensor_g,
                                  bool(rspec.get("generate_strided", True)))
   return placed
-
-
-def check_batch_divides(rows: int, placement: RolePlacement, what: str, generate: bool = False):
-  """Data-parallel splits need the row count to divide evenly (no silent remainder)."""
-  from hflax.sharding.layouts import data_parallel_size
-  dp = placement.pool.size // placement.generate_tensor if generate else \
-      data_parallel_size(placement.mesh)
-  if rows % dp:
-    raise ValueError(f"{what} = {rows} rows does not divide by the {placement.role}'s "
-                     f"data-parallel size {dp} (pool {placement.pool.name!r})")

@@ -35,12 +35,12 @@ class Overheads:
   overlap (set, not fitted; holds from 0.7 to 0.9): fraction of the shorter of compute
     and prefetched FSDP gathers that hides behind the longer; they share HBM bandwidth
     and SMs, so not all of it.
-  call_per_device (FITTED to the paper; the pattern needs 0.015 to 0.025 s): time per
+  call_per_device (FITTED to the paper; the pattern needs 0.02 to 0.03 s): time per
     device of every role call the single controller makes: dispatching the call and
     its batch shards to each worker, collecting results, synchronising. With one worker
     per device (as in the paper's system) this grows with the pool; it is what makes a
     pool of everything lose to concurrent smaller pools at 96-128 GPUs. With it at 0,
-    colocating wins every cell that divides (see the report in paper.py).
+    colocating wins every cell (see the report in paper.py).
   call: a fixed time per role call, on top (0: the fit did not need it).
   """
   decode_step: float = 0.005
@@ -73,6 +73,12 @@ def forward_flops(cfg: ModelConfig, length: int) -> float:
   matmul_params = cfg.num_params - cfg.vocab_size * cfg.hidden_size
   attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * length
   return 2 * matmul_params * length + attention
+
+
+def rows_per_shard(rows: int, ways: int) -> int:
+  """Rows each of `ways` data shards computes: the runtime pads a batch that `ways` does
+  not divide (controller/protocol.py), so the last shards compute repeated rows."""
+  return -(-rows // ways)
 
 
 def layer_params(cfg: ModelConfig) -> float:
@@ -126,11 +132,6 @@ class Simulator:
     problem = shape_problem(wl.models[role], mesh.tensor, f"{role} mesh")
     if problem:
       return problem
-    if wl.sequences % mesh.batch_ways:
-      return f"indivisible batch: {wl.sequences} sequences % {role} data*fsdp={mesh.batch_ways}"
-    if role in TRAINED and wl.mini_batch_sequences % mesh.batch_ways:
-      return (f"indivisible batch: mini-batch of {wl.mini_batch_sequences} sequences % "
-              f"{role} data*fsdp={mesh.batch_ways}")
     return None
 
   def _layer_comm(self, cfg, mesh, micro_seqs, passes):
@@ -159,15 +160,15 @@ class Simulator:
   def forward(self, role: str, mesh: MeshShape, free: float) -> StageCost:
     """Log-probs, values or rewards of the whole batch: one micro-batched pass."""
     cfg, wl = self.wl.models[role], self.wl
-    per_device = wl.sequences // mesh.batch_ways
+    per_device = rows_per_shard(wl.sequences, mesh.batch_ways)
     micro = min(wl.micro_batch_size, per_device)
     calls = math.ceil(per_device / micro)
     transient = self._activations(cfg, mesh, micro, train=False, remat=False)
     if transient > free:
       return StageCost(reason=f"OOM: {role} forward needs {transient / 1e9:.1f} GB, "
                        f"{max(free, 0) / 1e9:.1f} GB free")
-    compute = (wl.sequences * forward_flops(cfg, wl.seq_len) / (mesh.size * self.flops_rate)
-               * self.share(mesh))
+    compute = (per_device * mesh.batch_ways * forward_flops(cfg, wl.seq_len)
+               / (mesh.size * self.flops_rate) * self.share(mesh))
     tp, gather = self._layer_comm(cfg, mesh, micro, passes=1)
     time = (self.ovh.hide(compute, calls * gather) + calls * tp
             + self.ovh.call_time(mesh.size))
@@ -177,7 +178,7 @@ class Simulator:
     """ppo_epochs passes over the batch in mini-batches, one optimizer step each; layers
     are recomputed in the backward pass (remat) only when their activations do not fit."""
     cfg, wl = self.wl.models[role], self.wl
-    per_device = wl.mini_batch_sequences // mesh.batch_ways
+    per_device = rows_per_shard(wl.mini_batch_sequences, mesh.batch_ways)
     micro = min(wl.micro_batch_size, per_device)
     remat = self._activations(cfg, mesh, micro, train=True, remat=False) > free
     transient = self._activations(cfg, mesh, micro, train=True, remat=remat)
@@ -187,7 +188,7 @@ class Simulator:
     steps = wl.optimizer_steps
     calls = steps * math.ceil(per_device / micro)
     passes = 3 + remat  # forward, backward (2x), and the recomputed forward
-    compute = (wl.ppo_epochs * wl.sequences * passes * forward_flops(cfg, wl.seq_len)
+    compute = (steps * per_device * mesh.batch_ways * passes * forward_flops(cfg, wl.seq_len)
                / (mesh.size * self.flops_rate) * self.share(mesh))
     tp, gather = self._layer_comm(cfg, mesh, micro, passes=2 + remat)
     fsdp = calls * gather * (2 + remat)  # gathers for forward and backward (+ recompute),
@@ -235,9 +236,9 @@ class Simulator:
     if problem:
       return StageCost(reason=problem)
     replicas = mesh.size // gen_tensor
-    if mesh.size % gen_tensor or wl.sequences % replicas:
-      return StageCost(reason=f"indivisible batch: {wl.sequences} sequences % {replicas} "
-                       f"generate replicas (t_g={gen_tensor})")
+    if mesh.size % gen_tensor:
+      return StageCost(reason=f"indivisible shape: t_g={gen_tensor} does not divide the "
+                       f"pool's {mesh.size} devices")
     weights = WEIGHT_BYTES * cfg.num_params / gen_tensor
     kv_heads = max(1, cfg.num_kv_heads // gen_tensor)  # fewer than t_g: replicated
     kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * WEIGHT_BYTES
@@ -245,7 +246,7 @@ class Simulator:
     if free - weights < kv_seq:
       return StageCost(reason=f"OOM: actor generate weights {weights / 1e9:.1f} GB + KV "
                        f"{kv_seq / 1e9:.2f} GB/seq, {max(free, 0) / 1e9:.1f} GB free")
-    per_replica = wl.sequences // replicas
+    per_replica = rows_per_shard(wl.sequences, replicas)
     waves = math.ceil(per_replica / min(per_replica, int((free - weights) // kv_seq)))
     batch = math.ceil(per_replica / waves)
     span = mesh.shards if strided else gen_tensor  # devices one tensor group spreads over

@@ -22,19 +22,20 @@ How the cost model was brought to this pattern, honestly:
   per device per role call (dispatch, collection, synchronisation, with one worker per
   device as in the paper's system). It grows with the pool, so a pool of everything pays
   it for 7 calls over all GPUs each step, while concurrent pools pay it on fewer GPUs.
-  Every reproduced cell holds for 0.015-0.025 s; the closest margins are 2.9% (34B at
-  64), 5.6% (34B at 128) and 6.1% (7B at 64): see the margins printed below the table.
-Cells not reproduced (marked * in the table), after trying to:
-- 96 GPUs (13B and 34B split): 1024 sequences split evenly over no data-parallel width
-  with a factor 3, and without pipeline parallelism a pool's data x fsdp must divide
-  them, so no pool can hold 96 or 48 GPUs. The winners are 64 + 32 GPU pools, where the
-  reward model beside the actor balances the pools better than split does (an even
-  48 + 48 split is not available). What holds: actor and critic train on separate pools.
+  Every reproduced cell holds for 0.02-0.03 s (13B at 96 turns to colocate below 0.02,
+  7B and 34B at 64 to split at 0.04); the closest margins are 0.6% (13B at 96), 2.9% (34B
+  at 64 and at 96) and 5.6% (34B at 128): see the margins printed below the table.
+- 96 GPUs (13B and 34B split, on 48 + 48): 1024 sequences do not split evenly over a
+  48-GPU pool's data-parallel width (a factor 3), so the runtime pads the batch with
+  repeated rows (as verl pads a DataProto; controller/protocol.py) and the simulator
+  charges the padded rows (6 x 171 = 1026 per pass on 6 data shards). Before the runtime
+  padded, no pool could hold 48 GPUs and 64 + 32 pools won these cells.
+Cell not reproduced (marked * in the table), after trying to:
 - 13B at 128 standalone: standalone gives each trained model at most a third of the GPUs
   and idles the forward-only pools through generation and training; with all four models
-  of one size the step is about 40% slower than with split. Standalone only wins
-  once the per-device call cost reaches 0.2 s (10x the fit), which also turns 13B at 64
-  GPUs from colocate into split.
+  of one size the step is about 34% slower than with split (83 s vs 62 s). Standalone
+  only wins once the per-device call cost reaches 0.2 s (10x the fit), which also turns
+  13B at 64 GPUs from colocate into split.
 """
 from __future__ import annotations
 
