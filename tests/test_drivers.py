@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hflax.algorithms.drivers import DRIVERS, TAKES_PROMPT_ITERATOR, init_state
-from hflax.algorithms.drivers.common import timed_roles
+from hflax.algorithms.drivers.common import step_metrics, timed_roles
 from hflax.launch.config import base_config, validate
 from hflax.launch.roles import build_roles, policy_model
 from hflax.models.tokenizer import ByteTokenizer
@@ -14,7 +14,9 @@ from ppo_step import prompts_batch
 
 TOKENIZER = ByteTokenizer()
 ALGORITHMS = {
-    "ppo": dict(adv_estimator="gae", use_kl_in_reward=True, n=2),
+    # An entropy bonus and the adaptive KL controller ride along on the PPO run.
+    "ppo": dict(adv_estimator="gae", use_kl_in_reward=True, n=2, entropy_coeff=0.01,
+                kl_ctrl=dict(type="adaptive", kl_coef=0.05, target_kl=0.1, horizon=32)),
     "grpo": dict(adv_estimator="grpo", use_kl_loss=True, n=4),
     "rloo": dict(adv_estimator="rloo", n=4),
     "remax": dict(adv_estimator="remax", n=2),
@@ -26,9 +28,11 @@ ALGORITHMS = {
 
 
 def config(name, n=2, adv_estimator="gae", use_kl_loss=False, use_kl_in_reward=False,
-           recompute_log_prob=False,
+           recompute_log_prob=False, entropy_coeff=0.0, kl_ctrl=None,
            policy_loss="vanilla", loss_agg_mode="token-mean", overlong_buffer_len=0):
   c = base_config()
+  c.actor.entropy_coeff = entropy_coeff
+  c.algorithm.kl_ctrl.update(kl_ctrl or {})
   c.algorithm.name, c.algorithm.adv_estimator = name, adv_estimator
   c.algorithm.use_kl_in_reward, c.algorithm.overlong_buffer_len = use_kl_in_reward, overlong_buffer_len
   c.actor.use_kl_loss, c.actor.policy_loss, c.actor.loss_agg_mode = use_kl_loss, policy_loss, loss_agg_mode
@@ -68,18 +72,25 @@ def run(name, steps=2, reward_fn=parity_reward, cost_fn=None, **overrides):
   for _ in range(steps):
     arg = prompts if name in TAKES_PROMPT_ITERATOR else next(prompts)
     batch = DRIVERS[name](roles, arg, c, state)
-    history.append({**{k: float(v) for k, v in batch.meta["metrics"].items()}, **metrics})
+    # The trainer's batch statistics too (critic/advantages/mean, critic/vf_explained_var).
+    step = {**batch.meta["metrics"], **step_metrics(batch, c.data.max_response_length)}
+    history.append({**{k: float(v) for k, v in step.items()}, **metrics})
     state.step += 1
   return history, batch, state, roles
+
+
+def assert_finite_and_on_policy(metrics):
+  """Finite metrics, and the first mini-batch trains on exactly the rollout's log-probs."""
+  assert all(math.isfinite(v) for v in metrics.values()), metrics
+  assert metrics["actor/pg_clipfrac_first_minibatch"] == pytest.approx(0, abs=1e-6)
+  assert metrics["actor/ppo_kl_first_minibatch"] == pytest.approx(0, abs=1e-6)
 
 
 @pytest.mark.parametrize("name", [n for n in ALGORITHMS if n not in ("dapo", "safe_rlhf")])
 def test_two_steps_with_finite_metrics(name):
   history, batch, _, roles = run(name)
   for metrics in history:
-    assert all(math.isfinite(v) for v in metrics.values()), metrics
-    assert metrics["actor/pg_clipfrac_first_minibatch"] == pytest.approx(0, abs=1e-6)
-    assert metrics["actor/ppo_kl_first_minibatch"] == pytest.approx(0, abs=1e-6)
+    assert_finite_and_on_policy(metrics)
     assert metrics["timing_s/gen"] > 0 and "actor/grad_norm" in metrics
   assert len(batch) == 8 * ALGORITHMS[name]["n"]
   if name == "grpo":
@@ -88,8 +99,31 @@ def test_two_steps_with_finite_metrics(name):
     assert "actor/reward_kl_penalty" in history[-1]
   if name == "ppo":
     assert "critic/vf_loss" in history[-1] and "critic/vf_clipfrac" in history[-1]
+    check_ppo_extras(history, batch, roles)
   if name == "remax":
     assert "reward_baselines" in batch
+
+
+def check_ppo_extras(history, batch, roles):
+  mask = np.asarray(batch["response_mask"], np.float64)
+  adv, ret = (np.asarray(batch[k], np.float64) for k in ("advantages", "returns"))
+  residual = ret - np.asarray(batch["values"], np.float64)
+  var = lambda x: np.var(x[mask > 0], ddof=1)  # noqa: E731
+  assert history[-1]["critic/advantages/mean"] == pytest.approx(adv[mask > 0].mean(), abs=1e-5)
+  assert history[-1]["critic/vf_explained_var"] == pytest.approx(
+      1 - var(residual) / (var(ret) + 1e-5), abs=1e-4)
+  # Adaptive controller (Ziegler et al.): coef *= 1 + clip(kl / target - 1, +-0.2) * rows / horizon.
+  coefs = [m["actor/reward_kl_penalty_coeff"] for m in history]
+  error = np.clip(history[0]["actor/reward_kl_penalty"] / 0.1 - 1, -0.2, 0.2)
+  assert coefs[0] == pytest.approx(0.05) and coefs[1] != pytest.approx(coefs[0])
+  assert coefs[1] == pytest.approx(0.05 * (1 + error * len(batch) / 32), rel=1e-6)
+  # The loss the actor differentiates carries the entropy bonus: pg_loss - coeff * entropy.
+  fields = {k: batch[k] for k in ("response_mask", "old_log_probs", "advantages")}
+  entropy = np.linspace(0.5, 2.0, mask.size, dtype=np.float32).reshape(mask.shape)
+  total, parts = roles.actor.loss_fn(batch["old_log_probs"] - 0.1, entropy, fields)
+  hand_entropy = (entropy * mask).sum() / mask.sum()
+  assert float(parts["entropy"]) == pytest.approx(hand_entropy, rel=1e-6)
+  assert float(total) == pytest.approx(float(parts["pg_loss"]) - 0.01 * hand_entropy, abs=1e-6)
 
 
 def test_recomputed_old_log_probs_agree_with_the_rollout():
@@ -98,13 +132,13 @@ def test_recomputed_old_log_probs_agree_with_the_rollout():
   assert roles.actor.recompute_log_prob and "timing_s/old_log_prob" in history[0]
   np.testing.assert_allclose(np.asarray(batch["old_log_probs"]),
                              np.asarray(batch["rollout_log_probs"]), atol=2e-5)
-  assert history[0]["actor/ppo_kl_first_minibatch"] == pytest.approx(0, abs=1e-6)
+  assert_finite_and_on_policy(history[0])
 
 
 def test_dapo_dynamic_sampling_fills_the_batch():
   history, batch, _, _ = run("dapo", reward_fn=constant_for_even_prompts)
   for metrics in history:
-    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert_finite_and_on_policy(metrics)
   assert len(batch) == 8 * 4  # full batch of prompt groups
   scores = np.asarray(batch["token_level_scores"]).sum(1).reshape(8, 4)
   assert (scores.max(1) > scores.min(1)).all()  # every kept group has varied rewards
@@ -115,6 +149,7 @@ def test_dapo_dynamic_sampling_fills_the_batch():
 def test_safe_rlhf_lambda_follows_the_cost_constraint(cost, moves):
   history, _, state, _ = run("safe_rlhf", cost_fn=lambda b: np.full(len(b), cost))
   lambdas = [1.0] + [m["safe/lambda"] for m in history]
-  assert all(math.isfinite(v) for m in history for v in m.values())
+  for metrics in history:
+    assert_finite_and_on_policy(metrics)
   steps = np.diff(lambdas)
   assert (steps > 0).all() if moves == "up" else (steps < 0).all()
