@@ -135,6 +135,20 @@ def test_rloo():
   np.testing.assert_array_equal(adv, ret)
 
 
+def test_rloo_and_reinforce_pp_baseline_group_of_one_keeps_score():
+  """Group 1 is one unmasked sample: no other samples, so its score is its own signal
+  (the shared data's only singleton row is fully masked and shows nothing)."""
+  scores = np.array([1.0, 0.0, 0.7, 2.0, 1.0], np.float32)
+  group_ids = np.array([0, 0, 1, 2, 2], np.int32)
+  mask = np.array([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], np.float32)
+  adv, _ = A.rloo_advantage(scores, mask, group_ids, 3)
+  np.testing.assert_allclose(adv, np.array([[1.0], [-1.0], [0.7], [1.0], [-1.0]]) * mask,
+                             atol=ATOL)
+  adv, _ = A.reinforce_plus_plus_baseline_advantage(scores, mask, group_ids, 3)
+  centered = np.array([[0.5], [-0.5], [0.7], [0.5], [-0.5]]) * mask
+  np.testing.assert_allclose(adv, ref_whiten(centered, mask), atol=ATOL)
+
+
 def ref_returns_to_go(rewards, mask, gamma):
   B, T = mask.shape
   out = np.zeros((B, T))
