@@ -43,7 +43,7 @@ def get_config():
   c.model.builtin.update(hidden_size=32, intermediate_size=64, num_layers=1)
   c.trainer.update(total_steps={TOTAL_STEPS}, save_every=2, val_every=0, val_before_train=False,
                    devices=2, log=("jsonl",), export_hf=False)
-  c.cluster.update(backend="ray", processes_per_pool=2)
+  c.cluster.processes_per_pool = 2  # the backend stays local here: the CLI picks Ray
   return c
 '''
 
@@ -148,7 +148,7 @@ def _assert_nothing_left(job: Job):
 
 
 def test_killed_worker_with_restarts_resumes_from_the_checkpoint(tmp_path):
-  job = Job(tmp_path, "--config.cluster.max_restarts=1")
+  job = Job(tmp_path, "--config.cluster.backend=ray", "--config.cluster.max_restarts=1")
   _kill_worker(job, after=lambda: job.checkpointed(2))  # the run is in step 3
   code = job.finish(timeout=240)
   assert code == 0, job.output[-4000:]
@@ -160,7 +160,7 @@ def test_killed_worker_with_restarts_resumes_from_the_checkpoint(tmp_path):
 
 
 def test_killed_worker_fails_the_run_cleanly(tmp_path):
-  job = Job(tmp_path)
+  job = Job(tmp_path, "--config.cluster.backend=ray")  # the issue's launch line
   # Step 1 starts right after the roles are built, and compiles for many seconds.
   built = lambda: any(line.startswith("ray: roles") for line in job.lines)  # noqa: E731
   killed = _kill_worker(job, after=built, delay=1.0)
