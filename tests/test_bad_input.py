@@ -49,6 +49,10 @@ CASES = {
                                    "config.actor.ppo_mini_batch_size: 3 does not divide"),
     "micro-batch does not divide": (["--config.actor.ppo_micro_batch_size=3"],
                                     "config.actor.ppo_micro_batch_size: 3 rows do not divide"),
+    "micro-batch smaller than the data width": (
+        ["--config.trainer.devices=4", "--config.actor.ppo_micro_batch_size=2"],
+        "config.actor.ppo_micro_batch_size: 2 rows per micro-batch are fewer than the actor's "
+        "data-parallel size 4"),
     "mesh larger than the devices": (["--config.placement.kind=standalone", "--config.trainer.devices=3"],
                                      "'standalone' needs the 3 devices to divide"),
     "unknown algorithm": (["--config.algorithm.name=a3c"], "config.algorithm.name: 'a3c'"),

@@ -12,6 +12,7 @@ from hflax.controller.workers import (ActorRolloutWorker, CriticWorker, Function
                                       ReferenceWorker, RewardModelWorker)
 from hflax.models import ModelConfig, create, hf
 from hflax.rollout import SamplingParams
+from hflax.sharding.layouts import data_parallel_size
 from hflax.sharding.placement import build_placement, colocated, standalone
 
 
@@ -82,6 +83,21 @@ def _update(section, n: int) -> UpdateConfig:
                       epochs=section.ppo_epochs, shuffle=section.shuffle)
 
 
+def _check_micro_batches(cfg, placed, wanted, n: int):
+  """Before any parameters move: a micro-batch needs a row on every data-parallel device
+  (batches the data width does not divide are padded, but a micro-batch of fewer rows
+  than devices would be mostly padding)."""
+  for role in ("actor", "critic"):
+    if role not in wanted or role not in placed:
+      continue
+    micro = _update(getattr(cfg, role), n).micro_batch_size
+    dp = data_parallel_size(placed[role].mesh)
+    if micro < dp:
+      raise ValueError(f"config.{role}.ppo_micro_batch_size: {micro} rows per micro-batch are "
+                       f"fewer than the {role}'s data-parallel size {dp}; use at least {dp} "
+                       "(or a mesh with a narrower data axis)")
+
+
 def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
                 cost_fn: Callable | None = None, devices=None, spec: dict | None = None,
                 only: tuple[str, ...] | None = None) -> Roles:
@@ -98,8 +114,9 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
   missing = [r for r in wanted if r not in placed]
   if missing:
     raise ValueError(f"config.placement.roles: {cfg.algorithm.name} needs roles {missing} placed")
-  home = jax.sharding.SingleDeviceSharding(placed[wanted[0] if wanted else "actor"].pool.devices[0])
   n, seed = cfg.rollout.n, cfg.trainer.seed
+  _check_micro_batches(cfg, placed, wanted, n)
+  home = jax.sharding.SingleDeviceSharding(placed[wanted[0] if wanted else "actor"].pool.devices[0])
   _, graphdef, state = policy
   sampling = SamplingParams(
       max_new_tokens=cfg.data.max_response_length, temperature=cfg.rollout.temperature,
