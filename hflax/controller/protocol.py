@@ -49,7 +49,7 @@ def transfer(protocol: Protocol, inputs: tuple[str, ...] = ()):
       placed = {k: jax.device_put(batch.arrays[k], sharding) for k in inputs}
       out = method(self, placed, batch, *args, **kwargs)
       if isinstance(out, dict):
-        return Batch({k: _first_rows(jax.device_put(v, self.home), rows, pad)
+        return Batch({k: first_rows(jax.device_put(v, self.home), rows, pad)
                       for k, v in out.items()}, meta={})
       return out
 
@@ -59,7 +59,8 @@ def transfer(protocol: Protocol, inputs: tuple[str, ...] = ()):
   return wrap
 
 
-def _first_rows(x, rows: int, pad: int):
+def first_rows(x, rows: int, pad: int):
+  """The real rows of a result computed on a padded batch (`pad` rows added at the end)."""
   return x[:rows] if pad else x
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from hflax.controller.batch import Batch
-from hflax.controller.protocol import LIVE_ROWS, Protocol, replicated, transfer
+from hflax.controller.protocol import LIVE_ROWS, Protocol, first_rows, replicated, transfer
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
                                        make_train_step, mini_batch_order,
                                        train_compiler_options)
@@ -189,7 +189,7 @@ class ActorRolloutWorker(RoleWorker):
     del gen_state  # the generation copy is freed once the program has consumed it
     out["group_ids"] = jnp.repeat(jnp.arange(len(prompts), dtype=jnp.int32), params.n)
     rows = count * params.n  # samples of prompt i are rows i*n .. i*n + n - 1
-    result = Batch({k: jax.device_put(v, self.home)[:rows] if pad else jax.device_put(v, self.home)
+    result = Batch({k: first_rows(jax.device_put(v, self.home), rows, pad)
                     for k, v in out.items()}, meta={"metrics": metrics})
     objects = prompts.unpad(pad).repeat(params.n).objects
     return Batch(result.arrays, objects, result.meta)
