@@ -32,7 +32,7 @@ from hflax.models import ModelConfig, create, init_cache, positions_from_mask  #
 from hflax.models.hf import export_checkpoint  # noqa: E402
 from hflax.models.tokenizer import BYTE_VOCAB_SIZE  # noqa: E402
 from hflax.rollout import sampler  # noqa: E402
-from hflax.rollout.sampler import SamplingParams, generate, left_pad  # noqa: E402
+from hflax.rollout.sampler import SamplingParams, generate, left_pad, replicate  # noqa: E402
 
 TARGET_RATIO = {8: 3.0, 64: 1.5}  # hflax tokens/s over transformers tokens/s, by batch size
 TARGET_PEAK_FRACTION = 0.40
@@ -125,7 +125,12 @@ def main(argv=None) -> int:
                       help="prompt counts (default 8 64; quick: 2 8)")
   parser.add_argument("--no-breakdown", action="store_true",
                       help="skip timing hflax's prefill on its own")
+  parser.add_argument("--cpu-devices", type=int, default=os.cpu_count(),
+                      help="also time hflax data-parallel over this many CPU devices, one per "
+                      "core (default: os.cpu_count(); 1 turns it off)")
   args = parser.parse_args(argv)
+  if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", max(1, args.cpu_devices))
   repeats = args.repeats or (1 if args.quick else 3)
   new_tokens = args.new_tokens or (32 if args.quick else 128)
   batches = args.batches or ([2, 8] if args.quick else [8, 64])
@@ -150,6 +155,10 @@ def main(argv=None) -> int:
 
   cfg = model_config()
   graphdef, state = create(cfg, seed=0)
+  split_devices = jax.devices()[:args.cpu_devices] if args.cpu_devices > 1 else []
+  variants = {"hflax": (None, state)}
+  if len(split_devices) > 1:  # weights placed once, as a serving process would
+    variants[f"hflax x{len(split_devices)}"] = (split_devices, replicate(state, split_devices))
   body_params, head_params = matmul_params(cfg)
   print(f"model: llama, {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
         f"{cfg.num_heads}/{cfg.num_kv_heads} kv, head_dim {cfg.head_dim}, intermediate "
@@ -178,9 +187,11 @@ def main(argv=None) -> int:
     ids_t = torch.tensor(prompts, dtype=torch.long)
     attn_t = torch.ones_like(ids_t)
 
-    def run_hflax():
+    def run_hflax(name):
+      devices, placed = variants[name]
       t0 = time.perf_counter()
-      out = jax.block_until_ready(generate(graphdef, state, (tokens, mask), params))
+      out = jax.block_until_ready(generate(graphdef, placed, (tokens, mask), params,
+                                           devices=devices))
       return time.perf_counter() - t0, out
 
     def run_hf():
@@ -189,36 +200,39 @@ def main(argv=None) -> int:
         out = hf_model.generate(ids_t, attention_mask=attn_t, **hf_kwargs)
       return time.perf_counter() - t0, out
 
-    t_compile, _ = run_hflax()  # compiles
-    run_hflax()
+    compile_s = {name: run_hflax(name)[0] for name in variants}
+    for name in variants:
+      run_hflax(name)
     run_hf()
-    hx_times, hf_times = [], []
+    hx_times, hx_out, hf_times = {name: [] for name in variants}, {}, []
     for _ in range(repeats):
-      t, hx_out = run_hflax()
-      hx_times.append(t)
+      for name in variants:
+        t, hx_out[name] = run_hflax(name)
+        hx_times[name].append(t)
       t, hf_out = run_hf()
       hf_times.append(t)
-    hx_t, hf_t = statistics.median(hx_times), statistics.median(hf_times)
-
-    hx_tokens = np.asarray(hx_out["responses"])
+    hf_t = statistics.median(hf_times)
     hf_tokens = hf_out[:, P:].numpy()
-    if hf_tokens.shape != hx_tokens.shape:
-      print(f"WARNING: transformers produced {hf_tokens.shape}, hflax {hx_tokens.shape}")
-      match = 0.0
-    else:
-      match = float(np.mean(np.all(hf_tokens == hx_tokens, axis=1)))
-    if match < 1.0:
-      first = np.argmax(hf_tokens != hx_tokens, axis=1) if hf_tokens.shape == hx_tokens.shape else []
-      print(f"WARNING: greedy tokens differ for batch {B}: {match:.0%} rows match exactly "
-            f"(first divergence steps: {sorted(set(int(i) for i in first))[:10]})")
-
     flops = generation_flops(cfg, B, width, new_tokens)
     generated = B * new_tokens
-    row = dict(B=B, hx_tps=generated / hx_t, hf_tps=generated / hf_t, hx_t=hx_t, hf_t=hf_t,
-               gflops=flops["total"] / hx_t / 1e9, frac=flops["total"] / hx_t / peak,
-               match=match, compile=t_compile, hx_times=hx_times, hf_times=hf_times,
-               cache_width=flops["cache_width"], width=width)
-    rows.append(row)
+    for name in variants:
+      hx_tokens = np.asarray(hx_out[name]["responses"])
+      if hf_tokens.shape != hx_tokens.shape:
+        print(f"WARNING: transformers produced {hf_tokens.shape}, {name} {hx_tokens.shape}")
+        match = 0.0
+      else:
+        match = float(np.mean(np.all(hf_tokens == hx_tokens, axis=1)))
+      if match < 1.0:
+        first = (np.argmax(hf_tokens != hx_tokens, axis=1)
+                 if hf_tokens.shape == hx_tokens.shape else [])
+        print(f"WARNING: greedy tokens differ for {name}, batch {B}: {match:.0%} rows match "
+              f"exactly (first divergence steps: {sorted(set(int(i) for i in first))[:10]})")
+      hx_t = statistics.median(hx_times[name])
+      rows.append(dict(B=B, name=name, hx_tps=generated / hx_t, hf_tps=generated / hf_t,
+                       hx_t=hx_t, hf_t=hf_t, gflops=flops["total"] / hx_t / 1e9,
+                       frac=flops["total"] / hx_t / peak, match=match,
+                       compile=compile_s[name], hx_times=hx_times[name], hf_times=hf_times,
+                       cache_width=flops["cache_width"], width=width))
 
     if not args.no_breakdown:
       prefill = make_prefill_only(graphdef)
@@ -229,7 +243,7 @@ def main(argv=None) -> int:
         jax.block_until_ready(prefill(state, tokens, mask))
         pre.append(time.perf_counter() - t0)
       pre_t = statistics.median(pre)
-      dec_t = max(hx_t - pre_t, 1e-9)
+      dec_t = max(statistics.median(hx_times["hflax"]) - pre_t, 1e-9)
       extra.append(dict(B=B, pre_ms=pre_t * 1e3, pre_gflops=flops["prefill"] / pre_t / 1e9,
                         step_ms=dec_t / (new_tokens - 1) * 1e3,
                         dec_gflops=flops["decode"] / dec_t / 1e9,
@@ -241,7 +255,7 @@ def main(argv=None) -> int:
   print()
   print(f"Greedy generation, {P}-token random prompts (bucket {rows[0]['width']}), "
         f"{new_tokens} new tokens, no early stop, fp32, median of {repeats} alternating reps")
-  header = (f"{'workload':>10} | {'hflax tok/s':>11} | {'HF tok/s':>9} | {'ratio':>6} | "
+  header = (f"{'workload':>10} | {'hflax on':>13} | {'hflax tok/s':>11} | {'HF tok/s':>9} | {'ratio':>6} | "
             f"{'target':>6} | {'ratio?':>6} | {'hflax GFLOP/s':>13} | {'of peak':>7} | "
             f"{'peak?':>5} | {'tokens match':>12}")
   print(header)
@@ -251,17 +265,22 @@ def main(argv=None) -> int:
     target = TARGET_RATIO.get(r["B"])
     verdict = ("PASS" if ratio >= target else "MISS") if target else "-"
     peak_verdict = "PASS" if r["frac"] >= TARGET_PEAK_FRACTION else "MISS"
-    print(f"{r['B']:>3} prompts | {r['hx_tps']:>11.0f} | {r['hf_tps']:>9.0f} | {ratio:>5.2f}x | "
+    on = "1 device" if r["name"] == "hflax" else f"{r['name'][7:]} devices"
+    print(f"{r['B']:>3} prompts | {on:>13} | {r['hx_tps']:>11.0f} | {r['hf_tps']:>9.0f} | {ratio:>5.2f}x | "
           f"{(f'>={target:g}x' if target else '-'):>6} | {verdict:>6} | {r['gflops']:>13.2f} | "
           f"{r['frac']:>6.1%} | {peak_verdict:>5} | {r['match']:>11.0%}")
-  print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (best of {list(peak_by_size)}); "
-        f"peak target: >= {TARGET_PEAK_FRACTION:.0%}")
+  print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (best of {list(peak_by_size)}, one device "
+        f"with every core); peak target: >= {TARGET_PEAK_FRACTION:.0%}")
+  if len(variants) > 1:
+    print(f"{next(reversed(variants))}: the same sampler data-parallel over "
+          f"{len(split_devices)} CPU devices (jax_num_cpu_devices, one per core): the rows are "
+          f"split, the weights replicated")
   print(f"FLOPs: 2*(non-embedding matmul + lm_head params) per decoded token, prefill body on "
         f"every prompt position + lm_head on the last, attention 4*L*H*Dh*S with S = the cache "
         f"width each step attends over (the cache grows in segments: "
         f"{rows[0]['cache_width']} slots, masked slots included)")
   for r in rows:
-    print(f"  batch {r['B']}: hflax {r['hx_t'] * 1e3:.1f} ms/call (reps "
+    print(f"  batch {r['B']}: {r['name']} {r['hx_t'] * 1e3:.1f} ms/call (reps "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['hx_times'])}; first call incl. compile "
           f"{r['compile']:.2f} s), transformers {r['hf_t'] * 1e3:.1f} ms/call (reps "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['hf_times'])})")

@@ -8,7 +8,7 @@ import torch
 from hf_models import tiny_hf_model
 from hflax.models import hf
 from hflax.models.logprobs import sequence_log_probs
-from hflax.rollout import SamplingParams, filter_logits, generate, left_pad
+from hflax.rollout import SamplingParams, filter_logits, generate, left_pad, replicate
 from hflax.rollout.sampler import compiled_variants, decode_segments
 
 log_probs_jit = jax.jit(sequence_log_probs, static_argnums=0, static_argnames="temperature")
@@ -171,3 +171,52 @@ def test_invalid_requests_raise_clear_errors(pair):
     generate(graphdef, state, [[1, 2]], SamplingParams(temperature=1.0))
   with pytest.raises(ValueError, match="prompt 1 is empty"):
     generate(graphdef, state, [[1, 2], []], SamplingParams(temperature=0))
+
+
+@pytest.mark.parametrize("num_devices", [2, 3, 8])  # 3 and 8 do not divide 4 prompts
+def test_data_parallel_generate_equals_one_device(pair, num_devices):
+  """Rows split over devices (padded when they do not divide) give the one-device result."""
+  _, graphdef, state = pair
+  prompts = _prompts(5)
+  devices = jax.devices()[:num_devices]
+  for params, rng in [(SamplingParams(max_new_tokens=20, temperature=0, eos_ids=(7,)), None),
+                      (SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, n=2),
+                       jax.random.key(3))]:
+    one = generate(graphdef, state, prompts, params, rng=rng)
+    split = generate(graphdef, state, prompts, params, rng=rng, devices=devices)
+    assert split["responses"].shape == one["responses"].shape
+    assert split["responses"].sharding.device_set <= set(devices)
+    for key in ("responses", "response_mask", "input_ids", "position_ids", "response_length"):
+      np.testing.assert_array_equal(np.asarray(split[key]), np.asarray(one[key]), err_msg=key)
+    np.testing.assert_allclose(np.asarray(split["rollout_log_probs"]),
+                               np.asarray(one["rollout_log_probs"]), atol=1e-6)
+
+
+def test_padding_rows_do_not_extend_the_decode_loop(pair):
+  """A padding row is born finished: once the real rows end, the loop stops."""
+  _, graphdef, state = pair
+  from hflax.rollout.sampler import _generate
+  pool = _prompts(6) + _prompts(7)
+  free = np.asarray(generate(graphdef, state, pool,
+                             SamplingParams(max_new_tokens=8, temperature=0))["responses"])
+  eos = int(free[0, 0])  # the first prompt ends at its first token ...
+  other = next(i for i in range(1, len(pool)) if eos not in free[i])  # ... this one never
+  prompts = [pool[0], pool[other]]
+  params = SamplingParams(max_new_tokens=8, temperature=0, eos_ids=(eos,))
+  tokens, mask = (jnp.asarray(x) for x in left_pad(prompts, 0))
+  run = lambda live: np.asarray(_generate(  # noqa: E731
+      graphdef, state, tokens, mask, jax.random.key(0), params=params,
+      live_B=live)["response_length"]).tolist()
+  assert run(None) == [1, 8]
+  assert run(jnp.asarray([True, False])) == [1, 1]
+
+
+def test_replicate_places_a_copy_on_each_device(pair):
+  _, graphdef, state = pair
+  devices = jax.devices()[:4]
+  placed = jax.tree.leaves(replicate(state, devices))
+  assert all(x.sharding.device_set == set(devices) and x.sharding.is_fully_replicated
+             for x in placed)
+  with pytest.raises(ValueError, match="devices has repeats"):
+    generate(graphdef, state, [[1, 2]], SamplingParams(temperature=0),
+             devices=[devices[0], devices[0]])

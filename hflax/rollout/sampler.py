@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hflax.models.transformer import init_cache, positions_from_mask
 
@@ -119,7 +120,9 @@ def _segment_ends(max_new_tokens: int, segments: int) -> list[int]:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments"))
 def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: SamplingParams,
-              segments: int = 1):
+              segments: int = 1, live_B=None):
+  """live_B (optional, bool [B]): False marks padding rows, born finished so that they
+  never keep the decode loop running."""
   model = nnx.merge(graphdef, state)
   cfg = model.cfg
   B, P = prompts_BxP.shape
@@ -140,6 +143,8 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   out_logp = jnp.zeros((R, N), jnp.float32).at[:, 0].set(logp)
   out_mask = jnp.zeros((R, N), bool).at[:, 0].set(True)
   done = jnp.isin(tok, eos)
+  if live_B is not None:
+    done = done | ~widen(live_B.astype(bool))
   pos = widen(prompt_pos_BxP[:, -1] + 1)
 
   def body(carry):
@@ -181,7 +186,7 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   }
 
 
-def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None):
+def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devices=None):
   """Samples continuations.
 
   Args:
@@ -190,6 +195,11 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None):
       left-padded.
     params: the SamplingParams (static: each distinct value compiles once per shape).
     rng: a jax PRNG key (needed unless greedy).
+    devices: generate data-parallel over these devices: the prompt rows are split over
+      them (padded with finished copies when they do not divide) and the weights are
+      replicated on each; `replicate(state, devices)` places them once, so that calls do
+      not copy them. On a CPU host, one device per core (`jax_num_cpu_devices`) puts
+      every core to work on large batches. Default: wherever the inputs are.
   Returns:
     A dict of arrays with B * n rows: prompts/prompt_mask [., P], responses/response_mask
     and rollout_log_probs [., max_new_tokens], input_ids/attention_mask/position_ids
@@ -203,8 +213,35 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None):
     if not params.greedy:
       raise ValueError("sampling with temperature > 0 needs an rng key")
     rng = jax.random.key(0)
-  return _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool), rng,
-                   params=params, segments=decode_segments(params.max_new_tokens))
+  segments = decode_segments(params.max_new_tokens)
+  if devices is None or len(devices) == 1:
+    if devices:
+      state, tokens, mask = jax.device_put((state, tokens, mask), devices[0])
+    return _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool),
+                     rng, params=params, segments=segments)
+  mesh = _rows_mesh(devices)
+  tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
+  count = tokens.shape[0]
+  pad = -count % len(devices)
+  live = np.arange(count + pad) < count
+  take = np.arange(count + pad) % count  # padding rows repeat real ones (never empty)
+  rows = NamedSharding(mesh, PartitionSpec("data"))
+  tokens, mask, live = jax.device_put((tokens[take], mask[take], live), rows)
+  out = _generate(graphdef, replicate(state, devices), tokens, mask, rng, params=params,
+                  segments=segments, live_B=live)
+  return {k: v[:count * params.n] for k, v in out.items()} if pad else out
+
+
+def _rows_mesh(devices) -> Mesh:
+  devices = list(devices)
+  if len(set(devices)) != len(devices):
+    raise ValueError(f"generate: devices has repeats: {devices}")
+  return Mesh(np.asarray(devices), ("data",))
+
+
+def replicate(state, devices):
+  """The model state with a full copy on each of `devices` (a no-op when it already is)."""
+  return jax.device_put(state, NamedSharding(_rows_mesh(devices), PartitionSpec()))
 
 
 def compiled_variants() -> int:
