@@ -181,11 +181,12 @@ class ActorRolloutWorker(RoleWorker):
     rows = jax.sharding.NamedSharding(self.engine.mesh, jax.sharding.PartitionSpec("data"))
     tokens = jax.device_put(prompts["prompts"], rows)
     mask = jax.device_put(prompts["prompt_mask"], rows)
+    live = jax.device_put(np.arange(len(prompts)) < count, rows)  # padding: born finished
     if rng is None:
       rng = jax.random.fold_in(self._rng, self._calls)
       self._calls += 1
     out = _generate(self.graphdef, gen_state, tokens, mask, rng, params=params,
-                    segments=decode_segments(params.max_new_tokens))
+                    segments=decode_segments(params.max_new_tokens), live_B=live)
     del gen_state  # the generation copy is freed once the program has consumed it
     out["group_ids"] = jnp.repeat(jnp.arange(len(prompts), dtype=jnp.int32), params.n)
     rows = count * params.n  # samples of prompt i are rows i*n .. i*n + n - 1
