@@ -135,3 +135,38 @@ def test_micro_batch_accumulation_equals_one_full_batch_step():
   for other in results[1:]:
     for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(other)):
       np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_fsdp_gradients_gather_weights_instead_of_resharding_activations():
+  """Under the pool's mesh the model pins its activations to row splits between layers
+  (transformer.rows_split): an FSDP gradient then gathers weights and never reshuffles
+  activations (no all-to-all), and equals the one-device gradient."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from hflax.sharding.layouts import TRAIN_RULES, state_shardings, train_mesh
+  # Shaped like bench/automap.py's critic, where XLA left alone chose the reshuffles.
+  cfg = ModelConfig(family="llama", vocab_size=261, hidden_size=128, intermediate_size=384,
+                    num_layers=2, num_heads=8, num_kv_heads=4, dtype="float32")
+  graphdef, state = create(cfg, seed=0)
+  mesh = train_mesh(jax.devices()[:4], fsdp=4)
+  rs = np.random.RandomState(0)
+  tokens = jnp.asarray(rs.randint(0, cfg.vocab_size, size=(16, 48)), jnp.int32)
+  mask = jnp.ones((16, 48), bool)
+
+  def loss(params, tokens, mask):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      logp, _ = sequence_log_probs(graphdef, params, tokens, mask)
+    return -jnp.mean(logp)
+
+  rows = NamedSharding(mesh, P(("data", "fsdp")))
+  sharded = jax.device_put(state, state_shardings(state, mesh, TRAIN_RULES))
+  grad = jax.jit(jax.grad(loss), in_shardings=(state_shardings(state, mesh, TRAIN_RULES),
+                                               rows, rows))
+  hlo = grad.lower(sharded, tokens, mask).compile().as_text()
+  reshuffles = [line for line in hlo.splitlines() if " all-to-all(" in line]
+  assert " all-gather(" in hlo or " all-gather-start(" in hlo
+  # Only the token-embedding lookup (a gather from the row-split table) may reshuffle.
+  assert all("_take" in line for line in reshuffles), reshuffles
+  got = grad(sharded, jax.device_put(tokens, rows), jax.device_put(mask, rows))
+  want = jax.jit(jax.grad(loss))(state, tokens, mask)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

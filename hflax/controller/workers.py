@@ -76,7 +76,10 @@ class RoleWorker:
   def _jit_rows(self):
     """jit(fn)(params, rows) with params in the training layout and rows split over data."""
     def build(fn):
-      return jax.jit(fn, in_shardings=(self.shardings, self.rows_sharding),
+      def on_mesh(params, rows):
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # see transformer.rows_split
+          return fn(params, rows)
+      return jax.jit(on_mesh, in_shardings=(self.shardings, self.rows_sharding),
                      out_shardings=self.rows_sharding)
     return functools.lru_cache(maxsize=None)(build)
 
@@ -108,7 +111,8 @@ class RoleWorker:
         mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
         mask = mini["response_mask"]
         mini["response_mask"] = mask * live[:, None].astype(mask.dtype)
-        return step(params, opt_state, jax.lax.with_sharding_constraint(mini, rows_sharding))
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # see transformer.rows_split
+          return step(params, opt_state, jax.lax.with_sharding_constraint(mini, rows_sharding))
 
       self._steps[name] = jax.jit(
           cut_and_step, donate_argnums=(0, 1),

@@ -147,6 +147,7 @@ class DecoderLM(nnx.Module):
     cos, sin = rope_tables(self.cfg, positions_BxT)
     new_cache = []
     for i, layer in enumerate(self.layers):
+      x = rows_split(x)
       if self.cfg.remat and cache is None:
         x, layer_cache = nnx.remat(Block.__call__)(layer, x, cos, sin, kv_valid_BxS, slot0, None)
       else:
@@ -167,6 +168,22 @@ class DecoderLM(nnx.Module):
     if self.head != "value":
       raise ValueError("values() needs head='value'")
     return self.score(hidden_BxTxD)[..., 0].astype(jnp.float32)
+
+
+# Mesh axes that split a batch's rows (hflax.sharding.layouts.TRAIN_AXES without "tensor").
+_ROW_AXES = ("data", "fsdp")
+
+
+def rows_split(x):
+  """x with its rows split over the context mesh's batch axes and everything else whole
+  on each device (a no-op outside `jax.set_mesh`). Between layers this pins FSDP
+  semantics: XLA then gathers each layer's weights instead of resharding the activations
+  to match the weights' split (all-to-alls and activation all-reduces)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in _ROW_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  if not axes:
+    return x
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes))
 
 
 def positions_from_mask(mask_BxT):

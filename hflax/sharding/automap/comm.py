@@ -22,16 +22,20 @@ def link_bandwidth(profile: DeviceProfile, span: int) -> float:
   return link * profile.bandwidth_efficiency
 
 
-def all_gather(profile: DeviceProfile, nbytes: float, size: int, span: int) -> float:
-  """Ring all-gather that leaves `nbytes` on every device (each receives (n-1)/n of it)."""
+def all_gather(profile: DeviceProfile, nbytes: float, size: int, span: int,
+               pieces: int = 1) -> float:
+  """Ring all-gather that leaves `nbytes` on every device (each receives (n-1)/n of it),
+  as `pieces` separate collectives (one per weight tensor, say), each paying the latency."""
   if size <= 1:
     return 0.0
-  return _latency(profile, size) + nbytes * (size - 1) / size / link_bandwidth(profile, span)
+  return (pieces * _latency(profile, size)
+          + nbytes * (size - 1) / size / link_bandwidth(profile, span))
 
 
-def reduce_scatter(profile: DeviceProfile, nbytes: float, size: int, span: int) -> float:
+def reduce_scatter(profile: DeviceProfile, nbytes: float, size: int, span: int,
+                   pieces: int = 1) -> float:
   """Ring reduce-scatter of `nbytes` per device (the mirror image of all_gather)."""
-  return all_gather(profile, nbytes, size, span)
+  return all_gather(profile, nbytes, size, span, pieces)
 
 
 def all_reduce(profile: DeviceProfile, nbytes: float, size: int, span: int) -> float:

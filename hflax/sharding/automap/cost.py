@@ -81,6 +81,13 @@ def rows_per_shard(rows: int, ways: int) -> int:
   return -(-rows // ways)
 
 
+def weight_tensors(cfg: ModelConfig) -> int:
+  """How many separate weight arrays the model has: FSDP gathers each one on its own
+  (a collective apiece), so small models on slow-latency links pay per tensor."""
+  per_layer = 7 + 2 + (3 if cfg.qkv_bias else 0) + (2 if cfg.qk_norm else 0)
+  return cfg.num_layers * per_layer + 2 + (0 if cfg.tie_word_embeddings else 1)
+
+
 def layer_params(cfg: ModelConfig) -> float:
   return (cfg.num_params - 2 * cfg.vocab_size * cfg.hidden_size) / cfg.num_layers
 
@@ -135,13 +142,14 @@ class Simulator:
     return None
 
   def _layer_comm(self, cfg, mesh, micro_seqs, passes):
-    """Per micro-batch: tensor-parallel all-reduces (2 per layer per pass) and one
-    all-gather of the weights over fsdp (so a pass can run layer by layer)."""
+    """Per micro-batch: tensor-parallel all-reduces (2 per layer per pass) and the
+    all-gathers of the weights over fsdp, one per weight tensor (so a pass can run layer
+    by layer)."""
     tokens = micro_seqs * self.wl.seq_len
     tp = passes * 2 * cfg.num_layers * comm.all_reduce(
         self.prof, tokens * cfg.hidden_size * WEIGHT_BYTES, mesh.tensor, mesh.tensor)
     gather = comm.all_gather(self.prof, WEIGHT_BYTES * cfg.num_params / mesh.tensor,
-                             mesh.fsdp, mesh.shards)
+                             mesh.fsdp, mesh.shards, pieces=weight_tensors(cfg))
     return tp, gather
 
   def _activations(self, cfg, mesh, micro_seqs, train, remat):
