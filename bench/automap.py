@@ -7,7 +7,7 @@ random other feasible plans are then run for a few steps each, alternating, and 
 measured step times printed beside the predictions, with the rank correlation and how far
 the auto-mapper's choice is from the best measured plan.
 
-  python bench/automap.py [--steps 5] [--random 5] [--seed 0]
+  python bench/automap.py [--steps 9] [--random 5] [--seed 0]
 """
 import argparse
 import os
@@ -56,7 +56,7 @@ def spearman(a, b):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=9)
   parser.add_argument("--random", type=int, default=5)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
