@@ -156,7 +156,7 @@ def main(argv=None) -> int:
   cfg = model_config()
   graphdef, state = create(cfg, seed=0)
   split_devices = jax.devices()[:args.cpu_devices] if args.cpu_devices > 1 else []
-  variants = {"hflax": (None, state)}
+  variants = {"hflax": (None, state)}  # name -> (devices to split rows over, placed state)
   if len(split_devices) > 1:  # weights placed once, as a serving process would
     variants[f"hflax x{len(split_devices)}"] = (split_devices, replicate(state, split_devices))
   body_params, head_params = matmul_params(cfg)
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
               f"exactly (first divergence steps: {sorted(set(int(i) for i in first))[:10]})")
       hx_t = statistics.median(hx_times[name])
       rows.append(dict(B=B, name=name, hx_tps=generated / hx_t, hf_tps=generated / hf_t,
-                       hx_t=hx_t, hf_t=hf_t, gflops=flops["total"] / hx_t / 1e9,
+                       devices=len(variants[name][0] or [0]), hx_t=hx_t, hf_t=hf_t, gflops=flops["total"] / hx_t / 1e9,
                        frac=flops["total"] / hx_t / peak, match=match,
                        compile=compile_s[name], hx_times=hx_times[name], hf_times=hf_times,
                        cache_width=flops["cache_width"], width=width))
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     target = TARGET_RATIO.get(r["B"])
     verdict = ("PASS" if ratio >= target else "MISS") if target else "-"
     peak_verdict = "PASS" if r["frac"] >= TARGET_PEAK_FRACTION else "MISS"
-    on = "1 device" if r["name"] == "hflax" else f"{r['name'][7:]} devices"
+    on = f"{r['devices']} device" + ("s" if r["devices"] > 1 else "")
     print(f"{r['B']:>3} prompts | {on:>13} | {r['hx_tps']:>11.0f} | {r['hf_tps']:>9.0f} | {ratio:>5.2f}x | "
           f"{(f'>={target:g}x' if target else '-'):>6} | {verdict:>6} | {r['gflops']:>13.2f} | "
           f"{r['frac']:>6.1%} | {peak_verdict:>5} | {r['match']:>11.0%}")

@@ -72,14 +72,20 @@ class RoleWorker:
     """How many ways a batch's rows are split (a padded batch divides by it)."""
     return data_parallel_size(self.mesh)
 
+  def _on_mesh(self, fn: Callable) -> Callable:
+    """fn traced under this pool's abstract mesh, on which the model pins the layout of
+    its activations (transformer.rows_split)."""
+    @functools.wraps(fn)
+    def traced(*args):
+      with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+        return fn(*args)
+    return traced
+
   @functools.cached_property
   def _jit_rows(self):
     """jit(fn)(params, rows) with params in the training layout and rows split over data."""
     def build(fn):
-      def on_mesh(params, rows):
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # see transformer.rows_split
-          return fn(params, rows)
-      return jax.jit(on_mesh, in_shardings=(self.shardings, self.rows_sharding),
+      return jax.jit(self._on_mesh(fn), in_shardings=(self.shardings, self.rows_sharding),
                      out_shardings=self.rows_sharding)
     return functools.lru_cache(maxsize=None)(build)
 
@@ -111,11 +117,10 @@ class RoleWorker:
         mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
         mask = mini["response_mask"]
         mini["response_mask"] = mask * live[:, None].astype(mask.dtype)
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):  # see transformer.rows_split
-          return step(params, opt_state, jax.lax.with_sharding_constraint(mini, rows_sharding))
+        return step(params, opt_state, jax.lax.with_sharding_constraint(mini, rows_sharding))
 
       self._steps[name] = jax.jit(
-          cut_and_step, donate_argnums=(0, 1),
+          self._on_mesh(cut_and_step), donate_argnums=(0, 1),
           in_shardings=(self.shardings, opt_shardings, rows_sharding, replicated(self.mesh),
                         replicated(self.mesh)),
           out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)),

@@ -17,6 +17,7 @@ from flax import nnx
 
 from hflax.models.config import ModelConfig
 from hflax.models.rope import apply_rope, rope_tables
+from hflax.sharding.layouts import ROW_AXES
 
 _INIT = jax.nn.initializers.normal(0.02)
 _MASKED = -1e30  # finite, so rows with no visible key (pad queries) stay NaN-free
@@ -170,17 +171,14 @@ class DecoderLM(nnx.Module):
     return self.score(hidden_BxTxD)[..., 0].astype(jnp.float32)
 
 
-# Mesh axes that split a batch's rows (hflax.sharding.layouts.TRAIN_AXES without "tensor").
-_ROW_AXES = ("data", "fsdp")
-
-
 def rows_split(x):
   """x with its rows split over the context mesh's batch axes and everything else whole
-  on each device (a no-op outside `jax.set_mesh`). Between layers this pins FSDP
+  on each device (a no-op outside a mesh context: `jax.set_mesh`, `use_abstract_mesh`).
+  Between layers this pins FSDP
   semantics: XLA then gathers each layer's weights instead of resharding the activations
   to match the weights' split (all-to-alls and activation all-reduces)."""
   mesh = jax.sharding.get_abstract_mesh()
-  axes = tuple(a for a in _ROW_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  axes = tuple(a for a in ROW_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
   if not axes:
     return x
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes))

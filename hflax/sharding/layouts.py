@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 TRAIN_AXES = ("data", "fsdp", "tensor")
+ROW_AXES = ("data", "fsdp")  # the axes that split a batch's rows
 GENERATE_AXES = ("data", "tensor")
 _MODEL_PARALLEL = ("q_heads", "kv_heads", "mlp", "vocab")
 
@@ -64,9 +65,9 @@ def train_mesh(devices, data: int = 1, fsdp: int | None = None, tensor: int = 1)
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Rows split over every data-parallel axis the mesh has; tensor groups share a shard."""
-  axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
+  axes = tuple(a for a in ROW_AXES if a in mesh.shape)
   return NamedSharding(mesh, P(axes))
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-  return int(np.prod([mesh.shape[a] for a in ("data", "fsdp") if a in mesh.shape]))
+  return int(np.prod([mesh.shape[a] for a in ROW_AXES if a in mesh.shape]))

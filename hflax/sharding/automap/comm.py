@@ -32,10 +32,9 @@ def all_gather(profile: DeviceProfile, nbytes: float, size: int, span: int,
           + nbytes * (size - 1) / size / link_bandwidth(profile, span))
 
 
-def reduce_scatter(profile: DeviceProfile, nbytes: float, size: int, span: int,
-                   pieces: int = 1) -> float:
+def reduce_scatter(profile: DeviceProfile, nbytes: float, size: int, span: int) -> float:
   """Ring reduce-scatter of `nbytes` per device (the mirror image of all_gather)."""
-  return all_gather(profile, nbytes, size, span, pieces)
+  return all_gather(profile, nbytes, size, span)
 
 
 def all_reduce(profile: DeviceProfile, nbytes: float, size: int, span: int) -> float:
