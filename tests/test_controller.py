@@ -48,9 +48,12 @@ def test_ppo_step_matches_single_device(name, reference):
     if not key.startswith(("timing_s", "reshard")):
       np.testing.assert_allclose(float(metrics[key]), float(value), rtol=1e-4, atol=1e-6,
                                  err_msg=key)
+  # Adam moves an element whose gradient is near its eps by lr times the gradient's relative
+  # error, so a few of 20k elements differ by 1e-5..1e-4; a lost or doubled shard would
+  # move them by about lr (1e-2).
   for role in ("actor", "critic"):
     for a, b in zip(jax.tree.leaves(workers[role].params), jax.tree.leaves(ref_workers[role].params)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
   # Each role really lives on its own pool's devices.
   pools = {r: set(w.mesh.devices.flat) for r, w in workers.items()}
   if name == "standalone":

@@ -192,6 +192,23 @@ def test_data_parallel_generate_equals_one_device(pair, num_devices):
                                np.asarray(one["rollout_log_probs"]), atol=1e-6)
 
 
+def test_data_parallel_decode_loops_run_without_collectives(pair):
+  """Each device runs its own decode loop on its rows: the compiled program holds no
+  collective, so no device waits on another at every step (the loop test included)."""
+  _, graphdef, state = pair
+  from hflax.rollout.sampler import _generate, _rows_mesh
+  devices = jax.devices()[:2]
+  mesh = _rows_mesh(devices)
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  tokens, mask = jax.device_put(left_pad(_prompts(4), 0), rows)
+  params = SamplingParams(max_new_tokens=40, temperature=0, eos_ids=(7,))
+  text = _generate.lower(graphdef, replicate(state, devices), tokens, mask, jax.random.key(0),
+                         params=params, segments=2, mesh=mesh).compile().as_text()
+  assert "while" in text
+  for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
+    assert f" {op}(" not in text and f" {op}-start(" not in text, op
+
+
 def test_padding_rows_do_not_extend_the_decode_loop(pair):
   """A padding row is born finished: once the real rows end, the loop stops."""
   _, graphdef, state = pair

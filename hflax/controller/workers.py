@@ -195,7 +195,8 @@ class ActorRolloutWorker(RoleWorker):
       rng = jax.random.fold_in(self._rng, self._calls)
       self._calls += 1
     out = _generate(self.graphdef, gen_state, tokens, mask, rng, params=params,
-                    segments=decode_segments(params.max_new_tokens), live_B=live)
+                    segments=decode_segments(params.max_new_tokens), live_B=live,
+                    mesh=self.engine.mesh)
     del gen_state  # the generation copy is freed once the program has consumed it
     out["group_ids"] = jnp.repeat(jnp.arange(len(prompts), dtype=jnp.int32), params.n)
     rows = count * params.n  # samples of prompt i are rows i*n .. i*n + n - 1

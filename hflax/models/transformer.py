@@ -178,7 +178,10 @@ def rows_split(x):
   semantics: XLA then gathers each layer's weights instead of resharding the activations
   to match the weights' split (all-to-alls and activation all-reduces)."""
   mesh = jax.sharding.get_abstract_mesh()
-  axes = tuple(a for a in ROW_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
+            if t == jax.sharding.AxisType.Manual}  # inside shard_map: already split
+  axes = tuple(a for a in ROW_AXES
+               if a in mesh.axis_names and mesh.shape[a] > 1 and a not in manual)
   if not axes:
     return x
   return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(axes))

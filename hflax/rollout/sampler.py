@@ -67,14 +67,20 @@ def filter_logits(logits_BxV, top_k: int = 0, top_p: float = 1.0):
   return logits_BxV
 
 
-def _pick(logits_BxV, key, params: SamplingParams):
-  """Next tokens and their log-probs (see the module docstring for which distribution)."""
+def _pick(logits_BxV, key, params: SamplingParams, rows_B):
+  """Next tokens and their log-probs (see the module docstring for which distribution).
+
+  Row r draws from fold_in(key, rows_B[r]), its index in the whole batch, so a row samples
+  the same tokens whichever device, and beside whichever other rows, it is decoded.
+  """
   scaled = logits_BxV if params.greedy else logits_BxV / params.temperature
   log_probs = jax.nn.log_softmax(scaled, axis=-1)
   if params.greedy:
     tokens = jnp.argmax(logits_BxV, axis=-1)
   else:
-    tokens = jax.random.categorical(key, filter_logits(scaled, params.top_k, params.top_p))
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, rows_B)
+    tokens = jax.vmap(jax.random.categorical)(
+        keys, filter_logits(scaled, params.top_k, params.top_p))
   return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], -1)[:, 0]
 
 
@@ -118,16 +124,35 @@ def _segment_ends(max_new_tokens: int, segments: int) -> list[int]:
   return sorted({-(-max_new_tokens * (i + 1) // segments) for i in range(segments)})
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments", "mesh"))
 def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: SamplingParams,
-              segments: int = 1, live_B=None):
+              segments: int = 1, live_B=None, mesh: Mesh | None = None):
   """live_B (optional, bool [B]): False marks padding rows, born finished so that they
-  never keep the decode loop running."""
+  never keep the decode loop running.
+
+  mesh (optional): when its "data" axis has more than one device, the rows split over it
+  and each device runs its own decode loop on its rows (shard_map), stopping when they
+  are done, with no collective per step; other axes (tensor) stay with the compiler.
+  """
+  B = prompts_BxP.shape[0]
+  live_B = jnp.ones((B,), bool) if live_B is None else live_B.astype(bool)
+  args = (state, prompts_BxP, prompt_mask_BxP.astype(bool), rng, live_B, jnp.arange(B))
+  decode = functools.partial(_decode, graphdef, params=params, segments=segments)
+  if mesh is None or mesh.shape.get("data", 1) == 1:
+    return decode(*args)
+  rows, whole = PartitionSpec("data"), PartitionSpec()
+  return jax.shard_map(decode, mesh=mesh, in_specs=(whole, rows, rows, whole, rows, rows),
+                       out_specs=rows, axis_names={"data"}, check_vma=False)(*args)
+
+
+def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, *,
+            params: SamplingParams, segments: int):
+  """Prefill and decode loop for one device's rows (rows_B: their indices in the batch)."""
   model = nnx.merge(graphdef, state)
   cfg = model.cfg
   B, P = prompts_BxP.shape
   N, n, R = params.max_new_tokens, params.n, B * params.n
-  prompt_mask_BxP = prompt_mask_BxP.astype(bool)
+  rows_R = (rows_B[:, None] * n + jnp.arange(n)).reshape(R)  # sample j of prompt i: i*n + j
   prompt_pos_BxP = positions_from_mask(prompt_mask_BxP)
 
   # The n samples of a prompt share one prefill; the cache is copied after it.
@@ -138,13 +163,11 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
                                                  model.logits(hidden[:, -1])))
 
   eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
-  tok, logp = _pick(logits, jax.random.fold_in(rng, 0), params)
+  tok, logp = _pick(logits, jax.random.fold_in(rng, 0), params, rows_R)
   out_tokens = jnp.full((R, N), params.pad_id, jnp.int32).at[:, 0].set(tok)
   out_logp = jnp.zeros((R, N), jnp.float32).at[:, 0].set(logp)
   out_mask = jnp.zeros((R, N), bool).at[:, 0].set(True)
-  done = jnp.isin(tok, eos)
-  if live_B is not None:
-    done = done | ~widen(live_B.astype(bool))
+  done = jnp.isin(tok, eos) | ~widen(live_B)
   pos = widen(prompt_pos_BxP[:, -1] + 1)
 
   def body(carry):
@@ -152,7 +175,8 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
     slot = P + step - 1  # where the previous token's K/V go
     kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((R, 1), bool), (0, slot))
     hidden, cache = model(tok[:, None], pos[:, None], kv_valid, cache=cache, slot0=slot)
-    tok, logp = _pick(model.logits(hidden[:, 0]), jax.random.fold_in(rng, step), params)
+    tok, logp = _pick(model.logits(hidden[:, 0]), jax.random.fold_in(rng, step), params,
+                      rows_R)
     tok = jnp.where(done, params.pad_id, tok)
     write = lambda out, x: jax.lax.dynamic_update_slice(out, x[:, None], (0, step))  # noqa: E731
     out_tokens = write(out_tokens, tok)
@@ -228,7 +252,7 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
   rows = NamedSharding(mesh, PartitionSpec("data"))
   tokens, mask, live = jax.device_put((tokens[take], mask[take], live), rows)
   out = _generate(graphdef, replicate(state, devices), tokens, mask, rng, params=params,
-                  segments=segments, live_B=live)
+                  segments=segments, live_B=live, mesh=mesh)
   return {k: v[:count * params.n] for k, v in out.items()} if pad else out
 
 
