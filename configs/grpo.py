@@ -1,8 +1,9 @@
 """GRPO on the built-in arithmetic task: groups of samples per prompt, KL as a loss.
 
-The default run (no arguments) warms a tiny policy up with a short supervised phase
-(cached), then RL raises held-out exact-match accuracy on 2-digit addition (measured:
-0.228 -> 0.744 in 58 s wall, warm-up included, on a 2-core CPU).
+The default run (no arguments) warms a tiny policy up with a supervised phase (cached)
+that stops at a loss target, then RL raises held-out exact-match accuracy on 2-digit
+addition (measured: 0.698 -> 0.828 in 68 s wall, warm-up included, on a 2-core CPU;
+with trainer.seed=1 and 2, 0.466 -> 0.544 and 0.388 -> 0.902).
 """
 from hflax.launch.config import base_config
 
@@ -17,7 +18,7 @@ def get_config():
   c.actor.ppo_mini_batch_size = c.critic.ppo_mini_batch_size = 16
   c.data.val_batch_size = 100
   c.trainer.update(total_steps=100, val_every=25, save_every=50)
-  c.trainer.sft_warmup.update(steps=300, lr=2e-3)
+  c.trainer.sft_warmup.update(steps=2000, lr=2e-3, target_loss=0.5)
   c.placement.kind = "custom"
   c.placement.update({"pools": {"policy": 1, "reference": 1},
                       "roles": {"actor": {"pool": "policy"}, "ref": {"pool": "reference"}}})

@@ -2,9 +2,9 @@
 
 Actor and reference share one device; the critic has its own (per-model meshes on the 2
 simulated CPU devices of the default run). The default run (no arguments) warms a tiny
-policy up with a short supervised phase (cached), then RL raises held-out exact-match
-accuracy on 2-digit addition (measured: 0.228 -> 0.738 in 83 s wall, warm-up included,
-on a 2-core CPU; all roles on one device instead: the same numbers, 10% less wall time).
+policy up with a supervised phase (cached) that stops at a loss target, then RL raises
+held-out exact-match accuracy on 2-digit addition (measured: 0.698 -> 0.866 in 103 s
+wall, warm-up included, on a 2-core CPU; with trainer.seed=1, 0.466 -> 0.588).
 """
 from hflax.launch.config import base_config
 
@@ -21,7 +21,7 @@ def get_config():
   c.actor.ppo_mini_batch_size = c.critic.ppo_mini_batch_size = 32
   c.data.val_batch_size = 100
   c.trainer.update(total_steps=100, val_every=25, save_every=50)
-  c.trainer.sft_warmup.update(steps=300, lr=2e-3)
+  c.trainer.sft_warmup.update(steps=2000, lr=2e-3, target_loss=0.5)
   c.placement.kind = "custom"
   c.placement.update({"pools": {"policy": 1, "value": 1},
                       "roles": {"actor": {"pool": "policy"}, "ref": {"pool": "policy"},

@@ -48,6 +48,39 @@ def test_validation_names_the_field(field, value, message):
     validate(c)
 
 
+def test_sft_warmup_fields_are_checked():
+  for field, value, message in [("steps", -1, "must be an integer >= 0"),
+                                ("target_loss", -0.5, "must be >= 0")]:
+    c = base_config()
+    c.trainer.sft_warmup[field] = value
+    with pytest.raises(ValueError, match=f"config.trainer.sft_warmup.{field}: {message}"):
+      validate(c)
+
+
+def test_sft_warmup_stops_at_its_target_loss(tmp_path):
+  from hflax.launch.roles import policy_model
+  from hflax.launch.sft import LOSS_WINDOW, sft_warmup
+  from hflax.launch.trainer import load_datasets
+  from hflax.models.tokenizer import load_tokenizer
+  c = tiny(tmp_path)
+  tokenizer = load_tokenizer(c.model.tokenizer)
+  rows = list(load_datasets(c)[0])
+
+  def run(steps, target_loss):
+    c.trainer.sft_warmup.update(steps=steps, target_loss=target_loss)
+    logs = []
+    sft_warmup(c, policy_model(c, tokenizer.vocab_size, tokenizer), tokenizer, rows,
+               log=logs.append)
+    return logs
+
+  stopped = run(200, 100.0)  # every loss is below 100: stops once the window is full
+  assert any(f"reached target_loss=100.0 at step {LOSS_WINDOW}" in line for line in stopped)
+  assert not any("step 200/200" in line for line in stopped)
+  full = run(LOSS_WINDOW + 5, 1e-9)  # never reached: every step runs
+  assert not any("reached" in line for line in full)
+  assert any(f"step {LOSS_WINDOW + 5}/{LOSS_WINDOW + 5}" in line for line in full)
+
+
 def _cli(*args, timeout=120):
   return subprocess.run([sys.executable, "-m", "hflax.launch", *args], cwd=ROOT, timeout=timeout,
                         capture_output=True, text=True,

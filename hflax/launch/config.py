@@ -61,7 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
       save_every=10, keep=2, val_every=10, val_before_train=True,
       log=("console", "jsonl", "tensorboard"), wandb_project="", profile_steps=(),
       stage_timing=True, export_hf=True, devices=0,
-      sft_warmup=dict(steps=0, lr=1e-3, batch_size=64, cache_dir=""))
+      sft_warmup=dict(steps=0, lr=1e-3, batch_size=64, cache_dir="", target_loss=0.0))
   # Where the roles run: "local" (this process's devices) or "ray" (each placement pool is
   # a group of Ray actor processes forming one jax.distributed job; see
   # hflax/controller/ray_backend). A pool of S devices runs on processes_per_pool
@@ -114,6 +114,12 @@ def validate(c) -> None:
     fail("rollout.n", f"{c.algorithm.adv_estimator} compares samples of one prompt: use n >= 2")
   if c.algorithm.adv_estimator == "gae" and c.algorithm.name not in ("ppo", "safe_rlhf"):
     fail("algorithm.adv_estimator", f"'gae' needs a critic, which {c.algorithm.name} has not")
+  sft = c.trainer.sft_warmup
+  if not isinstance(sft.steps, int) or sft.steps < 0:
+    fail("trainer.sft_warmup.steps", f"must be an integer >= 0 (0 = no warm-up), got {sft.steps!r}")
+  if not sft.target_loss >= 0:
+    fail("trainer.sft_warmup.target_loss", f"must be >= 0 (0 = run all steps), got "
+         f"{sft.target_loss!r}")
   if not 0 <= c.rollout.temperature:
     fail("rollout.temperature", "must be >= 0")
   if c.reward.kind not in ("rule", "model"):

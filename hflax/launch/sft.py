@@ -1,11 +1,18 @@
 """Supervised warm-up: teaches a fresh policy the answer format of its task (prompt ->
 ground truth + end token), so that RL starts from a policy with something to improve.
 
+It stops after `steps`, or earlier once the mean loss of the last LOSS_WINDOW steps reaches
+`target_loss` (when set). On the built-in arithmetic task the loss falls in one sharp
+drop whose timing depends on the seed: after a fixed 300 steps one seed started RL at 3%
+held-out accuracy (and RL never took off) and another at 47%; a loss target starts every
+seed from a similar, partly trained policy.
+
 The result is cached as an HF checkpoint directory keyed by everything that determines
 it, so repeated runs (and resumed ones) skip it.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -19,6 +26,8 @@ import optax
 from hflax.controller.training import train_compiler_options
 from hflax.models import hf
 from hflax.models.logprobs import sequence_log_probs
+
+LOSS_WINDOW = 20
 
 
 def _cache_dir(cfg, model_cfg) -> str:
@@ -71,11 +80,18 @@ def sft_warmup(cfg, policy, tokenizer, rows, log=print):
     return optax.apply_updates(state, updates), opt_state, loss
 
   rng = np.random.default_rng(cfg.trainer.seed)
+  recent = collections.deque(maxlen=LOSS_WINDOW)
   for i in range(sft.steps):
     idx = rng.choice(len(tokens), size=min(sft.batch_size, len(tokens)), replace=False)
     state, opt_state, loss = step(state, opt_state, tokens[idx], mask[idx], loss_mask[idx])
     if (i + 1) % max(1, sft.steps // 5) == 0:
       log(f"sft warm-up: step {i + 1}/{sft.steps} loss {float(loss):.4f}")
+    if sft.target_loss:
+      recent.append(float(loss))
+      if len(recent) == LOSS_WINDOW and np.mean(recent) <= sft.target_loss:
+        log(f"sft warm-up: mean loss {np.mean(recent):.4f} of the last {LOSS_WINDOW} steps "
+            f"reached target_loss={sft.target_loss} at step {i + 1}")
+        break
   os.makedirs(os.path.dirname(cache), exist_ok=True)
   tmp = cache + f".tmp{os.getpid()}"
   hf.export_checkpoint(tmp, model_cfg, state)
