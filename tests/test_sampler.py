@@ -205,6 +205,8 @@ def test_data_parallel_decode_loops_run_without_collectives(pair):
   text = _generate.lower(graphdef, replicate(state, devices), tokens, mask, jax.random.key(0),
                          params=params, segments=2, mesh=mesh).compile().as_text()
   assert "while" in text
+  with pytest.raises(ValueError, match="3 prompt rows do not split over the mesh's 2 data"):
+    _generate(graphdef, state, tokens[:3], mask[:3], jax.random.key(0), params=params, mesh=mesh)
   for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
     assert f" {op}(" not in text and f" {op}-start(" not in text, op
 

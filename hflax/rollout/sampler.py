@@ -140,6 +140,9 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   decode = functools.partial(_decode, graphdef, params=params, segments=segments)
   if mesh is None or mesh.shape.get("data", 1) == 1:
     return decode(*args)
+  if B % mesh.shape["data"]:
+    raise ValueError(f"{B} prompt rows do not split over the mesh's {mesh.shape['data']} data "
+                     "devices: pad them first (generate(devices=...) does)")
   rows, whole = PartitionSpec("data"), PartitionSpec()
   return jax.shard_map(decode, mesh=mesh, in_specs=(whole, rows, rows, whole, rows, rows),
                        out_specs=rows, axis_names={"data"}, check_vma=False)(*args)
