@@ -229,8 +229,9 @@ def main(argv=None) -> int:
               f"exactly (first divergence steps: {sorted(set(int(i) for i in first))[:10]})")
       hx_t = statistics.median(hx_times[name])
       rows.append(dict(B=B, name=name, hx_tps=generated / hx_t, hf_tps=generated / hf_t,
-                       devices=len(variants[name][0] or [0]), hx_t=hx_t, hf_t=hf_t, gflops=flops["total"] / hx_t / 1e9,
-                       frac=flops["total"] / hx_t / peak, match=match,
+                       devices=len(variants[name][0] or [0]), hx_t=hx_t, hf_t=hf_t,
+                       gflops=flops["total"] / hx_t / 1e9, frac=flops["total"] / hx_t / peak,
+                       match=match,
                        compile=compile_s[name], hx_times=hx_times[name], hf_times=hf_times,
                        cache_width=flops["cache_width"], width=width))
 
@@ -255,8 +256,8 @@ def main(argv=None) -> int:
   print()
   print(f"Greedy generation, {P}-token random prompts (bucket {rows[0]['width']}), "
         f"{new_tokens} new tokens, no early stop, fp32, median of {repeats} alternating reps")
-  header = (f"{'workload':>10} | {'hflax on':>13} | {'hflax tok/s':>11} | {'HF tok/s':>9} | {'ratio':>6} | "
-            f"{'target':>6} | {'ratio?':>6} | {'hflax GFLOP/s':>13} | {'of peak':>7} | "
+  header = (f"{'workload':>10} | {'hflax on':>13} | {'hflax tok/s':>11} | {'HF tok/s':>9} | "
+            f"{'ratio':>6} | {'target':>6} | {'ratio?':>6} | {'hflax GFLOP/s':>13} | {'of peak':>7} | "
             f"{'peak?':>5} | {'tokens match':>12}")
   print(header)
   print("-" * len(header))
@@ -266,8 +267,8 @@ def main(argv=None) -> int:
     verdict = ("PASS" if ratio >= target else "MISS") if target else "-"
     peak_verdict = "PASS" if r["frac"] >= TARGET_PEAK_FRACTION else "MISS"
     on = f"{r['devices']} device" + ("s" if r["devices"] > 1 else "")
-    print(f"{r['B']:>3} prompts | {on:>13} | {r['hx_tps']:>11.0f} | {r['hf_tps']:>9.0f} | {ratio:>5.2f}x | "
-          f"{(f'>={target:g}x' if target else '-'):>6} | {verdict:>6} | {r['gflops']:>13.2f} | "
+    print(f"{r['B']:>3} prompts | {on:>13} | {r['hx_tps']:>11.0f} | {r['hf_tps']:>9.0f} | "
+          f"{ratio:>5.2f}x | {(f'>={target:g}x' if target else '-'):>6} | {verdict:>6} | {r['gflops']:>13.2f} | "
           f"{r['frac']:>6.1%} | {peak_verdict:>5} | {r['match']:>11.0%}")
   print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s (best of {list(peak_by_size)}, one device "
         f"with every core); peak target: >= {TARGET_PEAK_FRACTION:.0%}")

@@ -2,10 +2,10 @@
 ground truth + end token), so that RL starts from a policy with something to improve.
 
 It stops after `steps`, or earlier once the mean loss of the last LOSS_WINDOW steps reaches
-`target_loss` (when set; so never before step LOSS_WINDOW). On the built-in arithmetic task the loss falls in one sharp
-drop whose timing depends on the seed: after a fixed 300 steps one seed started RL at 3%
-held-out accuracy (and RL never took off) and another at 47%; a loss target starts every
-seed from a similar, partly trained policy.
+`target_loss` (when set; so never before step LOSS_WINDOW). On the built-in arithmetic
+task the loss falls in one sharp drop whose timing depends on the seed: after a fixed 300
+steps one seed started RL at 3% held-out accuracy (and RL never took off) and another at
+47%; a loss target starts every seed from a similar, partly trained policy.
 
 The result is cached as an HF checkpoint directory keyed by everything that determines
 it, so repeated runs (and resumed ones) skip it.

@@ -174,9 +174,9 @@ class DecoderLM(nnx.Module):
 def rows_split(x):
   """x with its rows split over the context mesh's batch axes and everything else whole
   on each device (a no-op outside a mesh context: `jax.set_mesh`, `use_abstract_mesh`).
-  Between layers this pins FSDP
-  semantics: XLA then gathers each layer's weights instead of resharding the activations
-  to match the weights' split (all-to-alls and activation all-reduces)."""
+  Between layers this pins FSDP semantics: XLA then gathers each layer's weights instead
+  of resharding the activations to match the weights' split (all-to-alls and activation
+  all-reduces)."""
   mesh = jax.sharding.get_abstract_mesh()
   manual = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
             if t == jax.sharding.AxisType.Manual}  # inside shard_map: already split
