@@ -89,6 +89,27 @@ def test_rope_scalings_match_transformers(scaling, tmp_path):
   assert _max_diff_on_tokens(ours, _hf_logits(model, ids, mask), mask) <= 1e-4
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rope_tables_match_transformers_at_long_positions(family):
+  """The tables hold what the reference's rotary embedding computes, far past the 24
+  positions of the logit tests, and a position past the table reads NaN, not a wrong
+  rotation."""
+  from hflax.models.rope import rope_tables
+  model = tiny_hf_model(family, max_position_embeddings=8192)
+  cfg = ModelConfig.from_hf(model.config.to_dict() | {"architectures":
+                                                        model.config.architectures})
+  positions = np.array([[0, 1, 63, 64, 1000, 4095, 8191]])
+  hf_cos, hf_sin = model.model.rotary_emb(torch.zeros(1), torch.tensor(positions))
+  cos, sin = rope_tables(cfg, jnp.asarray(positions), 8192)
+  # The reference rounds inv_freq in float32 arithmetic, we round it once from float64: one
+  # ulp apart, which moves an angle, and so cos and sin, by up to position * 6e-8.
+  bound = 1e-6 + 6e-8 * positions[..., None]
+  assert (np.abs(np.asarray(cos) - hf_cos.numpy()) <= bound).all()
+  assert (np.abs(np.asarray(sin) - hf_sin.numpy()) <= bound).all()
+  outside, _ = rope_tables(cfg, jnp.asarray([[3, 16]]), 16)
+  assert np.isfinite(np.asarray(outside[0, 0])).all() and np.isnan(np.asarray(outside[0, 1])).all()
+
+
 def test_value_head_matches_token_classification(tmp_path):
   config = tiny_hf_model("qwen2").config
   config.num_labels = 1

@@ -1,4 +1,6 @@
 """The KV-cache sampler against transformers' generate and against its own definitions."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,6 +211,20 @@ def test_data_parallel_decode_loops_run_without_collectives(pair):
     _generate(graphdef, state, tokens[:3], mask[:3], jax.random.key(0), params=params, mesh=mesh)
   for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
     assert f" {op}(" not in text and f" {op}-start(" not in text, op
+
+
+def test_decode_program_evaluates_no_cos_or_sin(pair):
+  """RoPE's cos and sin come from tables built at trace time. Computed in the graph, XLA
+  fused them into every layer's q and k rotation and evaluated them again for each head
+  at every decode step."""
+  _, graphdef, state = pair
+  from hflax.rollout.sampler import _generate
+  tokens, mask = (jnp.asarray(x) for x in left_pad(_prompts(3), 0))
+  params = SamplingParams(max_new_tokens=40, temperature=0)
+  text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0), params=params,
+                         segments=2).compile().as_text()
+  assert "while" in text
+  assert not re.search(r"\b(cosine|sine)\(", text)
 
 
 def test_padding_rows_do_not_extend_the_decode_loop(pair):

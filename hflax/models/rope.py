@@ -71,13 +71,26 @@ def _yarn(cfg, scaling, factor, original):
   return inv_freq, float(attention_factor)
 
 
-def rope_tables(cfg: ModelConfig, positions_BxT: jnp.ndarray):
-  """cos and sin of shape [B, T, head_dim] for integer positions."""
+def rope_tables(cfg: ModelConfig, positions_BxT: jnp.ndarray, num_positions: int):
+  """cos and sin of shape [B, T, head_dim] for integer positions in [0, num_positions).
+
+  They are looked up in tables computed once at trace time. Computed in the graph instead,
+  XLA fuses cos and sin into every layer's q and k rotation and evaluates them again for
+  each head, which made bench/generate.py's 64-prompt calls 7-8% slower on CPU
+  (bench/README.md). A position outside the table reads NaN rather than a wrong rotation.
+  """
   inv_freq, attention_factor = inverse_frequencies(cfg)
-  inv_freq = jnp.asarray(inv_freq, jnp.float32)
-  angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
-  angles = jnp.concatenate([angles, angles], axis=-1)
-  return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
+  # float32 angles, as the reference computes them; cos and sin rounded once from float64.
+  angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)
+  tables = [(f(angles.astype(np.float64)) * attention_factor).astype(np.float32)
+            for f in (np.cos, np.sin)]
+
+  def look_up(table):
+    half = jnp.take(jnp.asarray(table), positions_BxT, axis=0, mode="fill",
+                    fill_value=jnp.nan)
+    return jnp.concatenate([half, half], axis=-1)
+
+  return look_up(tables[0]), look_up(tables[1])
 
 
 def apply_rope(x_BxTxNxD: jnp.ndarray, cos_BxTxD: jnp.ndarray, sin_BxTxD: jnp.ndarray):

@@ -143,9 +143,13 @@ class DecoderLM(nnx.Module):
                   if head == "value" else None)
 
   def __call__(self, tokens_BxT, positions_BxT, kv_valid_BxS, *, cache=None, slot0=0):
-    """Final-norm hidden states [B, T, D] and the updated cache (a list, one dict per layer)."""
+    """Final-norm hidden states [B, T, D] and the updated cache (a list, one dict per layer).
+
+    Positions must be below S, the number of KV slots (kv_valid_BxS.shape[1]): true of
+    left-padded rows, where a token's position never exceeds its slot.
+    """
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
-    cos, sin = rope_tables(self.cfg, positions_BxT)
+    cos, sin = rope_tables(self.cfg, positions_BxT, kv_valid_BxS.shape[1])
     new_cache = []
     for i, layer in enumerate(self.layers):
       x = rows_split(x)
