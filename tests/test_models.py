@@ -94,6 +94,7 @@ def test_rope_tables_match_transformers_at_long_positions(family):
   """The tables hold what the reference's rotary embedding computes, far past the 24
   positions of the logit tests, and a position past the table reads NaN, not a wrong
   rotation."""
+  from hflax.models import rope
   from hflax.models.rope import rope_tables
   model = tiny_hf_model(family, max_position_embeddings=8192)
   cfg = ModelConfig.from_hf(model.config.to_dict() | {"architectures":
@@ -108,6 +109,10 @@ def test_rope_tables_match_transformers_at_long_positions(family):
   assert (np.abs(np.asarray(sin) - hf_sin.numpy()) <= bound).all()
   outside, _ = rope_tables(cfg, jnp.asarray([[3, 16]]), 16)
   assert np.isfinite(np.asarray(outside[0, 0])).all() and np.isnan(np.asarray(outside[0, 1])).all()
+  # Past MAX_TABLE_POSITIONS, cos and sin are computed in the graph: the same values.
+  in_graph = rope_tables(cfg, jnp.asarray(positions), rope.MAX_TABLE_POSITIONS + 1)
+  for ours, theirs in zip(in_graph, (cos, sin)):
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=0, atol=5e-7)
 
 
 def test_value_head_matches_token_classification(tmp_path):

@@ -71,17 +71,29 @@ def _yarn(cfg, scaling, factor, original):
   return inv_freq, float(attention_factor)
 
 
+# Tables for up to this many positions are built at trace time (two of 8 MB at head_dim
+# 128); longer ones would make the compiled program carry large constants, and there the
+# attention over so many keys dwarfs recomputing cos and sin.
+MAX_TABLE_POSITIONS = 1 << 15
+
+
 def rope_tables(cfg: ModelConfig, positions_BxT: jnp.ndarray, num_positions: int):
   """cos and sin of shape [B, T, head_dim] for integer positions in [0, num_positions).
 
-  They are looked up in tables computed once at trace time. Computed in the graph instead,
-  XLA fuses cos and sin into every layer's q and k rotation and evaluates them again for
-  each head, which made bench/generate.py's 64-prompt calls 7-8% slower on CPU
-  (bench/README.md). A position outside the table reads NaN rather than a wrong rotation.
+  Up to MAX_TABLE_POSITIONS they are looked up in tables built once at trace time.
+  Computed in the graph instead, XLA fuses cos and sin into every layer's q and k rotation
+  and evaluates them again for each head, which made bench/generate.py's 64-prompt calls
+  7-8% slower on CPU (bench/README.md). A position outside the table reads NaN rather than
+  a wrong rotation.
   """
   inv_freq, attention_factor = inverse_frequencies(cfg)
+  inv_freq = inv_freq.astype(np.float32)
+  if num_positions > MAX_TABLE_POSITIONS:
+    angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
   # float32 angles, as the reference computes them; cos and sin rounded once from float64.
-  angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)
+  angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq
   tables = [(f(angles.astype(np.float64)) * attention_factor).astype(np.float32)
             for f in (np.cos, np.sin)]
 
