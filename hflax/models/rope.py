@@ -97,9 +97,11 @@ def rope_tables(cfg: ModelConfig, positions_BxT: jnp.ndarray, num_positions: int
   tables = [(f(angles.astype(np.float64)) * attention_factor).astype(np.float32)
             for f in (np.cos, np.sin)]
 
+  # take() would wrap a negative index around like numpy; send it out of range instead.
+  index = jnp.where(positions_BxT >= 0, positions_BxT, num_positions)
+
   def look_up(table):
-    half = jnp.take(jnp.asarray(table), positions_BxT, axis=0, mode="fill",
-                    fill_value=jnp.nan)
+    half = jnp.take(jnp.asarray(table), index, axis=0, mode="fill", fill_value=jnp.nan)
     return jnp.concatenate([half, half], axis=-1)
 
   return look_up(tables[0]), look_up(tables[1])

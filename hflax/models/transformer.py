@@ -146,7 +146,7 @@ class DecoderLM(nnx.Module):
     """Final-norm hidden states [B, T, D] and the updated cache (a list, one dict per layer).
 
     Positions must be below S, the number of KV slots (kv_valid_BxS.shape[1]): true of
-    left-padded rows, where a token's position never exceeds its slot.
+    positions_from_mask, where a token's position never exceeds its slot.
     """
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
     cos, sin = rope_tables(self.cfg, positions_BxT, kv_valid_BxS.shape[1])
