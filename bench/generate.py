@@ -80,7 +80,7 @@ def generation_flops(cfg: ModelConfig, batch: int, prompt_width: int, new_tokens
 # ----------------------------------------------------------------------------- matmul peak
 
 def settle(seconds: float = 0.2):
-  """Waits before a timed call: after a call, torch's OpenMP workers (and XLA's pool) keep
+  """Waits before a timed call: after a transformers call, torch's OpenMP workers keep
   spinning for a while, and a 2048^3 matmul started at once ran 10-35% slower here."""
   time.sleep(seconds)
 
