@@ -19,21 +19,22 @@ from hflax.models.logprobs import hidden_log_probs, log_probs_from_logits, seque
 N, D, V = 37, 40, 100
 TILES = dict(block_rows=16, block_vocab=16, block_d=16, interpret=True)
 # bf16: identical bf16 operands and f32 accumulation leave the forward close; gradients
-# come out in bf16, so they agree to about one bf16 ulp of their largest entry.
-TOL = {"float32": (2e-5, 2e-5), "bfloat16": (1e-4, 1e-2)}
+# come out in bf16, so they agree to about one bf16 ulp of their largest entry. A tied
+# head's logits are f32, and so is their gradient on both paths: no extra rounding.
+TOL = {"float32": (2e-5, 2e-5), "bfloat16": (1e-4, 1e-2), "bfloat16-tied": (1e-4, 1e-3)}
 
 
-def _tols(dtype):  # for (log-prob, entropy, grad hidden, grad W)
-  out, grad = TOL[dtype]
+def _tols(dtype, tied=False):  # for (log-prob, entropy, grad hidden, grad W)
+  out, grad = TOL[dtype + ("-tied" if tied and dtype == "bfloat16" else "")]
   return out, out, grad, grad
 
 
-def _inputs(dtype, transposed):
+def _inputs(dtype, transposed, n=N, d=D, v=V):
   k = jax.random.split(jax.random.key(0), 5)
-  h = jax.random.normal(k[0], (N, D)).astype(dtype)
-  w = (jax.random.normal(k[1], (V, D) if transposed else (D, V)) * 0.3).astype(dtype)
-  targets = jax.random.randint(k[2], (N,), 0, V)
-  cot = jax.random.normal(k[3], (N,)), jax.random.normal(k[4], (N,))
+  h = jax.random.normal(k[0], (n, d)).astype(dtype)
+  w = (jax.random.normal(k[1], (v, d) if transposed else (d, v)) * 0.3).astype(dtype)
+  targets = jax.random.randint(k[2], (n,), 0, v).at[-1].set(v - 1)
+  cot = jax.random.normal(k[3], (n,)), jax.random.normal(k[4], (n,))
   return h, w, targets, cot
 
 
@@ -42,10 +43,17 @@ def _close(a, b, tol):
   np.testing.assert_allclose(a, b, atol=tol * max(1.0, float(np.abs(b).max())), rtol=0)
 
 
-@pytest.mark.parametrize("transposed,dtype,splits", [
-    (False, "float32", 3), (True, "float32", 1), (False, "bfloat16", 2), (True, "bfloat16", 7)])
-def test_kernel_matches_reference_with_gradients(transposed, dtype, splits):
-  h, w, targets, (g_logp, g_ent) = _inputs(dtype, transposed)
+# Ragged in N, D and V; aligned everywhere (the masks production shapes skip); aligned
+# vocabulary with a ragged depth and the reverse (the mixed branches).
+SHAPES = [(32, 48, 96), (37, 40, 96), (32, 48, 100)]
+
+
+@pytest.mark.parametrize("transposed,dtype,splits,n,d,v", [
+    (False, "float32", 3, N, D, V), (True, "float32", 1, N, D, V),
+    (False, "bfloat16", 2, N, D, V), (True, "bfloat16", 7, N, D, V),
+    *[(False, "float32", 3, *s) for s in SHAPES], *[(True, "bfloat16", 7, *s) for s in SHAPES]])
+def test_kernel_matches_reference_with_gradients(transposed, dtype, splits, n, d, v):
+  h, w, targets, (g_logp, g_ent) = _inputs(dtype, transposed, n, d, v)
   # What DecoderLM.logits does: tied heads give f32 logits, an untied head its own dtype.
   logits_dtype = "float32" if transposed else dtype
 
@@ -64,7 +72,7 @@ def test_kernel_matches_reference_with_gradients(transposed, dtype, splits):
     out, vjp = jax.vjp(jax.jit(fn), h, w)
     outs.append(out)
     grads.append(vjp((g_logp, g_ent)))
-  for a, b, tol in zip(outs[0] + grads[0], outs[1] + grads[1], _tols(dtype)):
+  for a, b, tol in zip(outs[0] + grads[0], outs[1] + grads[1], _tols(dtype, transposed)):
     assert a.dtype == b.dtype and a.shape == b.shape
     _close(a, b, tol)
 
@@ -118,6 +126,44 @@ def test_cpu_path_is_unchanged(monkeypatch):
   assert auto_jaxpr == off_jaxpr and "pallas_call" not in auto_jaxpr
   for a, b in zip(auto, off):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class _FakeGpu:
+  device_kind = "NVIDIA H100"
+
+  def __init__(self, capability):
+    if capability is not None:
+      self.compute_capability = capability
+
+
+@pytest.mark.parametrize("flag,capability,count,mode,warns", [
+    ("auto", "9.0", 1, "gpu", None), ("auto", "9.0", 8, None, "8 devices"),
+    ("1", "9.0", 8, "gpu", None), ("auto", "7.0", 1, None, "compute capability 7.0"),
+    ("auto", None, 1, None, "not a CUDA device")])
+def test_mode_on_gpus(monkeypatch, flag, capability, count, mode, warns):
+  """Where "auto" runs the kernel, and that it says why when it does not."""
+  monkeypatch.setenv(kernels.ENV, flag)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda: [_FakeGpu(capability)] * count)
+  monkeypatch.setattr(jax, "device_count", lambda: count)
+  kernels._decline.cache_clear()
+  if warns:
+    with pytest.warns(UserWarning, match=warns):
+      assert kernels.logprob_kernel_mode() is None
+  else:
+    assert kernels.logprob_kernel_mode() == mode
+  if capability == "7.0":  # asked for explicitly, an unsupported GPU is an error
+    monkeypatch.setenv(kernels.ENV, "1")
+    with pytest.raises(ValueError, match="compute capability"):
+      kernels.logprob_kernel_mode()
+
+
+def test_tiles_are_checked():
+  h, w, targets, _ = _inputs("float32", False)
+  with pytest.raises(ValueError, match="block_rows=8"):
+    fused_log_probs(h, w, targets, **{**TILES, "block_rows": 8})
+  with pytest.raises(ValueError, match="block_vocab=48"):
+    fused_log_probs(h, w, targets, **{**TILES, "block_vocab": 48})
 
 
 def test_mode_flag(monkeypatch):

@@ -9,11 +9,14 @@ It is read when a function is traced, so set it before the first call of a jitte
 
 "auto" skips multi-device processes because XLA cannot partition a Pallas custom call: in
 a sharded program it would gather the operands and every device would compute every row.
+It says so once (a warning), as it does for a GPU Triton cannot compile for; "1" there is
+an error.
 """
 from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import jax
 
@@ -30,6 +33,29 @@ def _triton_importable() -> bool:
   return True
 
 
+MIN_COMPUTE_CAPABILITY = 8.0  # bf16 tensor-core dots in Triton start with Ampere
+
+
+def _gpu_problem() -> str | None:
+  """Why the kernel cannot compile for this process's first GPU, or None."""
+  if not _triton_importable():
+    return "jax.experimental.pallas.triton does not import"
+  device = jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  if capability is None:  # ROCm devices have none; Pallas' Triton lowering targets CUDA
+    return f"{device.device_kind} is not a CUDA device"
+  if float(capability) < MIN_COMPUTE_CAPABILITY:
+    return (f"{device.device_kind} has compute capability {capability}, the kernel needs "
+            f"{MIN_COMPUTE_CAPABILITY}")
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def _decline(reason: str) -> None:
+  warnings.warn(f"fused log-prob kernel not used: {reason}; the pure-JAX path runs "
+                f"({ENV}=0 silences this)", stacklevel=3)
+
+
 def logprob_kernel_mode() -> str | None:
   """"gpu", "interpret", or None for the pure-JAX path."""
   flag = os.environ.get(ENV, "auto").strip().lower()
@@ -39,9 +65,16 @@ def logprob_kernel_mode() -> str | None:
     return None
   if flag == "interpret":
     return "interpret"
-  if jax.default_backend() != "gpu" or not _triton_importable():
+  if jax.default_backend() != "gpu":
     return None
-  if flag in _AUTO and jax.device_count() > 1:
+  problem = _gpu_problem()
+  if problem and flag in _ON:
+    raise ValueError(f"{ENV}={flag}: {problem}")
+  if flag in _AUTO and not problem and jax.device_count() > 1:
+    problem = (f"{jax.device_count()} devices in this process (XLA cannot partition the "
+               f"kernel; {ENV}=1 runs it unpartitioned)")
+  if problem:
+    _decline(problem)
     return None
   return "gpu"
 

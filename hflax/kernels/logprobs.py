@@ -172,8 +172,9 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, cfg: Config):
     p = jnp.exp(z - lse)
     onehot = targets[:, None] == start + jnp.arange(size)
     dz = g_logp * (onehot - p) - g_ent * p * (z - lse + ent)
-    # Back in the input dtype, as autodiff of the bf16 logits matmul would be: bf16 GEMMs.
-    dlogits = (dz / cfg.temperature).astype(h.dtype)
+    # Rounded to the logits' dtype as autodiff of DecoderLM.logits rounds it: bf16 GEMMs
+    # for a bf16 head, f32 ones for a tied head (whose logits are f32).
+    dlogits = (dz / cfg.temperature).astype(cfg.logits_dtype)
     if cfg.transposed:
       dh = dh + jnp.dot(dlogits, w_c, preferred_element_type=jnp.float32)
       dw_c = jnp.einsum("nv,nd->vd", dlogits, h, preferred_element_type=jnp.float32)
@@ -217,6 +218,10 @@ def fused_log_probs(hidden_NxD, w, targets_N, **config):
   arguments are the fields of `Config`. Differentiable in hidden and w.
   """
   cfg = Config(**config)
+  for name in ("block_rows", "block_vocab", "block_d"):
+    size = getattr(cfg, name)
+    if size < 16 or size & (size - 1):  # Triton's tiles; its dots are at least 16 wide
+      raise ValueError(f"{name}={size}: tiles must be powers of 2, at least 16")
   if hidden_NxD.dtype != w.dtype:
     raise ValueError(f"hidden is {hidden_NxD.dtype} but W is {w.dtype}; cast one first")
   cfg = dataclasses.replace(cfg, logits_dtype=jnp.dtype(cfg.logits_dtype).name,
