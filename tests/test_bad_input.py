@@ -179,3 +179,55 @@ def test_ray_run_refuses_an_existing_run_dir_before_ray_starts(tmp_path, capsys)
   err = capsys.readouterr().err
   assert code == 2 and "already holds checkpoints up to step 2" in err, err
   assert sorted(os.listdir(tmp_path / "corrupt_run" / "checkpoints")) == ["2"]
+
+
+# Problems found only once the roles are built: each must stop the run before the warm-up
+# (2000 steps in the shipped configs), which is made to fail here if it ever starts.
+BEFORE_WARMUP = {
+    "reward model directory missing": (
+        ["--config.reward.kind=model", "--config.reward.model_path={tmp}/nonexistent"],
+        "config.reward.model_path: no config.json in checkpoint directory"),
+    "critic model directory missing": (
+        ["--config.algorithm.name=ppo", "--config.algorithm.adv_estimator=gae",
+         "--config.critic.model_path={tmp}/nonexistent"],
+        "config.critic.model_path: no config.json"),
+    "a needed role without a pool": (
+        ["--config={tmp}/actor_only.py", "--config.reward.kind=model",
+         "--config.reward.model_path={tmp}/nonexistent"],
+        "config.placement.roles: no pool for reward for reward.kind='model'"),
+    "negative validation temperature": (["--config.rollout.val_temperature=-1.0"],
+                                        "config.rollout.val_temperature: must be >= 0"),
+    "warm-up batch of zero rows": (["--config.trainer.sft_warmup.batch_size=0"],
+                                   "config.trainer.sft_warmup.batch_size: must be an integer >= 1"),
+    "wandb without a project": (["--config.trainer.log=('jsonl','wandb')"],
+                                "config.trainer.wandb_project: trainer.log has 'wandb'"),
+    "gamma above 1": (["--config.algorithm.gamma=1.5"], "config.algorithm.gamma: must be in [0, 1]"),
+    "ray pool that processes cannot split": (
+        ["--config.cluster.backend=ray", "--config.cluster.devices_per_process=3"],
+        "config.cluster.devices_per_process: 3 does not divide"),
+}
+
+
+@pytest.mark.parametrize("name", list(BEFORE_WARMUP))
+def test_bad_input_stops_the_run_before_the_warmup(name, tmp_path, capsys, monkeypatch):
+  import hflax.launch.trainer as trainer
+  if "ray" in name:
+    pytest.importorskip("ray")
+
+  def warmup(*args, **kwargs):
+    raise AssertionError("the warm-up started")
+  monkeypatch.setattr(trainer, "sft_warmup", warmup)
+  (tmp_path / "actor_only.py").write_text(
+      f"import runpy\nget = runpy.run_path({TINY!r})['get_config']\n\n"
+      "def get_config():\n  c = get()\n  c.placement.kind = 'custom'\n"
+      "  c.placement.pools = {'all': 2}\n"
+      "  c.placement.roles = {r: {'pool': 'all'} for r in ('actor', 'ref')}\n  return c\n")
+  args, message = BEFORE_WARMUP[name]
+  args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+  config = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), TINY)
+  args = [a for a in args if not a.startswith("--config=")]
+  code = cli(["--config", config, f"--config.trainer.run_dir={tmp_path}/run",
+              "--config.trainer.sft_warmup.steps=5", *args])
+  err = capsys.readouterr().err.strip()
+  assert code != 0 and len(err.splitlines()) == 1, err
+  assert err.startswith("error: ") and message in err, err

@@ -6,6 +6,8 @@ the actor and critic see `n` rows per prompt.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -112,6 +114,10 @@ def _check_choices(c, fail):
   unknown = [b for b in names if b not in BACKENDS]
   if unknown:
     fail("trainer.log", f"unknown metrics backends {unknown}; choose from {BACKENDS}")
+  if "wandb" in names and not c.trainer.wandb_project:
+    fail("trainer.wandb_project", "trainer.log has 'wandb', which needs a project name")
+  if (c.trainer.wandb_project or "wandb" in names) and not importlib.util.find_spec("wandb"):
+    fail("trainer.wandb_project", "logging to wandb needs the wandb package (pip install wandb)")
   for field in ("model.dtype", "model.param_dtype", "rollout.dtype"):
     name = _get(c, field)
     if name is not None and name not in FLOAT_DTYPES:
@@ -190,8 +196,23 @@ def validate(c) -> None:
   if not sft.target_loss >= 0:
     fail("trainer.sft_warmup.target_loss", f"must be >= 0 (0 = run all steps), got "
          f"{sft.target_loss!r}")
-  if not 0 <= c.rollout.temperature:
-    fail("rollout.temperature", "must be >= 0")
+  if sft.steps:
+    _check_int(c, "trainer.sft_warmup.batch_size", 1, fail, "(rows per warm-up step)")
+  for field in ("rollout.temperature", "rollout.val_temperature"):
+    if not 0 <= _get(c, field):
+      fail(field, f"must be >= 0 (0: greedy), got {_get(c, field)!r}")
+  _check_int(c, "trainer.val_every", 0, fail, "(0: no validation during training)")
+  _check_int(c, "trainer.critic_warmup", 0, fail, "(steps that train only the critic)")
+  for field in ("algorithm.gamma", "algorithm.lam"):
+    if not 0 <= _get(c, field) <= 1:
+      fail(field, f"must be in [0, 1], got {_get(c, field)!r}")
+  for field in ("actor.clip_ratio", "actor.clip_ratio_low", "actor.clip_ratio_high",
+                "critic.cliprange_value"):
+    value = _get(c, field)
+    if value is not None and not value > 0:
+      fail(field, f"must be > 0, got {value!r}")
+  if c.actor.clip_ratio_c is not None and not c.actor.clip_ratio_c > 1:
+    fail("actor.clip_ratio_c", f"dual-clip's bound must be > 1, got {c.actor.clip_ratio_c!r}")
   if c.reward.kind not in ("rule", "model"):
     fail("reward.kind", f"{c.reward.kind!r} is not 'rule' or 'model'")
   if c.reward.kind == "model" and not c.reward.model_path:

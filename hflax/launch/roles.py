@@ -16,17 +16,47 @@ from hflax.sharding.layouts import data_parallel_size
 from hflax.sharding.placement import build_placement, colocated, standalone
 
 
-def needed_roles(cfg) -> list[str]:
-  roles = ["actor"]
+def role_reasons(cfg) -> dict[str, str]:
+  """The roles this config runs, each with the setting that calls for it."""
+  roles = {"actor": "every algorithm"}
   if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-    roles.append("ref")
+    roles["ref"] = "actor.use_kl_loss or algorithm.use_kl_in_reward"
   if cfg.algorithm.name in NEEDS_CRITIC:
-    roles.append("critic")
+    roles["critic"] = f"algorithm.name={cfg.algorithm.name!r}"
   if cfg.reward.kind == "model":
-    roles.append("reward")
+    roles["reward"] = "reward.kind='model'"
   if cfg.algorithm.name == "safe_rlhf" and cfg.cost.kind == "model":
-    roles.append("cost")
+    roles["cost"] = "cost.kind='model'"
   return roles
+
+
+def needed_roles(cfg) -> list[str]:
+  return list(role_reasons(cfg))
+
+
+def check_roles_placed(cfg, placed, roles=None) -> None:
+  """Every role that will run has a place (`placed`: role names of the placement)."""
+  reasons = role_reasons(cfg)
+  missing = [r for r in (roles or reasons) if r not in placed]
+  if missing:
+    why = "; ".join(f"{r} for {reasons[r]}" for r in missing)
+    raise ValueError(f"config.placement.roles: no pool for {why}; add them to "
+                     "placement.roles, or use placement.kind='colocated' or 'standalone'")
+
+
+def check_model_paths(cfg) -> None:
+  """Every checkpoint directory the config names has a model config (read, not loaded)."""
+  reasons = role_reasons(cfg)
+  fields = [("model.path", cfg.model.path),
+            ("critic.model_path", cfg.critic.model_path if "critic" in reasons else ""),
+            ("reward.model_path", cfg.reward.model_path if "reward" in reasons else ""),
+            ("cost.model_path", cfg.cost.model_path if "cost" in reasons else "")]
+  for field, path in fields:
+    if path:
+      try:
+        hf.read_config(path)
+      except (OSError, ValueError) as e:
+        raise ValueError(f"config.{field}: {e}") from None
 
 
 def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_list=None) -> dict:
@@ -116,9 +146,7 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
   placed = build_placement(spec or placement_spec(cfg, roles, len(devices), policy[0], devices),
                            devices)
   wanted = [r for r in roles if only is None or r in only]
-  missing = [r for r in wanted if r not in placed]
-  if missing:
-    raise ValueError(f"config.placement.roles: {cfg.algorithm.name} needs roles {missing} placed")
+  check_roles_placed(cfg, placed, wanted)
   n, seed = cfg.rollout.n, cfg.trainer.seed
   _check_micro_batches(cfg, placed, wanted, n)
   home = jax.sharding.SingleDeviceSharding(placed[wanted[0] if wanted else "actor"].pool.devices[0])

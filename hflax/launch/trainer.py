@@ -15,14 +15,15 @@ from hflax.checkpoint import Checkpointer
 from hflax.controller.batch import Batch
 from hflax.data import PromptLoader, arithmetic_task, load_prompts
 from hflax.launch.config import tokenizer_spec, validate
-from hflax.launch.roles import build_roles, needed_roles, placement_spec, policy_model
-from hflax.sharding.placement import build_placement
+from hflax.launch.roles import (build_roles, check_model_paths, check_roles_placed, needed_roles,
+                                placement_spec, policy_model)
 from hflax.launch.sft import sft_warmup
 from hflax.metrics import MetricsLogger, plot_metrics, throughput
 from hflax.models import hf
 from hflax.models.tokenizer import load_tokenizer, save_tokenizer
 from hflax.rewards import RuleRewardScorer, accuracy_metrics, load_reward_function
 from hflax.rewards.registry import check_rule_rows
+from hflax.sharding.placement import build_placement
 
 
 def load_datasets(cfg):
@@ -99,11 +100,9 @@ class Trainer:
       raise ValueError(f"config.trainer.devices: {cfg.trainer.devices} asked for, "
                        f"{len(devices)} {devices[0].platform} device(s) here")
     devices = devices[:cfg.trainer.devices] if cfg.trainer.devices else devices
-    # Placement errors surface before any work is done (the Ray backend checks its pools).
-    if cfg.placement.kind != "auto" and cfg.cluster.backend == "local":
-      build_placement(placement_spec(cfg, needed_roles(cfg), len(devices)), devices,
-                      where="config.placement")
-    # An unsupported architecture or vocabulary fails before anything runs.
+    self.check_placement(devices)
+    # An unsupported architecture or vocabulary, a missing checkpoint: before anything runs.
+    check_model_paths(cfg)
     checkpoint = hf.read_config(cfg.model.path) if cfg.model.path else None
     self.tokenizer = load_tokenizer(tokenizer_spec(cfg))
     if checkpoint is not None:
@@ -131,6 +130,14 @@ class Trainer:
     self.devices = len(devices)
     self.state = init_state(cfg.algorithm)
     self.state.lagrange_lambda = cfg.algorithm.lambda_init
+
+  def check_placement(self, devices):
+    """Placement errors surface before any work is done (an auto plan needs the policy's
+    shape, so it is checked when it is made)."""
+    if self.cfg.placement.kind != "auto":
+      placed = build_placement(placement_spec(self.cfg, needed_roles(self.cfg), len(devices)),
+                               devices, where="config.placement")
+      check_roles_placed(self.cfg, placed)
 
   def make_roles(self, policy, devices):
     """The role workers on this process's devices (the Ray backend overrides this)."""

@@ -35,6 +35,16 @@ def loopback_only_reason() -> str | None:
   return None
 
 
+def check_loopback(cluster) -> None:
+  """Refuses to start a local cluster where Ray would reach beyond loopback (unless told)."""
+  reason = None if cluster.address or not cluster.require_loopback else loopback_only_reason()
+  if reason:
+    raise ValueError(
+        f"config.cluster.require_loopback: not starting a local Ray cluster outside a "
+        f"loopback-only network namespace ({reason}); run under shared/bin/netless, "
+        "join a cluster with cluster.address, or set cluster.require_loopback=False")
+
+
 class RaySession:
   """ray.init with hflax's settings; `close()` shuts down what this session started."""
 
@@ -50,12 +60,7 @@ class RaySession:
     if cluster.address:
       ray.init(address=cluster.address, **kw)
     else:
-      reason = loopback_only_reason()
-      if cluster.require_loopback and reason:
-        raise ValueError(
-            f"config.cluster.require_loopback: not starting a local Ray cluster outside a "
-            f"loopback-only network namespace ({reason}); run under shared/bin/netless, "
-            "join a cluster with cluster.address, or set cluster.require_loopback=False")
+      check_loopback(cluster)
       # A short path: Ray's unix sockets live under it (107-character limit).
       self._own_temp = not cluster.temp_dir
       self.temp_dir = cluster.temp_dir or tempfile.mkdtemp(prefix="hflax-ray-", dir="/tmp")

@@ -27,10 +27,10 @@ from hflax.algorithms.drivers import Roles, init_state
 from hflax.controller.ray_backend.config import pool_layouts
 from hflax.controller.ray_backend.group import (HostRole, WorkerDied, WorkerGroup, build_groups,
                                                 start_groups, wait_all)
-from hflax.controller.ray_backend.session import SAFE_ENV, RaySession
+from hflax.controller.ray_backend.session import SAFE_ENV, RaySession, check_loopback
 from hflax.controller.ray_backend.transport import to_host
 from hflax.controller.workers import FunctionRewardWorker
-from hflax.launch.roles import needed_roles, placement_spec
+from hflax.launch.roles import check_roles_placed, needed_roles, placement_spec
 from hflax.launch.trainer import Trainer
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -73,15 +73,23 @@ class RayTrainer(Trainer):
     self._initial_loader = self.loader.state_dict()
 
   # -- roles on worker groups -----------------------------------------------------------------
-  def make_roles(self, policy, devices):
+  def check_placement(self, devices):
+    """The pools' process layouts and where Ray may start: before any work (the warm-up)."""
     del devices  # the driver's own devices hold no role
+    import ray
     cfg = self.cfg
     roles = needed_roles(cfg)
     self._spec = placement_spec(cfg, roles, total_devices(cfg))
-    self._layouts = pool_layouts(cfg, self._spec, roles)  # errors before Ray starts
+    check_roles_placed(cfg, self._spec["roles"])
+    self._layouts = pool_layouts(cfg, self._spec, roles)
+    if not ray.is_initialized():
+      check_loopback(cfg.cluster)
+
+  def make_roles(self, policy, devices):
+    del devices
     model_cfg, graphdef, state = policy
     self._policy = (model_cfg, graphdef, to_host(state))
-    self.session = RaySession(cfg.cluster)
+    self.session = RaySession(self.cfg.cluster)
     return self._start_groups()
 
   def _start_groups(self) -> Roles:
