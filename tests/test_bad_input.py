@@ -72,7 +72,9 @@ CASES = {
     "row without a prompt": (["--config.data.train_files={tmp}/no_prompt.jsonl"],
                              "row 0 (line 1): missing field 'prompt'"),
     "prompt too long": (["--config.data.train_files={tmp}/long.jsonl"],
-                        "row 2: field 'prompt' is 519 tokens, longer than max_prompt_length=48"),
+                        "row 2: field 'prompt' is 519 tokens, longer than max_prompt_length=48 "
+                        "(raise data.max_prompt_length, drop the row, or keep its last tokens: "
+                        "data.truncate_prompts=True"),
     "reward file that raises": (["--config.reward.custom_fn.path={tmp}/raises.py",
                                  "--config.reward.custom_fn.name=score"],
                                 "importing it raised RuntimeError: broken on import"),
@@ -105,6 +107,9 @@ CASES = {
                                            "--config.actor.optim.lrr: no such config field"),
     "bad placement kind": (["--config.placement.kind=scattered"], "config.placement.kind"),
     "negative temperature": (["--config.rollout.temperature=-1.0"], "config.rollout.temperature"),
+    "generation width that does not divide the actor's pool": (
+        ["--config.rollout.generate_tensor=3"],
+        "config.rollout.generate_tensor: 3 does not divide the actor's pool of 2 devices"),
 }
 
 

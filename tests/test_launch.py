@@ -1,5 +1,6 @@
 """The main job: config validation, the CLI, an end-to-end run with every artifact, exact
 resume, and real data / custom reward / HF checkpoint inputs."""
+import copy
 import json
 import os
 import subprocess
@@ -247,3 +248,28 @@ def test_sft_cache_key_follows_the_data_files_contents(tmp_path):
   rows[0]["reward_model"]["ground_truth"] = "3"  # the same path, edited in place
   save_prompts(rows, c.data.train_files)
   assert _cache_dir(c, model_cfg) != before
+
+
+def test_sft_cache_key_ignores_what_the_warmup_does_not_read(tmp_path):
+  from hflax.launch.roles import builtin_config
+  from hflax.launch.sft import _cache_dir
+  c = tiny(tmp_path)
+  model_cfg = builtin_config(c, 261)
+  key = os.path.basename(_cache_dir(c, model_cfg))
+  same = [("data", "train_batch_size", 8), ("data", "val_batch_size", 3),
+          ("data", "val_files", "other.jsonl"), ("trainer", "total_steps", 99)]
+  for section, field, value in same:
+    d = copy.deepcopy(c)
+    d[section][field] = value
+    assert os.path.basename(_cache_dir(d, model_cfg)) == key, field
+  d = copy.deepcopy(c)
+  d.trainer.sft_warmup.cache_dir = str(tmp_path / "elsewhere")
+  assert os.path.basename(_cache_dir(d, model_cfg)) == key
+  different = [("data", "max_response_length", 9), ("data", "seed", 1), ("trainer", "seed", 1)]
+  for section, field, value in different:
+    d = copy.deepcopy(c)
+    d[section][field] = value
+    assert os.path.basename(_cache_dir(d, model_cfg)) != key, field
+  d = copy.deepcopy(c)
+  d.data.builtin.digits = (1, 1)
+  assert os.path.basename(_cache_dir(d, model_cfg)) != key

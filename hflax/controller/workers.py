@@ -222,14 +222,14 @@ class ActorRolloutWorker(RoleWorker):
     return {"old_log_probs": logp, "entropy": entropy}
 
   def _offload_optimizer(self) -> dict:
-    """The optimizer state to host memory, each leaf keeping its sharding."""
-    if self._opt_on_device is not None:
-      return {}
-    self._opt_on_device = jax.tree.map(lambda x: x.sharding, self.opt_state)
-    # Not waited for: the copy overlaps generation, and the device memory is freed when
-    # it completes.
-    self.opt_state = jax.device_put(self.opt_state, jax.tree.map(
-        lambda s: s.with_memory_kind("pinned_host"), self._opt_on_device))
+    """The optimizer state to host memory, each leaf keeping its sharding; its size is
+    reported on every generation it is off the device (validation may have moved it)."""
+    if self._opt_on_device is None:
+      self._opt_on_device = jax.tree.map(lambda x: x.sharding, self.opt_state)
+      # Not waited for: the copy overlaps generation, and the device memory is freed when
+      # it completes.
+      self.opt_state = jax.device_put(self.opt_state, jax.tree.map(
+          lambda s: s.with_memory_kind("pinned_host"), self._opt_on_device))
     return {"offload/optimizer_bytes": float(sum(x.nbytes for x in jax.tree.leaves(self.opt_state)))}
 
   def _reload_optimizer(self):

@@ -57,7 +57,8 @@ class PromptLoader:
       if not self.truncate:
         raise ValueError(f"{self.dataset.source}: row {index}: field 'prompt' is {len(ids)} "
                          f"tokens, longer than max_prompt_length={self.max_prompt_length} "
-                         "(raise the limit, drop the row, or pass truncate=True)")
+                         "(raise data.max_prompt_length, drop the row, or keep its last tokens: "
+                         "data.truncate_prompts=True, PromptLoader(truncate=True))")
       ids = ids[-self.max_prompt_length:]
     return ids
 

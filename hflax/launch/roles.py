@@ -61,20 +61,26 @@ def check_model_paths(cfg) -> None:
 
 def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_list=None) -> dict:
   kind, tensor = cfg.placement.kind, cfg.rollout.generate_tensor
-  if kind == "colocated":
-    return colocated(roles, devices, tensor)
-  if kind == "standalone":
-    if devices % len(roles):
-      raise ValueError(f"config.placement: 'standalone' needs the {devices} devices to divide "
-                       f"among the {len(roles)} roles {roles}")
-    return standalone(roles, devices // len(roles), tensor)
   if kind == "auto":  # the auto-mapper's best plan on a profile measured here (cached)
     from hflax.launch.plan import ranked_plans
     return ranked_plans(cfg, policy_cfg, device_list, top=1)[0].to_config()
-  spec = {"pools": cfg.placement.pools.to_dict(), "roles": cfg.placement.roles.to_dict()}
-  for name, role in spec["roles"].items():  # the actor generates with rollout.generate_tensor
-    if name == "actor":
-      role.setdefault("generate_tensor", tensor)
+  if kind == "colocated":
+    spec = colocated(roles, devices, tensor)
+  elif kind == "standalone":
+    if devices % len(roles):
+      raise ValueError(f"config.placement: 'standalone' needs the {devices} devices to divide "
+                       f"among the {len(roles)} roles {roles}")
+    spec = standalone(roles, devices // len(roles), tensor)
+  else:
+    spec = {"pools": cfg.placement.pools.to_dict(), "roles": cfg.placement.roles.to_dict()}
+    actor = spec["roles"].get("actor")
+    if actor is None or "generate_tensor" in actor:
+      return spec
+    actor["generate_tensor"] = tensor  # the actor generates with rollout.generate_tensor
+  pool = spec["pools"].get(spec["roles"].get("actor", {}).get("pool"))
+  if pool and int(pool) % tensor:  # named here: the placement's own check names its copy
+    raise ValueError(f"config.rollout.generate_tensor: {tensor} does not divide the actor's "
+                     f"pool of {pool} devices")
   return spec
 
 

@@ -43,12 +43,19 @@ def _file_digest(path: str) -> str | None:
 
 
 def _cache_dir(cfg, model_cfg) -> str:
-  key = {"model": model_cfg.to_hf(), "data": cfg.data.to_dict(),
-         "sft": cfg.trainer.sft_warmup.to_dict(), "tokenizer": tokenizer_spec(cfg),
-         "seed": cfg.trainer.seed, "path": cfg.model.path}
-  digest = _file_digest(cfg.data.train_files)
+  """Keyed by what the warm-up reads, and only that: batch sizes, validation data or the
+  cache's own location do not change its result, so they do not repeat it."""
+  d = cfg.data
+  sft = {k: v for k, v in cfg.trainer.sft_warmup.to_dict().items() if k != "cache_dir"}
+  key = {"model": model_cfg.to_hf(), "sft": sft, "tokenizer": tokenizer_spec(cfg),
+         "seed": cfg.trainer.seed, "path": cfg.model.path, "train_files": d.train_files,
+         "lengths": (d.max_prompt_length, d.max_response_length),
+         "chat_template_kwargs": d.chat_template_kwargs.to_dict()}
+  digest = _file_digest(d.train_files)
   if digest:
     key["train_files_sha256"] = digest
+  else:  # the built-in task's rows follow from its settings and the data seed
+    key["builtin"], key["data_seed"] = d.builtin.to_dict(), d.seed
   key = json.dumps(key, sort_keys=True, default=str)
   root = cfg.trainer.sft_warmup.cache_dir or os.path.join(
       os.path.expanduser("~"), ".cache", "hflax", "sft")
