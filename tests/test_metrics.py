@@ -308,6 +308,10 @@ def test_cli_replots_from_jsonl(tmp_path, capsys):
   assert M.main(["plot", str(run_dir), "--out", str(tmp_path / "cli.png")]) == 0
   assert capsys.readouterr().out.strip() == str(tmp_path / "cli.png")
   _assert_png(tmp_path / "cli.png")
+  with pytest.raises(SystemExit) as stop:  # keys that match nothing: one line, status 2
+    M.main(["plot", str(run_dir), "--keys", "nosuch"])
+  err = capsys.readouterr().err
+  assert stop.value.code == 2 and "no data for any of ['nosuch']" in err and "Traceback" not in err
   # The real entry point, default output next to the JSONL.
   env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
   subprocess.run([sys.executable, "-m", "hflax.metrics", "plot", str(run_dir)],

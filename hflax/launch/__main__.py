@@ -58,8 +58,8 @@ def print_help(argv: list[str]) -> None:
     for key, value in node.items():
       if hasattr(value, "items") and len(value):
         walk(value, f"{prefix}{key}.")
-      else:
-        print(f"  --config.{prefix}{key}={value!r}")
+      else:  # an empty ConfigDict's repr ends in a newline
+        print(f"  --config.{prefix}{key}=" + ("{}" if hasattr(value, "items") else repr(value)))
   walk(module.get_config(), "")
 
 

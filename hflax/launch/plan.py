@@ -50,10 +50,14 @@ def ranked_plans(cfg, policy_cfg, devices, profile_name: str = "calibrate", top:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  from hflax.sharding.automap.profile import PRESETS
+  parser = argparse.ArgumentParser(
+      prog="python -m hflax.launch.plan", description=__doc__.split("\n\n")[1],
+      epilog="Any --config.<field>=<value> override of the main job applies here too.")
   parser.add_argument("--config", default="ppo.py")
   parser.add_argument("--profile", default="calibrate",
-                      help="'calibrate' (measure these devices, cached) or a preset name")
+                      help="'calibrate' (measure these devices, cached) or a preset: "
+                      + ", ".join(sorted(PRESETS)))
   parser.add_argument("--devices", type=int, default=0, help="plan for this many devices "
                       "(default: the devices here; with a preset, any number)")
   parser.add_argument("--top", type=int, default=10)
@@ -106,8 +110,13 @@ def show_plans(args, overrides) -> int:
     print(f"error: no placement of these models fits on {count} devices ({args.profile})",
           file=sys.stderr)
     return 1
-  print("\nbest placement (use --config.placement.kind=auto to run it):")
-  print(plans[0].to_config())
+  spec = plans[0].to_config()
+  where = ("or --config.placement.kind=auto, which plans again on these devices"
+           if args.profile == "calibrate" else f"on {count} {args.profile} devices")
+  print(f"\nbest placement, as lines of a config file ({where}):")
+  print('  c.placement.kind = "custom"')
+  for field in ("pools", "roles"):
+    print(f"  c.placement.{field} = {spec[field]!r}")
   return 0
 
 

@@ -113,5 +113,8 @@ def main(argv=None) -> int:
     jsonl, run_dir = args.run_dir, os.path.dirname(os.path.abspath(args.run_dir))
   if not os.path.exists(jsonl):
     parser.error(f"no metrics file at {jsonl}")
-  print(plot_metrics(jsonl, args.out or os.path.join(run_dir, "metrics.png"), args.keys))
+  try:
+    print(plot_metrics(jsonl, args.out or os.path.join(run_dir, "metrics.png"), args.keys))
+  except ValueError as e:  # e.g. --keys that match no metric: say so, not a traceback
+    parser.error(str(e))
   return 0

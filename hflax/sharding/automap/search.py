@@ -184,7 +184,7 @@ class Planner:
         if not plans:
           need = sum(fits[0][0] for fits in per_group)
           failed.append(Plan(placement, (), {}, 1, {}, reason=(
-              f"OOM: its pools need at least {need} devices together, {num_devices} exist")))
+              f"too few devices: its pools need at least {need} together, {num_devices} exist")))
         ranked += plans
     ranked.sort(key=lambda p: p.step_time)
     return ranked[:top_k] + (failed if include_infeasible else [])
