@@ -133,7 +133,8 @@ def test_end_to_end_run_artifacts_and_exact_resume(tmp_path):
   result = straight.fit()
   run_dir = tmp_path / "a" / "run"
   rows = _read_jsonl(run_dir / "metrics.jsonl")
-  assert sorted(rows) == [1, 2, 3, 4]
+  assert sorted(rows) == [0, 1, 2, 3, 4]  # step 0: validation before training
+  assert rows[0] == {"step": 0, **result["before"]}
   for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy",
               "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean",
               "timing_s/gen", "timing_s/step", "perf/throughput", "reshard/bytes_moved",

@@ -251,15 +251,17 @@ def test_tensorboard_reads_our_events_and_purges_on_resume(tmp_path):
   events.Reload()
   assert [(e.step, e.value) for e in events.Scalars("critic/score/mean")] == [
       (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]  # the crashed run's 4 and 5 are hidden
-  # A run that crashed before its first checkpoint starts again from step 1: its events
-  # replace the earlier ones instead of doubling step 1.
+  # A run that crashed before its first checkpoint starts again from step 0 (validation
+  # before training): its events replace the earlier ones instead of doubling them.
   rerun = tmp_path / "rerun"
   for value in (1.0, 10.0):
     with M.MetricsLogger(rerun, 5, backends=("tensorboard",)) as logger:
+      logger.log(0, {"val-core/acc": value})
       logger.log(1, {"critic/score/mean": value})
   events = accumulator.EventAccumulator(str(rerun / "tensorboard"))
   events.Reload()
   assert [(e.step, e.value) for e in events.Scalars("critic/score/mean")] == [(1, 10.0)]
+  assert [(e.step, e.value) for e in events.Scalars("val-core/acc")] == [(0, 10.0)]
 
 
 def test_missing_packages_give_clear_errors(tmp_path, monkeypatch):

@@ -232,6 +232,7 @@ class Trainer:
     if cfg.trainer.val_before_train and start == 0:
       first_val = self.validate()
       self.log("held-out accuracy before RL: " + _fmt(first_val))
+      logger.log(0, first_val)  # step 0, as verl logs it: the curves start from the baseline
     driver, prompts = DRIVERS[cfg.algorithm.name], self.prompt_batches()
     profile = set(cfg.trainer.profile_steps)
     for step in range(start + 1, total + 1):

@@ -68,13 +68,14 @@ class TensorboardBackend:
   """Scalars to run_dir/tensorboard (see hflax.metrics.tb_events for why not tensorboardX)."""
 
   def __init__(self, run_dir: str, start_step: int = 0):
-    # Resuming from a checkpoint at start_step (or rerunning a run that crashed before its
-    # first one): hide the earlier run's steps from start_step + 1 on.
+    # Resuming from a checkpoint at start_step: hide the earlier run's steps from
+    # start_step + 1 on. Rerunning a run that crashed before its first checkpoint: hide
+    # all of them, step 0 (validation before training) included.
     logdir = os.path.join(run_dir, "tensorboard")
     earlier = os.path.isdir(logdir) and any(n.startswith("events.out.tfevents.")
                                             for n in os.listdir(logdir))
-    self._writer = EventFileWriter(logdir, purge_step=start_step + 1
-                                   if start_step > 0 or earlier else None)
+    purge = start_step + 1 if start_step > 0 else (0 if earlier else None)
+    self._writer = EventFileWriter(logdir, purge_step=purge)
 
   def write(self, step: int, values: dict[str, float]):
     self._writer.write(step, values)
