@@ -11,7 +11,11 @@ The best of ten noisy measurements is biased low (its own noise helped it win), 
 another plan measured best, the two are run again, alternating, for --confirm more steps,
 and the choice is judged on that head-to-head.
 
-  python bench/automap.py [--steps 9] [--random 5] [--seed 0] [--confirm 15]
+The profile is the one calibrate() cached under ~/.cache/hflax/ for this host, these
+devices and this JAX version (measured on the first run); the script prints its path and
+age, and --recalibrate measures it afresh (and replaces the cache).
+
+  python bench/automap.py [--steps 9] [--random 5] [--seed 0] [--confirm 15] [--recalibrate]
 """
 import argparse
 import os
@@ -33,6 +37,8 @@ from hflax.launch.plan import ranked_plans  # noqa: E402
 from hflax.launch.roles import build_roles, policy_model  # noqa: E402
 from hflax.models.tokenizer import ByteTokenizer  # noqa: E402
 from hflax.rollout import left_pad  # noqa: E402
+from hflax.sharding.automap import calibrate  # noqa: E402
+from hflax.sharding.automap.calibration import default_cache_path  # noqa: E402
 
 
 def config():
@@ -65,10 +71,21 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--confirm", type=int, default=15,
                       help="head-to-head steps of the choice and the best measured plan")
+  parser.add_argument("--recalibrate", action="store_true",
+                      help="measure the device profile afresh instead of reading its cache")
   args = parser.parse_args()
   tokenizer, devices = ByteTokenizer(), jax.devices()[:8]
   cfg = config()
   policy = policy_model(cfg, tokenizer.vocab_size, tokenizer)
+  # ranked_plans has no refresh argument: calibrating here first leaves in the cache the
+  # profile it then reads (calibrate also measures when the cached one lacks fields).
+  path = default_cache_path(devices)
+  before = os.path.getmtime(path) if os.path.exists(path) else None
+  calibrate(devices, refresh=args.recalibrate)
+  written = os.path.getmtime(path)
+  age = ("measured now" if written != before
+         else f"cached {(time.time() - written) / 3600:.1f} h ago")
+  print(f"device profile: {path} ({age}; --recalibrate measures it again)")
   start = time.perf_counter()
   plans = ranked_plans(cfg, policy[0], devices, top=1000)
   search_s = time.perf_counter() - start

@@ -16,12 +16,21 @@ Exit status is 0 whether or not the printed targets are met.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import sys
-import tempfile
-import time
+
+# transformers runs on torch's CPU backend: JAX on an accelerator would compare different
+# hardware, so hflax is held to the CPU too.
+os.environ["JAX_PLATFORMS"] = "cpu"
+# torch's OpenMP threads spin-wait by default: whenever another process used a core, that
+# made transformers' calls here 2-4x slower and erratic, which would flatter hflax. On an
+# idle machine spinning was about 2x faster, so set OMP_WAIT_POLICY=ACTIVE there.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -80,8 +89,9 @@ def generation_flops(cfg: ModelConfig, batch: int, prompt_width: int, new_tokens
 # ----------------------------------------------------------------------------- matmul peak
 
 def settle(seconds: float = 0.2):
-  """Waits before a timed call: after a transformers call, torch's OpenMP workers keep
-  spinning for a while, and a 2048^3 matmul started at once ran 10-35% slower here."""
+  """Waits before a timed call: with OMP_WAIT_POLICY other than PASSIVE, torch's OpenMP
+  workers keep spinning for a while after a transformers call, and a 2048^3 matmul started
+  at once ran 10-35% slower here."""
   time.sleep(seconds)
 
 
@@ -144,8 +154,10 @@ def main(argv=None) -> int:
                       help="skip timing hflax's prefill on its own")
   parser.add_argument("--cpu-devices", type=int, default=os.cpu_count(),
                       help="also time hflax data-parallel over this many CPU devices, one per "
-                      "core (default: os.cpu_count(); 1 turns it off)")
+                      "core (default and most: os.cpu_count(); 1 turns it off)")
   args = parser.parse_args(argv)
+  # More devices than cores would time devices waiting for a core, not data parallelism.
+  args.cpu_devices = min(args.cpu_devices, os.cpu_count())
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     jax.config.update("jax_num_cpu_devices", max(1, args.cpu_devices))
   repeats = args.repeats or (1 if args.quick else 5)
@@ -164,7 +176,8 @@ def main(argv=None) -> int:
     print("WARNING: XLA_FLAGS simulates several host devices; timings will not be representative")
   print(f"jax {jax.__version__} devices: {jax.devices()}")
   print(f"torch {torch.__version__} threads: {torch.get_num_threads()}  "
-        f"transformers {transformers.__version__}  os.cpu_count(): {os.cpu_count()}")
+        f"transformers {transformers.__version__}  os.cpu_count(): {os.cpu_count()}  "
+        f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
   try:
     print(f"load average at start: {os.getloadavg()}")
   except OSError:

@@ -19,6 +19,7 @@ script: its timings mean nothing).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -104,9 +105,11 @@ def timed(fn, args, reps):
 
 def bench(args):
   dev = jax.devices()[0]
+  per = math.ceil(args.reps / args.rounds)  # timed runs per path and round
   print(f"device: {dev.device_kind} ({jax.device_count()} visible), jax {jax.__version__}")
   print(f"N={args.tokens} tokens as [{args.batch}, {args.tokens // args.batch}], D={args.d}, "
-        f"{args.dtype}, temperature {args.temperature}; median of {args.reps}, alternating\n")
+        f"{args.dtype}, temperature {args.temperature}; median of {args.rounds * per} "
+        f"({args.rounds} alternating rounds of {per})\n")
   print("| V | head | pass | kernel tiles | fallback ms | kernel ms | speed-up "
         "| fallback temp MiB | kernel temp MiB | max diff |")
   print("|---|---|---|---|---|---|---|---|---|---|")
@@ -127,7 +130,7 @@ def bench(args):
         times = {name: [] for name in pair}
         for _ in range(args.rounds):  # alternate, so drift hits both paths alike
           for name, fn in pair.items():
-            times[name] += timed(fn, (state, hidden), args.reps // args.rounds or 1)
+            times[name] += timed(fn, (state, hidden), per)
         ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
         print(f"| {vocab} | {'tied' if tied else 'untied'} | {kind} | {tiles} "
               f"| {ms['fallback']:.2f} "

@@ -41,6 +41,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # same cores) that makes its 2-thread matmuls 10-40x slower, which would flatter hflax.
 # Passive waiting gives TRL its best times there (set OMP_WAIT_POLICY to override).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# TRL runs on torch's CPU backend (use_cpu=True): JAX on an accelerator would compare
+# different hardware, so hflax is held to the CPU too.
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
