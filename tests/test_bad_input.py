@@ -57,10 +57,6 @@ CASES = {
                                    "config.actor.ppo_mini_batch_size: 3 does not divide"),
     "micro-batch does not divide": (["--config.actor.ppo_micro_batch_size=3"],
                                     "config.actor.ppo_micro_batch_size: 3 rows do not divide"),
-    "micro-batch smaller than the data width": (
-        ["--config.trainer.devices=4", "--config.actor.ppo_micro_batch_size=2"],
-        "config.actor.ppo_micro_batch_size: 2 rows per micro-batch are fewer than the actor's "
-        "data-parallel size 4"),
     "mesh larger than the devices": (["--config.placement.kind=standalone", "--config.trainer.devices=3"],
                                      "'standalone' needs the 3 devices to divide"),
     "unknown algorithm": (["--config.algorithm.name=a3c"], "config.algorithm.name: 'a3c'"),
@@ -207,6 +203,12 @@ BEFORE_WARMUP = {
     "wandb without a project": (["--config.trainer.log=('jsonl','wandb')"],
                                 "config.trainer.wandb_project: trainer.log has 'wandb'"),
     "gamma above 1": (["--config.algorithm.gamma=1.5"], "config.algorithm.gamma: must be in [0, 1]"),
+    "micro-batch smaller than the data width": (
+        ["--config.trainer.devices=4", "--config.actor.ppo_micro_batch_size=2"],
+        "config.actor.ppo_micro_batch_size: 2 rows per micro-batch are fewer than the actor's "
+        "data-parallel size 4"),
+    "generation width of zero": (["--config.rollout.generate_tensor=0"],
+                                 "config.rollout.generate_tensor: must be an integer >= 1"),
     "ray pool that processes cannot split": (
         ["--config.cluster.backend=ray", "--config.cluster.devices_per_process=3"],
         "config.cluster.devices_per_process: 3 does not divide"),

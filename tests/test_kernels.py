@@ -139,12 +139,12 @@ class _FakeGpu:
 @pytest.mark.parametrize("flag,capability,count,mode,warns", [
     ("auto", "9.0", 1, "gpu", None), ("auto", "9.0", 8, None, "8 devices"),
     ("1", "9.0", 8, "gpu", None), ("auto", "7.0", 1, None, "compute capability 7.0"),
-    ("auto", None, 1, None, "not a CUDA device")])
+    ("auto", None, 1, None, "not a CUDA device"), ("auto", "gfx90a", 1, None, "not a CUDA")])
 def test_mode_on_gpus(monkeypatch, flag, capability, count, mode, warns):
   """Where "auto" runs the kernel, and that it says why when it does not."""
   monkeypatch.setenv(kernels.ENV, flag)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(jax, "devices", lambda: [_FakeGpu(capability)] * count)
+  monkeypatch.setattr(jax, "local_devices", lambda: [_FakeGpu(capability)] * count)
   monkeypatch.setattr(jax, "device_count", lambda: count)
   kernels._decline.cache_clear()
   if warns:

@@ -1,6 +1,7 @@
 """The main job: config validation, the CLI, an end-to-end run with every artifact, exact
 resume, and real data / custom reward / HF checkpoint inputs."""
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -274,3 +275,25 @@ def test_sft_cache_key_ignores_what_the_warmup_does_not_read(tmp_path):
   d = copy.deepcopy(c)
   d.data.builtin.digits = (1, 1)
   assert os.path.basename(_cache_dir(d, model_cfg)) != key
+  bf16 = dataclasses.replace(model_cfg, dtype="bfloat16")  # same weights' shape, other numbers
+  assert os.path.basename(_cache_dir(c, bf16)) != key
+
+
+def test_val_every_none_still_means_no_validation(tmp_path):
+  c = tiny(tmp_path)
+  c.trainer.val_every = None
+  validate(c)
+
+
+def test_value_model_paths_on_ray_are_the_workers_to_read(tmp_path):
+  """A reward model directory may exist only on the worker hosts: the Ray driver checks the
+  policy's checkpoint alone; locally every directory is checked up front."""
+  from hflax.launch.roles import check_model_paths
+  c = tiny(tmp_path)
+  c.reward.kind, c.reward.model_path = "model", str(tmp_path / "on_the_gpu_hosts")
+  with pytest.raises(ValueError, match="config.reward.model_path: no config.json"):
+    check_model_paths(c)
+  check_model_paths(c, driver_only=True)
+  c.model.path = str(tmp_path / "missing_policy")
+  with pytest.raises(ValueError, match="config.model.path: no config.json"):
+    check_model_paths(c, driver_only=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import warnings
 
 import jax
@@ -40,10 +41,10 @@ def _gpu_problem() -> str | None:
   """Why the kernel cannot compile for this process's first GPU, or None."""
   if not _triton_importable():
     return "jax.experimental.pallas.triton does not import"
-  device = jax.devices()[0]
-  capability = getattr(device, "compute_capability", None)
-  if capability is None:  # ROCm devices have none; Pallas' Triton lowering targets CUDA
-    return f"{device.device_kind} is not a CUDA device"
+  device = jax.local_devices()[0]
+  capability = str(getattr(device, "compute_capability", ""))
+  if not re.fullmatch(r"\d+\.\d+", capability):  # ROCm's is an arch name ("gfx90a")
+    return f"{device.device_kind} is not a CUDA device (compute capability {capability!r})"
   if float(capability) < MIN_COMPUTE_CAPABILITY:
     return (f"{device.device_kind} has compute capability {capability}, the kernel needs "
             f"{MIN_COMPUTE_CAPABILITY}")

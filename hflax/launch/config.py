@@ -201,7 +201,9 @@ def validate(c) -> None:
   for field in ("rollout.temperature", "rollout.val_temperature"):
     if not 0 <= _get(c, field):
       fail(field, f"must be >= 0 (0: greedy), got {_get(c, field)!r}")
-  _check_int(c, "trainer.val_every", 0, fail, "(0: no validation during training)")
+  if c.trainer.val_every is not None:  # None, like 0: no validation during training
+    _check_int(c, "trainer.val_every", 0, fail, "(0: no validation during training)")
+  _check_int(c, "rollout.generate_tensor", 1, fail, "(the actor's tensor width in generation)")
   _check_int(c, "trainer.critic_warmup", 0, fail, "(steps that train only the critic)")
   for field in ("algorithm.gamma", "algorithm.lam"):
     if not 0 <= _get(c, field) <= 1:

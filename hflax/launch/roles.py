@@ -37,16 +37,17 @@ def needed_roles(cfg) -> list[str]:
 def check_roles_placed(cfg, placed, roles=None) -> None:
   """Every role that will run has a place (`placed`: role names of the placement)."""
   reasons = role_reasons(cfg)
-  missing = [r for r in (roles or reasons) if r not in placed]
+  missing = [r for r in (reasons if roles is None else roles) if r not in placed]
   if missing:
     why = "; ".join(f"{r} for {reasons[r]}" for r in missing)
     raise ValueError(f"config.placement.roles: no pool for {why}; add them to "
                      "placement.roles, or use placement.kind='colocated' or 'standalone'")
 
 
-def check_model_paths(cfg) -> None:
-  """Every checkpoint directory the config names has a model config (read, not loaded)."""
-  reasons = role_reasons(cfg)
+def check_model_paths(cfg, driver_only: bool = False) -> None:
+  """Every checkpoint directory the config names has a model config (read, not loaded).
+  driver_only: the policy's alone, as Ray workers read the value models' on their hosts."""
+  reasons = {} if driver_only else role_reasons(cfg)
   fields = [("model.path", cfg.model.path),
             ("critic.model_path", cfg.critic.model_path if "critic" in reasons else ""),
             ("reward.model_path", cfg.reward.model_path if "reward" in reasons else ""),
@@ -124,7 +125,7 @@ def _update(section, n: int) -> UpdateConfig:
                       epochs=section.ppo_epochs, shuffle=section.shuffle)
 
 
-def _check_micro_batches(cfg, placed, wanted, n: int):
+def check_micro_batches(cfg, placed, wanted, n: int):
   """Before any parameters move: a micro-batch needs a row on every data-parallel device
   (batches the data width does not divide are padded, but a micro-batch of fewer rows
   than devices would be mostly padding)."""
@@ -154,7 +155,7 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
   wanted = [r for r in roles if only is None or r in only]
   check_roles_placed(cfg, placed, wanted)
   n, seed = cfg.rollout.n, cfg.trainer.seed
-  _check_micro_batches(cfg, placed, wanted, n)
+  check_micro_batches(cfg, placed, wanted, n)
   home = jax.sharding.SingleDeviceSharding(placed[wanted[0] if wanted else "actor"].pool.devices[0])
   _, graphdef, state = policy
   sampling = SamplingParams(

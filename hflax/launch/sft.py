@@ -47,7 +47,8 @@ def _cache_dir(cfg, model_cfg) -> str:
   cache's own location do not change its result, so they do not repeat it."""
   d = cfg.data
   sft = {k: v for k, v in cfg.trainer.sft_warmup.to_dict().items() if k != "cache_dir"}
-  key = {"model": model_cfg.to_hf(), "sft": sft, "tokenizer": tokenizer_spec(cfg),
+  key = {"model": model_cfg.to_hf(), "dtypes": (str(model_cfg.dtype), str(model_cfg.param_dtype)),
+         "sft": sft, "tokenizer": tokenizer_spec(cfg),
          "seed": cfg.trainer.seed, "path": cfg.model.path, "train_files": d.train_files,
          "lengths": (d.max_prompt_length, d.max_response_length),
          "chat_template_kwargs": d.chat_template_kwargs.to_dict()}
@@ -87,7 +88,8 @@ def sft_warmup(cfg, policy, tokenizer, rows, log=print):
   cache = _cache_dir(cfg, model_cfg)
   if os.path.isfile(os.path.join(cache, "config.json")):
     log(f"sft warm-up: reusing {cache}")
-    return hf.load_checkpoint(cache, param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype)
+    return hf.load_checkpoint(cache, param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype,
+                              remat=model_cfg.remat)
   tokens, mask, loss_mask = _examples(rows, tokenizer, cfg.data.max_prompt_length,
                                       cfg.data.max_response_length,
                                       cfg.data.chat_template_kwargs.to_dict())

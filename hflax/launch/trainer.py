@@ -15,8 +15,8 @@ from hflax.checkpoint import Checkpointer
 from hflax.controller.batch import Batch
 from hflax.data import PromptLoader, arithmetic_task, load_prompts
 from hflax.launch.config import tokenizer_spec, validate
-from hflax.launch.roles import (build_roles, check_model_paths, check_roles_placed, needed_roles,
-                                placement_spec, policy_model)
+from hflax.launch.roles import (build_roles, check_micro_batches, check_model_paths,
+                                check_roles_placed, needed_roles, placement_spec, policy_model)
 from hflax.launch.sft import sft_warmup
 from hflax.metrics import MetricsLogger, plot_metrics, throughput
 from hflax.models import hf
@@ -102,7 +102,7 @@ class Trainer:
     devices = devices[:cfg.trainer.devices] if cfg.trainer.devices else devices
     self.check_placement(devices)
     # An unsupported architecture or vocabulary, a missing checkpoint: before anything runs.
-    check_model_paths(cfg)
+    check_model_paths(cfg, driver_only=cfg.cluster.backend == "ray")
     checkpoint = hf.read_config(cfg.model.path) if cfg.model.path else None
     self.tokenizer = load_tokenizer(tokenizer_spec(cfg))
     if checkpoint is not None:
@@ -135,9 +135,11 @@ class Trainer:
     """Placement errors surface before any work is done (an auto plan needs the policy's
     shape, so it is checked when it is made)."""
     if self.cfg.placement.kind != "auto":
-      placed = build_placement(placement_spec(self.cfg, needed_roles(self.cfg), len(devices)),
-                               devices, where="config.placement")
+      roles = needed_roles(self.cfg)
+      placed = build_placement(placement_spec(self.cfg, roles, len(devices)), devices,
+                               where="config.placement")
       check_roles_placed(self.cfg, placed)
+      check_micro_batches(self.cfg, placed, roles, self.cfg.rollout.n)
 
   def make_roles(self, policy, devices):
     """The role workers on this process's devices (the Ray backend overrides this)."""

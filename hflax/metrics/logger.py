@@ -6,7 +6,8 @@
   tensorboard  event files in run_dir/tensorboard (hflax.metrics.tb_events; no TensorFlow)
   wandb        optional; on when `wandb=` names a project; offline unless told otherwise
 
-Steps are 1-based as in verl; `start_step` is the last step completed before a resume.
+Steps are 1-based as in verl (step 0: validation before training); `start_step` is the last
+step completed before a resume.
 """
 from __future__ import annotations
 
