@@ -288,12 +288,12 @@ def test_val_every_none_still_means_no_validation(tmp_path):
 def test_value_model_paths_on_ray_are_the_workers_to_read(tmp_path):
   """A reward model directory may exist only on the worker hosts: the Ray driver checks the
   policy's checkpoint alone; locally every directory is checked up front."""
-  from hflax.launch.roles import check_model_paths
+  from hflax.launch.roles import read_model_configs
   c = tiny(tmp_path)
   c.reward.kind, c.reward.model_path = "model", str(tmp_path / "on_the_gpu_hosts")
   with pytest.raises(ValueError, match="config.reward.model_path: no config.json"):
-    check_model_paths(c)
-  check_model_paths(c, driver_only=True)
+    read_model_configs(c)
+  read_model_configs(c, driver_only=True)
   c.model.path = str(tmp_path / "missing_policy")
   with pytest.raises(ValueError, match="config.model.path: no config.json"):
-    check_model_paths(c, driver_only=True)
+    read_model_configs(c, driver_only=True)

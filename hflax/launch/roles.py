@@ -44,20 +44,23 @@ def check_roles_placed(cfg, placed, roles=None) -> None:
                      "placement.roles, or use placement.kind='colocated' or 'standalone'")
 
 
-def check_model_paths(cfg, driver_only: bool = False) -> None:
-  """Every checkpoint directory the config names has a model config (read, not loaded).
+def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
+  """Reads the model config of every checkpoint directory the config names (no weights),
+  each error naming its field; returns the policy's (None: the built-in model).
   driver_only: the policy's alone, as Ray workers read the value models' on their hosts."""
   reasons = {} if driver_only else role_reasons(cfg)
   fields = [("model.path", cfg.model.path),
             ("critic.model_path", cfg.critic.model_path if "critic" in reasons else ""),
             ("reward.model_path", cfg.reward.model_path if "reward" in reasons else ""),
             ("cost.model_path", cfg.cost.model_path if "cost" in reasons else "")]
+  read = {}
   for field, path in fields:
     if path:
       try:
-        hf.read_config(path)
+        read[field] = hf.read_config(path)
       except (OSError, ValueError) as e:
         raise ValueError(f"config.{field}: {e}") from None
+  return read.get("model.path")
 
 
 def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_list=None) -> dict:

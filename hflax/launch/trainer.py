@@ -15,8 +15,8 @@ from hflax.checkpoint import Checkpointer
 from hflax.controller.batch import Batch
 from hflax.data import PromptLoader, arithmetic_task, load_prompts
 from hflax.launch.config import tokenizer_spec, validate
-from hflax.launch.roles import (build_roles, check_micro_batches, check_model_paths,
-                                check_roles_placed, needed_roles, placement_spec, policy_model)
+from hflax.launch.roles import (build_roles, check_micro_batches, check_roles_placed,
+                                needed_roles, placement_spec, policy_model, read_model_configs)
 from hflax.launch.sft import sft_warmup
 from hflax.metrics import MetricsLogger, plot_metrics, throughput
 from hflax.models import hf
@@ -102,8 +102,7 @@ class Trainer:
     devices = devices[:cfg.trainer.devices] if cfg.trainer.devices else devices
     self.check_placement(devices)
     # An unsupported architecture or vocabulary, a missing checkpoint: before anything runs.
-    check_model_paths(cfg, driver_only=cfg.cluster.backend == "ray")
-    checkpoint = hf.read_config(cfg.model.path) if cfg.model.path else None
+    checkpoint = read_model_configs(cfg, driver_only=cfg.cluster.backend == "ray")
     self.tokenizer = load_tokenizer(tokenizer_spec(cfg))
     if checkpoint is not None:
       _check_vocab(cfg, checkpoint, self.tokenizer)

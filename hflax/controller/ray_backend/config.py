@@ -14,13 +14,12 @@ STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 def validate_cluster(c, fail) -> None:
   """Checks c.cluster; `fail(field, why)` raises naming config.<field>."""
+  from hflax.launch.config import _check_int  # late: launch.config imports this module
   k = c.cluster
   if k.backend not in BACKENDS:
     fail("cluster.backend", f"{k.backend!r} is not one of {BACKENDS}")
   for field in ("processes_per_pool", "devices_per_process", "max_restarts"):
-    value = k[field]
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-      fail(f"cluster.{field}", f"must be an integer >= 0, got {value!r}")
+    _check_int(c, f"cluster.{field}", 0, fail)
   if k.platform not in PLATFORMS:
     fail("cluster.platform", f"{k.platform!r} is not one of {PLATFORMS}")
   for field in ("cpus_per_process", "gpus_per_process"):
@@ -81,7 +80,6 @@ def pool_layouts(cfg, spec: dict, roles: list[str]) -> list[PoolLayout]:
       raise ValueError(f"config.cluster: processes_per_pool={procs} x devices_per_process={per} "
                        f"is {procs * per}, but pool {name!r} has {size} devices")
     out.append(PoolLayout(name, size, procs, per, hosted))
-  missing = [r for r in roles if not any(r in p.roles for p in out)]
-  if missing:
-    raise ValueError(f"config.placement.roles: roles {missing} are not placed on any pool")
+  from hflax.launch.roles import check_roles_placed  # late: launch imports this module
+  check_roles_placed(cfg, {r for p in out for r in p.roles}, roles)
   return out

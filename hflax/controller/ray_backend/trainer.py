@@ -30,7 +30,7 @@ from hflax.controller.ray_backend.group import (HostRole, WorkerDied, WorkerGrou
 from hflax.controller.ray_backend.session import SAFE_ENV, RaySession, check_loopback
 from hflax.controller.ray_backend.transport import to_host
 from hflax.controller.workers import FunctionRewardWorker
-from hflax.launch.roles import check_roles_placed, needed_roles, placement_spec
+from hflax.launch.roles import needed_roles, placement_spec
 from hflax.launch.trainer import Trainer
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -80,7 +80,6 @@ class RayTrainer(Trainer):
     cfg = self.cfg
     roles = needed_roles(cfg)
     self._spec = placement_spec(cfg, roles, total_devices(cfg))
-    check_roles_placed(cfg, self._spec["roles"])
     self._layouts = pool_layouts(cfg, self._spec, roles)
     if not ray.is_initialized():
       check_loopback(cfg.cluster)
