@@ -13,6 +13,7 @@ import pytest
 
 from hflax.launch.config import base_config, validate
 from hflax.launch.trainer import Trainer
+from hflax.rewards import validation_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,6 +51,9 @@ def tiny(tmp_path, name="grpo", **trainer):
     ("actor.optim.schedule", "cosinee", "config.actor.optim.schedule: 'cosinee' is not"),
     ("rollout.top_p", 2.0, "config.rollout.top_p: must be in (0, 1]"),
     ("rollout.top_k", -1, "config.rollout.top_k: must be an integer >= 0"),
+    ("rollout.val_top_p", 0.0, "config.rollout.val_top_p: must be in (0, 1]"),
+    ("rollout.val_n", 0, "config.rollout.val_n: must be an integer >= 1"),
+    ("rollout.val_n", 4, "config.rollout.val_n: 4 samples per prompt with rollout.val_temperature=0"),
     ("trainer.save_every", 0, "config.trainer.save_every: must be an integer >= 1"),
     ("trainer.keep", 0, "config.trainer.keep: must be an integer >= 1"),
     ("data.val_batch_size", 0, "config.data.val_batch_size: must be an integer >= 1"),
@@ -120,6 +124,35 @@ def test_cli_help_and_errors_before_any_device_work():
   assert "sft warm-up" not in bad.stdout  # rejected before anything ran
 
 
+def test_validation_with_several_samples_per_prompt(tmp_path):
+  reward = tmp_path / "first_byte.py"
+  reward.write_text("def score(text, truth, info):\n"
+                    "  return {'score': ord(text[0]) % 7 / 6 if text else 0.0,"
+                    " 'pred': text[:1] or None}\n")
+  c = tiny(tmp_path, total_steps=1)
+  c.trainer.sft_warmup.steps = 0
+  c.reward.custom_fn.update(path=str(reward), name="score")
+  c.rollout.update(val_n=4, val_temperature=1.0)
+  c.data.builtin.num_val = 12  # two batches of 8 prompts, the second short
+  trainer = Trainer(c, log=lambda *_: None)
+  seen = []
+  score = trainer.reward_fn
+  trainer.reward_fn = lambda batch, details: seen.append(score(batch, details)) or seen[-1]
+  m = trainer.validate()
+  texts = [t for out in seen for t in out["response_text"]]
+  assert len(texts) == 48 and all(len(set(texts[i:i + 4])) > 1 for i in range(0, 48, 4))
+  scores = np.concatenate([out["scores"] for out in seen])
+  assert m == validation_metrics(scores, ["arithmetic"] * 48, 4, [t[:1] or None for t in texts])
+  core, aux = "val-core/arithmetic/acc", "val-aux/arithmetic/acc"
+  assert m[f"{core}/best@4/mean"] > m[f"{aux}/best@2/mean"] > m[f"{core}/mean@4"] > \
+      m[f"{aux}/worst@2/mean"] > m[f"{aux}/worst@4/mean"]
+  assert f"{core}/maj@4/mean" in m and m[f"{aux}/std@4"] > 0
+  trainer.reward_fn = score
+  assert trainer.validate() == m  # the same sampling keys every time
+  c.rollout.update(val_n=1, val_temperature=0.0)
+  assert list(Trainer(c, log=lambda *_: None).validate()) == [f"{core}/mean@1"]
+
+
 def _read_jsonl(path):
   with open(path) as f:
     return {row["step"]: row for row in map(json.loads, f)}
@@ -141,8 +174,8 @@ def test_end_to_end_run_artifacts_and_exact_resume(tmp_path):
               "timing_s/gen", "timing_s/step", "perf/throughput", "reshard/bytes_moved",
               "prompt_length/clip_ratio"):
     assert key in rows[1], key
-  assert "val-core/arithmetic/acc/mean" in rows[2]
-  assert 0 <= result["before"]["val-core/arithmetic/acc/mean"] <= 1
+  assert "val-core/arithmetic/acc/mean@1" in rows[2]
+  assert 0 <= result["before"]["val-core/arithmetic/acc/mean@1"] <= 1
   assert os.listdir(run_dir / "tensorboard")
   assert (run_dir / "metrics.png").read_bytes()[:4] == b"\x89PNG"
   import transformers

@@ -1,9 +1,9 @@
-"""RuleRewardScorer token placement, custom reward files, validation metric names."""
+"""RuleRewardScorer token placement, answers for votes, custom reward files."""
 import numpy as np
 import pytest
 
 from hflax.models.tokenizer import load_tokenizer
-from hflax.rewards import RuleRewardScorer, accuracy_metrics, load_reward_function
+from hflax.rewards import RuleRewardScorer, load_reward_function
 
 TOKENIZER = load_tokenizer("byte")
 EOS = TOKENIZER.eos_ids[0]
@@ -59,11 +59,15 @@ def test_strings_mixed_sources_and_extra_info():
     RuleRewardScorer()(["1", "2"], ["1"], data_source=["arithmetic"] * 2)
 
 
-def test_accuracy_metrics_named_like_verl():
-  metrics = accuracy_metrics([1, 0, 1, 1], ["arithmetic", "arithmetic", "openai/gsm8k", "gsm8k"])
-  assert metrics == {"val-core/arithmetic/acc/mean": 0.5, "val-core/gsm8k/acc/mean": 1.0,
-                     "val-core/openai/gsm8k/acc/mean": 1.0}
-  assert list(accuracy_metrics([1.0], ["a"], samples_per_prompt=4)) == ["val-core/a/acc/mean@4"]
+def test_predictions_for_majority_votes():
+  out = RuleRewardScorer()(["68 and more", "x", "#### 1,000", "no marker 5"],
+                           ["68", "1", "1000", "5"],
+                           data_source=["arithmetic", "arithmetic", "gsm8k", "openai/gsm8k"])
+  assert out["pred"] == [68, None, "1000", None]
+  custom = lambda text, truth, info: {"score": 1.0, "pred": text.upper()}  # noqa: E731
+  assert RuleRewardScorer(reward_fn=custom)(["a", "b"], ["", ""])["pred"] == ["A", "B"]
+  plain = lambda text, truth, info: 1.0  # noqa: E731 - a float says nothing of the answer
+  assert RuleRewardScorer(reward_fn=plain)(["7"], ["7"], ["arithmetic"])["pred"] == [None]
 
 
 def test_load_reward_function_from_file(tmp_path):

@@ -56,8 +56,11 @@ def base_config() -> ml_collections.ConfigDict:
       # Optimizer state in host memory from generation until the next update (verl's
       # optimizer_offload, for the KV cache's sake on accelerators).
       optimizer_offload=False)
+  # val_*: how held-out prompts are sampled (verl's rollout.val_kwargs); val_n > 1 adds
+  # best@k, worst@k and maj@N to the validation metrics.
   c.rollout = dict(n=1, temperature=1.0, top_k=0, top_p=1.0, generate_tensor=1,
-                   dtype=config_dict.placeholder(str), val_temperature=0.0)
+                   dtype=config_dict.placeholder(str), val_n=1, val_temperature=0.0,
+                   val_top_k=0, val_top_p=1.0)
   c.critic = dict(optim=_optim(1e-4), ppo_mini_batch_size=8, ppo_micro_batch_size=0,
                   ppo_epochs=1, shuffle=False, cliprange_value=0.5,
                   loss_agg_mode="token-mean", model_path="")
@@ -122,9 +125,15 @@ def _check_choices(c, fail):
     name = _get(c, field)
     if name is not None and name not in FLOAT_DTYPES:
       fail(field, f"{name!r} is not one of {FLOAT_DTYPES}")
-  if not 0 < c.rollout.top_p <= 1:
-    fail("rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p!r}")
-  _check_int(c, "rollout.top_k", 0, fail, "(0: no top-k filter)")
+  for prefix in ("", "val_"):
+    top_p = c.rollout[f"{prefix}top_p"]
+    if not 0 < top_p <= 1:
+      fail(f"rollout.{prefix}top_p", f"must be in (0, 1], got {top_p!r}")
+    _check_int(c, f"rollout.{prefix}top_k", 0, fail, "(0: no top-k filter)")
+  _check_int(c, "rollout.val_n", 1, fail, "(samples per held-out prompt)")
+  if c.rollout.val_n > 1 and c.rollout.val_temperature == 0:
+    fail("rollout.val_n", f"{c.rollout.val_n} samples per prompt with rollout.val_temperature=0 "
+         "(greedy) are copies of one response; set val_temperature > 0 (e.g. 1.0)")
   for role in ("actor", "critic"):
     o = c[role].optim
     if o.schedule == "cosine" and o.total_steps <= o.warmup_steps:

@@ -21,7 +21,7 @@ from hflax.launch.sft import sft_warmup
 from hflax.metrics import MetricsLogger, plot_metrics, throughput
 from hflax.models import hf
 from hflax.models.tokenizer import load_tokenizer, save_tokenizer
-from hflax.rewards import RuleRewardScorer, accuracy_metrics, load_reward_function
+from hflax.rewards import RuleRewardScorer, load_reward_function, validation_metrics
 from hflax.rewards.registry import check_rule_rows
 from hflax.sharding.placement import build_placement
 
@@ -45,7 +45,8 @@ def load_datasets(cfg):
 
 
 def make_reward_fn(section, tokenizer, field: str = "reward"):
-  """score_fn(host batch) -> [B] scores from a rule (per data source) or a user function."""
+  """score_fn(host batch) -> [B] scores from a rule (per data source) or a user function
+  (details=True: the scorer's whole output, answers included)."""
   custom = None
   if section.custom_fn.path:
     where = f"config.{field}.custom_fn ({section.custom_fn.path})"
@@ -57,10 +58,11 @@ def make_reward_fn(section, tokenizer, field: str = "reward"):
       raise ValueError(f"{where}: importing it raised {type(e).__name__}: {e}") from None
   scorer = RuleRewardScorer(tokenizer, custom)
 
-  def score(batch: Batch):
+  def score(batch: Batch, details: bool = False):
     try:
-      return scorer(batch["responses"], list(batch["ground_truth"]), list(batch["data_source"]),
-                    list(batch["extra_info"]), response_mask=batch["response_mask"])["scores"]
+      out = scorer(batch["responses"], list(batch["ground_truth"]), list(batch["data_source"]),
+                   list(batch["extra_info"]), response_mask=batch["response_mask"])
+      return out if details else out["scores"]
     except ValueError:
       raise
     except Exception as e:  # noqa: BLE001 - name the user's function, not our call stack
@@ -207,16 +209,22 @@ class Trainer:
 
   # -- validation ---------------------------------------------------------------------------
   def validate(self) -> dict:
-    """Greedy (rollout.val_temperature) accuracy on the held-out prompts, per data source."""
-    actor = self.roles.actor
-    sampling = dataclasses.replace(actor.sampling, n=1, temperature=self.cfg.rollout.val_temperature)
-    scores, sources = [], []
-    for raw in _full_pass(self.val_loader, len(self.val_rows)):
+    """Scores of rollout.val_n samples per held-out prompt, per data source (greedy with
+    the default val_temperature=0). The same keys every time, so that validations at
+    different steps sample alike."""
+    actor, r = self.roles.actor, self.cfg.rollout
+    sampling = dataclasses.replace(actor.sampling, n=r.val_n, temperature=r.val_temperature,
+                                   top_k=r.val_top_k, top_p=r.val_top_p)
+    scores, sources, preds = [], [], []
+    key = jax.random.key(self.cfg.trainer.seed)
+    for i, raw in enumerate(_full_pass(self.val_loader, len(self.val_rows))):
       batch = actor.generate_sequences(Batch.from_dict(raw), sampling=sampling,
-                                       rng=jax.random.key(self.cfg.trainer.seed))
-      scores.append(self.reward_fn(batch.to_host()))
+                                       rng=jax.random.fold_in(key, i))
+      scored = self.reward_fn(batch.to_host(), details=True)
+      scores.append(scored["scores"])
+      preds += scored["pred"]
       sources += list(batch["data_source"])
-    return accuracy_metrics(np.concatenate(scores), sources)
+    return validation_metrics(np.concatenate(scores), sources, r.val_n, preds)
 
   # -- the loop -----------------------------------------------------------------------------
   def prompt_batches(self):
@@ -291,7 +299,9 @@ def _full_pass(loader: PromptLoader, rows: int):
 
 
 def _fmt(metrics: dict) -> str:
-  return ", ".join(f"{k} = {v:.3f}" for k, v in sorted(metrics.items()))
+  """The val-core metrics (val-aux ones are in the logs)."""
+  return ", ".join(f"{k} = {v:.3f}" for k, v in sorted(metrics.items())
+                   if k.startswith("val-core/"))
 
 
 def run(cfg, log=print) -> dict:

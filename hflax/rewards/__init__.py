@@ -3,8 +3,9 @@ from hflax.rewards.registry import (default_reward_fn, load_reward_function, reg
                                     reward_data_sources)
 from hflax.rewards.rules import (arithmetic_exact_match, extract_gsm8k_answer, gsm8k,
                                  leading_integer)
-from hflax.rewards.scorer import RuleRewardScorer, accuracy_metrics, last_token_scores
+from hflax.rewards.scorer import RuleRewardScorer, last_token_scores
+from hflax.rewards.validation import validation_metrics
 
 __all__ = ["arithmetic_exact_match", "gsm8k", "extract_gsm8k_answer", "leading_integer",
            "default_reward_fn", "register_reward_fn", "reward_data_sources",
-           "load_reward_function", "RuleRewardScorer", "accuracy_metrics", "last_token_scores"]
+           "load_reward_function", "RuleRewardScorer", "validation_metrics", "last_token_scores"]

@@ -10,7 +10,8 @@ import os
 import sys
 from typing import Callable
 
-from hflax.rewards.rules import arithmetic_exact_match, arithmetic_ground_truth, gsm8k
+from hflax.rewards.rules import (arithmetic_exact_match, arithmetic_ground_truth,
+                                 extract_gsm8k_answer, gsm8k, leading_integer)
 
 RewardFn = Callable[[str, object, "dict | None"], float]
 
@@ -23,6 +24,16 @@ _BY_DATA_SOURCE: dict[str, RewardFn] = {
 
 # Rules whose ground truth has a required form, checked when the data loads.
 _GROUND_TRUTH_CHECKS: dict[RewardFn, Callable] = {arithmetic_exact_match: arithmetic_ground_truth}
+
+
+# What each rule reads as a response's answer: majority votes in validation count these.
+_PREDICTIONS: dict[RewardFn, Callable[[str], object]] = {
+    arithmetic_exact_match: leading_integer, gsm8k: extract_gsm8k_answer}
+
+
+def prediction_fn(data_source: str | None) -> Callable[[str], object] | None:
+  """The answer extractor of the data source's rule reward, if it has one."""
+  return _PREDICTIONS.get(_BY_DATA_SOURCE.get(data_source))
 
 
 def check_rule_rows(dataset, where: str) -> None:

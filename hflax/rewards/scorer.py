@@ -1,13 +1,12 @@
-"""Scoring a batch of responses with rule rewards, and validation accuracy per data source."""
+"""Scoring a batch of responses with rule rewards."""
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, Sequence
 
 import numpy as np
 
 from hflax.models.tokenizer import Tokenizer
-from hflax.rewards.registry import RewardFn, default_reward_fn
+from hflax.rewards.registry import RewardFn, default_reward_fn, prediction_fn
 
 
 def _as_float(result: Any, data_source: str) -> float:
@@ -35,8 +34,9 @@ class RuleRewardScorer:
 
   Call with token ids [B, T] plus response_mask [B, T] (decoded here, special tokens
   skipped), or with a list of strings (response_mask then only shapes the token-level
-  output). Returns a dict: scores [B] float32, response_text list, and token_level_scores
-  [B, T] float32 (the score on the last valid response token) whenever a mask is known.
+  output). Returns a dict: scores [B] float32, response_text list, pred list (each
+  response's answer, or None: see _pred), and token_level_scores [B, T] float32 (the score
+  on the last valid response token) whenever a mask is known.
   """
 
   def __init__(self, tokenizer: Tokenizer | None = None, reward_fn: RewardFn | None = None):
@@ -59,6 +59,14 @@ class RuleRewardScorer:
       raise ValueError("without a custom reward_fn every sample needs a data_source")
     return default_reward_fn(data_source)
 
+  def _pred(self, result, text: str, data_source: str | None):
+    """The answer a response gives, for majority votes: a custom reward's "pred", or what
+    the data source's rule reads; None when neither says."""
+    if isinstance(result, dict):
+      return result.get("pred")
+    extract = None if self.reward_fn is not None else prediction_fn(data_source)
+    return None if extract is None else extract(text)
+
   def __call__(self, responses, ground_truth: Sequence, data_source: Sequence[str] | None = None,
                extra_info: Sequence[dict | None] | None = None,
                response_mask=None) -> dict[str, Any]:
@@ -75,31 +83,15 @@ class RuleRewardScorer:
                          ("extra_info", extra_info)):
       if len(values) != size:
         raise ValueError(f"{len(values)} {name} entries for {size} responses")
-    scores = np.array([_as_float(self._fn(source)(text, truth, info), source)
-                       for text, truth, source, info
-                       in zip(texts, ground_truth, data_source, extra_info)], np.float32)
-    out = {"scores": scores, "response_text": texts}
+    results = [self._fn(source)(text, truth, info) for text, truth, source, info
+               in zip(texts, ground_truth, data_source, extra_info)]
+    scores = np.array([_as_float(r, s) for r, s in zip(results, data_source)], np.float32)
+    out = {"scores": scores, "response_text": texts,
+           "pred": [self._pred(r, text, source)
+                    for r, text, source in zip(results, texts, data_source)]}
     if response_mask is not None:
       if np.shape(response_mask)[0] != size:
         raise ValueError(f"response_mask has {np.shape(response_mask)[0]} rows for {size} "
                          "responses")
       out["token_level_scores"] = last_token_scores(scores, response_mask)
     return out
-
-
-def accuracy_metrics(scores, data_sources: Sequence[str],
-                     samples_per_prompt: int | None = None) -> dict[str, float]:
-  """Mean score per data source, named as in verl: val-core/{data_source}/acc/mean[@N].
-
-  With 0/1 rule rewards the mean score is the accuracy. Pass samples_per_prompt to get
-  verl's "mean@N" suffix for N samples per prompt.
-  """
-  scores = np.asarray(scores, np.float64).reshape(-1)
-  if len(scores) != len(data_sources):
-    raise ValueError(f"{len(scores)} scores for {len(data_sources)} data sources")
-  grouped = defaultdict(list)
-  for score, source in zip(scores, data_sources):
-    grouped[source].append(score)
-  suffix = "mean" if samples_per_prompt is None else f"mean@{samples_per_prompt}"
-  return {f"val-core/{source}/acc/{suffix}": float(np.mean(values))
-          for source, values in sorted(grouped.items())}

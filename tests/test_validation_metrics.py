@@ -1,0 +1,67 @@
+"""Validation metrics over N samples per prompt, against enumeration of every k-subset."""
+import itertools
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from hflax.rewards import validation_metrics
+from hflax.rewards.validation import best_of_k, majority_score, subset_sizes
+
+
+def enumerated(scores, k, reduce):
+  values = [reduce(c) for c in itertools.combinations(scores, k)]
+  return np.mean(values), np.std(values)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 8])
+def test_best_and_worst_of_k_equal_the_mean_over_every_subset(n):
+  rng = np.random.default_rng(n)
+  scores = rng.normal(size=(4, n)).round(1)  # rounded: ties must count right too
+  for k in range(1, n + 1):
+    best, best_std = best_of_k(scores, k)
+    for p in range(4):
+      np.testing.assert_allclose((best[p], best_std[p]), enumerated(scores[p], k, max),
+                                 atol=1e-12)
+
+
+def test_pass_at_k_for_zero_one_scores():
+  # 3 correct of 8: pass@2 = 1 - C(5,2)/C(8,2) = 1 - 10/28 (Chen et al.'s estimator).
+  best, _ = best_of_k(np.array([[1, 0, 0, 1, 0, 0, 1, 0]], float), 2)
+  np.testing.assert_allclose(best, [1 - 10 / 28])
+
+
+def test_majority_votes():
+  assert majority_score([0, 1, 1, 0], ["7", "8", "8", "7"]) == 0.0  # a tie: the first answer
+  assert majority_score([0, 1, 1, 0], [None, "8", "8", "7"]) == 1.0
+  assert majority_score([0.5, 0.2], [None, None]) == 0.5  # no answers: the first sample
+  assert subset_sizes(1) == [1] and subset_sizes(8) == [2, 4, 8] and subset_sizes(6) == [2, 4, 6]
+
+
+def test_metrics_per_data_source_named_like_verl():
+  # Two prompts of source a (N=4 samples each), one of source b.
+  scores = [1, 0, 0, 0,   1, 1, 1, 0,   0, 0, 0, 0]
+  preds = ["5", "6", "6", None,   "9", "9", "9", "2",   None, None, None, None]
+  sources = ["a"] * 8 + ["b"] * 4
+  m = validation_metrics(scores, sources, 4, preds)
+  assert m["val-core/a/acc/mean@4"] == 0.5
+  assert m["val-core/a/acc/best@4/mean"] == 1.0 and m["val-core/b/acc/best@4/mean"] == 0.0
+  assert m["val-aux/a/acc/worst@4/mean"] == 0.0
+  # best@2: prompt 1 has 1 right of 4 -> 1 - C(3,2)/C(4,2) = 0.5; prompt 2 (3 of 4) -> 1.
+  assert m["val-aux/a/acc/best@2/mean"] == pytest.approx(0.75)
+  assert m["val-aux/a/acc/std@4"] == pytest.approx(np.mean([np.std([1, 0, 0, 0])] * 2))
+  assert m["val-core/a/acc/maj@4/mean"] == 0.5  # prompt 1 votes "6" (wrong), prompt 2 "9"
+  assert "val-core/b/acc/maj@4/mean" not in m  # nobody in b said what they answered
+  sections = Counter(k.split("/")[0] for k in m)
+  assert set(sections) == {"val-core", "val-aux"}
+  assert validation_metrics([1, 0], ["a", "b"]) == {"val-core/a/acc/mean@1": 1.0,
+                                                    "val-core/b/acc/mean@1": 0.0}
+
+
+def test_bad_groupings_are_refused():
+  with pytest.raises(ValueError, match="groups of samples_per_prompt=2"):
+    validation_metrics([1, 0, 1], ["a"] * 3, 2)
+  with pytest.raises(ValueError, match=r"rows 0\.\.1 are one prompt's samples"):
+    validation_metrics([1, 0], ["a", "b"], 2)
+  with pytest.raises(ValueError, match="2 scores for 1 data sources"):
+    validation_metrics([1, 0], ["a"])
