@@ -100,6 +100,26 @@ def test_overlong_prompt_errors_or_keeps_last_tokens():
   assert batch["prompt_mask"][0].sum() < 48
 
 
+def test_overlong_prompts_left_out(train):
+  rows = [{"prompt": "x" * n, "reward_model": {"ground_truth": str(i)}}
+          for i, n in enumerate((5, 80, 10, 90, 7))]
+  dataset = PromptDataset(rows, source="mem.jsonl")
+  loader = make_loader(dataset, batch_size=3, max_prompt_length=48, filter_overlong=True)
+  assert loader.kept.tolist() == [0, 2, 4] and loader.dropped == 2 and len(loader) == 1
+  for _ in range(3):  # every epoch draws from the kept rows only
+    assert sorted(loader.next_batch()["row_index"].tolist()) == [0, 2, 4]
+  with pytest.raises(ValueError, match=r"rows \[1\] were left out"):
+    loader.collate([0, 1])
+  with pytest.raises(ValueError, match=r"3 rows \(2 longer than max_prompt_length=48 left "
+                     r"out\) cannot fill one batch of 4"):
+    make_loader(dataset, batch_size=4, max_prompt_length=48, filter_overlong=True)
+  with pytest.raises(ValueError, match="choose one"):
+    make_loader(dataset, max_prompt_length=48, filter_overlong=True, truncate=True)
+  # With nothing left out, the order (and so a resume) is the unfiltered loader's.
+  plain, filtered = make_loader(train), make_loader(train, filter_overlong=True)
+  same_batches([plain.next_batch() for _ in range(8)], [filtered.next_batch() for _ in range(8)])
+
+
 def test_too_few_rows_for_a_batch(train):
   with pytest.raises(ValueError, match="cannot fill one batch"):
     make_loader(train, batch_size=24)

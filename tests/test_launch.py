@@ -232,6 +232,38 @@ def test_jsonl_data_custom_reward_and_hf_checkpoint(tmp_path):
   assert "critic/vf_loss" in row
 
 
+def test_overlong_prompts_left_out_of_training_and_validation(tmp_path):
+  from hflax.data import save_prompts
+  rows = [{"data_source": "arithmetic", "prompt": [{"role": "user", "content": q}],
+           "reward_model": {"ground_truth": "2"}, "extra_info": {}}
+          for q in ["1+1?"] * 5 + ["what is " * 20 + "1+1?"] * 2]
+  save_prompts(rows, tmp_path / "data.jsonl")
+  c = tiny(tmp_path, total_steps=1)
+  c.trainer.sft_warmup.steps = 0
+  c.data.train_files = c.data.val_files = str(tmp_path / "data.jsonl")
+  c.data.val_batch_size = 2
+  with pytest.raises(ValueError, match="row 5: field 'prompt' is .* data.filter_overlong_prompts"):
+    Trainer(c, log=lambda *_: None)
+  c.data.truncate_prompts = c.data.filter_overlong_prompts = True
+  with pytest.raises(ValueError, match="config.data.filter_overlong_prompts: .* choose one"):
+    validate(c)
+  c.data.truncate_prompts = False
+  lines = []
+  trainer = Trainer(c, log=lines.append)
+  assert lines[:2] == [f"data.{which}: left out 2 of 7 rows longer than max_prompt_length=48 "
+                       "(data.filter_overlong_prompts)" for which in ("train_files", "val_files")]
+  seen = []
+  score = trainer.reward_fn
+  trainer.reward_fn = lambda batch, details: seen.append(batch["raw_prompt"]) or score(batch, details)
+  trainer.validate()
+  assert [len(b) for b in seen] == [2, 2, 1]  # val_batch_size rows at a time, the short kept
+  assert all(p[0]["content"] == "1+1?" for b in seen for p in b)
+  trainer.reward_fn = score
+  trainer.fit()
+  batches = [trainer.loader.next_batch()["row_index"] for _ in range(5)]
+  assert set(np.concatenate(batches).tolist()) == {0, 1, 2, 3, 4}
+
+
 def test_placement_auto_runs_the_best_plan(tmp_path, monkeypatch):
   from hflax.launch.plan import ranked_plans
   from hflax.sharding.automap import calibration

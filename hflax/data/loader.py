@@ -27,8 +27,10 @@ class PromptLoader:
 
   A prompt longer than max_prompt_length raises ValueError naming its row, unless
   truncate=True, which keeps its last max_prompt_length tokens (the end of the
-  conversation and the generation prompt matter most). All rows are tokenized up front,
-  so such errors surface before training starts.
+  conversation and the generation prompt matter most), or filter_overlong=True, which
+  leaves the row out (verl's data.filter_overlong_prompts; `kept` lists the dataset rows
+  that remain, `dropped` counts the others). All rows are tokenized up front, so such
+  errors surface before training starts.
 
   Iterating (`for batch in loader`) yields the rest of the current epoch; next_batch()
   keeps going across epochs. chat_template_kwargs go to the chat template (verl's
@@ -37,39 +39,52 @@ class PromptLoader:
 
   def __init__(self, dataset: PromptDataset, tokenizer: Tokenizer, batch_size: int,
                max_prompt_length: int, seed: int = 0, shuffle: bool = True,
-               truncate: bool = False, chat_template_kwargs: dict | None = None):
+               truncate: bool = False, chat_template_kwargs: dict | None = None,
+               filter_overlong: bool = False):
     if batch_size < 1 or max_prompt_length < 1:
       raise ValueError(f"batch_size and max_prompt_length must be >= 1, got {batch_size}, "
                        f"{max_prompt_length}")
-    if len(dataset) < batch_size:
-      raise ValueError(f"{dataset.source}: {len(dataset)} rows cannot fill one batch of "
-                       f"{batch_size} (batches are always full)")
+    if truncate and filter_overlong:
+      raise ValueError("truncate and filter_overlong both say what to do with a long prompt: "
+                       "choose one")
     self.dataset, self.tokenizer = dataset, tokenizer
     self.batch_size, self.max_prompt_length = batch_size, max_prompt_length
-    self.seed, self.shuffle, self.truncate = seed, shuffle, truncate
+    self.seed, self.shuffle = seed, shuffle
+    self.truncate, self.filter_overlong = truncate, filter_overlong
     self.chat_template_kwargs = dict(chat_template_kwargs or {})
     self.epoch, self.position = 0, 0
     self._tokens = [self._tokenize(i, row) for i, row in enumerate(dataset)]
+    self.kept = np.array([i for i, ids in enumerate(self._tokens) if ids is not None], np.int64)
+    self.dropped = len(dataset) - len(self.kept)
+    if len(self.kept) < batch_size:
+      left = (f" ({self.dropped} longer than max_prompt_length={max_prompt_length} left out)"
+              if self.dropped else "")
+      raise ValueError(f"{dataset.source}: {len(self.kept)} rows{left} cannot fill one batch "
+                       f"of {batch_size} (batches are always full)")
 
-  def _tokenize(self, index: int, row: dict) -> list[int]:
+  def _tokenize(self, index: int, row: dict) -> list[int] | None:
     ids = self.tokenizer.encode_chat(row["prompt"], **self.chat_template_kwargs)
     if len(ids) > self.max_prompt_length:
+      if self.filter_overlong:
+        return None
       if not self.truncate:
         raise ValueError(f"{self.dataset.source}: row {index}: field 'prompt' is {len(ids)} "
                          f"tokens, longer than max_prompt_length={self.max_prompt_length} "
-                         "(raise data.max_prompt_length, drop the row, or keep its last tokens: "
-                         "data.truncate_prompts=True, PromptLoader(truncate=True))")
+                         "(raise data.max_prompt_length, leave such rows out: "
+                         "data.filter_overlong_prompts=True, or keep their last tokens: "
+                         "data.truncate_prompts=True)")
       ids = ids[-self.max_prompt_length:]
     return ids
 
   def __len__(self) -> int:
     """Batches per epoch."""
-    return len(self.dataset) // self.batch_size
+    return len(self.kept) // self.batch_size
 
   def _order(self, epoch: int) -> np.ndarray:
+    """The epoch's dataset rows, in order."""
     if not self.shuffle:
-      return np.arange(len(self.dataset))
-    return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+      return self.kept
+    return self.kept[np.random.default_rng([self.seed, epoch]).permutation(len(self.kept))]
 
   def _roll_over(self) -> None:
     if self.position >= len(self):
@@ -91,6 +106,10 @@ class PromptLoader:
   def collate(self, row_indices) -> dict[str, Any]:
     """The batch of the given dataset rows (used by iteration; handy for validation)."""
     row_indices = [int(i) for i in row_indices]
+    dropped = [i for i in row_indices if self._tokens[i] is None]
+    if dropped:
+      raise ValueError(f"{self.dataset.source}: rows {dropped} were left out as longer than "
+                       f"max_prompt_length={self.max_prompt_length}")
     prompts, prompt_mask = left_pad([self._tokens[i] for i in row_indices],
                                     self.tokenizer.pad_id, self.max_prompt_length)
     rows = [self.dataset[i] for i in row_indices]
@@ -105,10 +124,10 @@ class PromptLoader:
     # Size and batch size travel along so a resume against different data fails loudly
     # instead of silently skipping or repeating rows.
     return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-            "num_rows": len(self.dataset), "batch_size": self.batch_size}
+            "num_rows": len(self.kept), "batch_size": self.batch_size}
 
   def load_state_dict(self, state: dict[str, int]) -> None:
-    for key, ours in (("num_rows", len(self.dataset)), ("batch_size", self.batch_size)):
+    for key, ours in (("num_rows", len(self.kept)), ("batch_size", self.batch_size)):
       if key in state and int(state[key]) != ours:
         raise ValueError(f"loader state was saved with {key}={state[key]}, this loader has "
                          f"{ours}: resuming would not continue with the next batch")

@@ -35,7 +35,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = dict(
       train_files="builtin:arithmetic", val_files="builtin:arithmetic",
       train_batch_size=16, val_batch_size=64, max_prompt_length=48, max_response_length=8,
-      truncate_prompts=False, shuffle=True, seed=0,
+      truncate_prompts=False, filter_overlong_prompts=False, shuffle=True, seed=0,
       # Switches of the tokenizer's chat template (verl's apply_chat_template_kwargs), set
       # in a config file: c.data.chat_template_kwargs = {"enable_thinking": False}.
       chat_template_kwargs={},
@@ -224,6 +224,10 @@ def validate(c) -> None:
       fail(field, f"must be > 0, got {value!r}")
   if c.actor.clip_ratio_c is not None and not c.actor.clip_ratio_c > 1:
     fail("actor.clip_ratio_c", f"dual-clip's bound must be > 1, got {c.actor.clip_ratio_c!r}")
+  if c.data.truncate_prompts and c.data.filter_overlong_prompts:
+    fail("data.filter_overlong_prompts", "and data.truncate_prompts both say what to do with a "
+         "prompt longer than data.max_prompt_length (leave it out, or keep its last tokens): "
+         "choose one")
   if c.reward.kind not in ("rule", "model"):
     fail("reward.kind", f"{c.reward.kind!r} is not 'rule' or 'model'")
   if c.reward.kind == "model" and not c.reward.model_path:

@@ -111,21 +111,26 @@ class Trainer:
     train, val = load_datasets(cfg)
     _check_rule_rows(cfg, train, val)
     template = cfg.data.chat_template_kwargs.to_dict()
+    long_prompts = dict(truncate=cfg.data.truncate_prompts,
+                        filter_overlong=cfg.data.filter_overlong_prompts)
     self.loader = PromptLoader(train, self.tokenizer, cfg.data.train_batch_size,
                                cfg.data.max_prompt_length, seed=cfg.data.seed,
-                               shuffle=cfg.data.shuffle, truncate=cfg.data.truncate_prompts,
-                               chat_template_kwargs=template)
-    self.val_loader = PromptLoader(val, self.tokenizer, min(len(val), cfg.data.val_batch_size),
-                                   cfg.data.max_prompt_length, shuffle=False,
-                                   truncate=cfg.data.truncate_prompts,
-                                   chat_template_kwargs=template)
-    self.val_rows = val
+                               shuffle=cfg.data.shuffle, chat_template_kwargs=template,
+                               **long_prompts)
+    # Batch size 1: validation takes val_batch_size rows at a time, the last batch short.
+    self.val_loader = PromptLoader(val, self.tokenizer, 1, cfg.data.max_prompt_length,
+                                   shuffle=False, chat_template_kwargs=template, **long_prompts)
+    for which, loader in (("train_files", self.loader), ("val_files", self.val_loader)):
+      if loader.dropped:
+        log(f"data.{which}: left out {loader.dropped} of {len(loader.dataset)} rows longer "
+            f"than max_prompt_length={cfg.data.max_prompt_length} (data.filter_overlong_prompts)")
     self.reward_fn = make_reward_fn(cfg.reward, self.tokenizer)
     self.cost_fn = make_reward_fn(cfg.cost, self.tokenizer, "cost") if \
         cfg.algorithm.name == "safe_rlhf" and cfg.cost.kind == "rule" else None
     policy = policy_model(cfg, self.tokenizer.vocab_size, self.tokenizer)
     if cfg.trainer.sft_warmup.steps:
-      policy = sft_warmup(cfg, policy, self.tokenizer, list(train), log=log)
+      policy = sft_warmup(cfg, policy, self.tokenizer, [train[i] for i in self.loader.kept],
+                          log=log)
     self.model_cfg = policy[0]
     self.roles = self.make_roles(policy, devices)
     self.devices = len(devices)
@@ -217,7 +222,7 @@ class Trainer:
                                    top_k=r.val_top_k, top_p=r.val_top_p)
     scores, sources, preds = [], [], []
     key = jax.random.key(self.cfg.trainer.seed)
-    for i, raw in enumerate(_full_pass(self.val_loader, len(self.val_rows))):
+    for i, raw in enumerate(_full_pass(self.val_loader, self.cfg.data.val_batch_size)):
       batch = actor.generate_sequences(Batch.from_dict(raw), sampling=sampling,
                                        rng=jax.random.fold_in(key, i))
       scored = self.reward_fn(batch.to_host(), details=True)
@@ -291,11 +296,10 @@ class Trainer:
         self.log(f"no plot: {e}")
 
 
-def _full_pass(loader: PromptLoader, rows: int):
-  """Every held-out row once, in order (the last batch may be short)."""
-  size = loader.batch_size
-  for start in range(0, rows, size):
-    yield loader.collate(np.arange(start, min(rows, start + size)))
+def _full_pass(loader: PromptLoader, size: int):
+  """Every row the loader keeps once, in order, `size` at a time (the last batch short)."""
+  for start in range(0, len(loader.kept), size):
+    yield loader.collate(loader.kept[start:start + size])
 
 
 def _fmt(metrics: dict) -> str:
