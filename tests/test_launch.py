@@ -264,6 +264,44 @@ def test_overlong_prompts_left_out_of_training_and_validation(tmp_path):
   assert set(np.concatenate(batches).tolist()) == {0, 1, 2, 3, 4}
 
 
+def test_generation_dumps_and_validating_a_finished_run(tmp_path):
+  c = tiny(tmp_path, total_steps=2, save_every=1, export_hf=False, log=("jsonl",))
+  (tmp_path / "first_byte.py").write_text(  # scores that differ, so advantages do too
+      "def score(text, truth, info):\n  return ord(text[0]) % 7 / 6 if text else 0.0\n")
+  c.reward.custom_fn.update(path=str(tmp_path / "first_byte.py"), name="score")
+  c.trainer.update(rollout_data_dir=str(tmp_path / "rollouts"),
+                   validation_data_dir=str(tmp_path / "val"))
+  result = Trainer(c, log=lambda *_: None).fit()
+  logged = _read_jsonl(tmp_path / "run" / "metrics.jsonl")
+  assert sorted(os.listdir(tmp_path / "rollouts")) == ["1.jsonl", "2.jsonl"]
+  for step in (1, 2):
+    rows = _read_lines(tmp_path / "rollouts" / f"{step}.jsonl")
+    assert len(rows) == 4 * 2 and {r["step"] for r in rows} == {step}  # prompts x rollout.n
+    assert all("What is" in r["input"] and r["data_source"] == "arithmetic" for r in rows)
+    assert np.mean([r["score"] for r in rows]) == pytest.approx(logged[step]["critic/score/mean"])
+    # GRPO: a group's advantages sum to zero (its scores' deviations from their mean).
+    for group in range(0, 8, 2):
+      assert rows[group]["advantage"] == pytest.approx(-rows[group + 1]["advantage"], abs=1e-5)
+    assert any(r["advantage"] != 0 for r in rows)
+  assert sorted(os.listdir(tmp_path / "val")) == ["0.jsonl", "2.jsonl"]
+  val = _read_lines(tmp_path / "val" / "2.jsonl")
+  assert len(val) == 8 and "advantage" not in val[0]
+  assert np.mean([r["score"] for r in val]) == result["after"]["val-core/arithmetic/acc/mean@1"]
+  # val_only: the finished run's latest checkpoint, validated again without training.
+  c.trainer.update(val_only=True, rollout_data_dir="")
+  again = Trainer(c, log=lambda *_: None).fit()
+  assert again["before"] == result["after"]  # greedy: the same policy answers alike
+  c.rollout.update(val_n=2, val_temperature=1.0)
+  Trainer(c, log=lambda *_: None).fit()
+  assert "val-core/arithmetic/acc/best@2/mean" in _read_jsonl(tmp_path / "run" / "metrics.jsonl")[2]
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1", "2"]  # nothing saved
+
+
+def _read_lines(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
 def test_placement_auto_runs_the_best_plan(tmp_path, monkeypatch):
   from hflax.launch.plan import ranked_plans
   from hflax.sharding.automap import calibration

@@ -74,7 +74,9 @@ def base_config() -> ml_collections.ConfigDict:
       total_steps=20, critic_warmup=0, seed=0, run_dir="runs/default", resume=True,
       save_every=10, keep=2, val_every=10, val_before_train=True,
       log=("console", "jsonl", "tensorboard"), wandb_project="", profile_steps=(),
-      stage_timing=True, export_hf=True, devices=0,
+      stage_timing=True, export_hf=True, devices=0, val_only=False,
+      # verl's: each step's samples (text, score, advantage) as {dir}/{step}.jsonl.
+      rollout_data_dir="", validation_data_dir="",
       sft_warmup=dict(steps=0, lr=1e-3, batch_size=64, cache_dir="", target_loss=0.0))
   # Where the roles run: "local" (this process's devices) or "ray" (each placement pool is
   # a group of Ray actor processes forming one jax.distributed job; see

@@ -19,6 +19,7 @@ from hflax.launch.roles import (build_roles, check_micro_batches, check_roles_pl
                                 needed_roles, placement_spec, policy_model, read_model_configs)
 from hflax.launch.sft import sft_warmup
 from hflax.metrics import MetricsLogger, plot_metrics, throughput
+from hflax.metrics.generations import generation_rows, write_generations
 from hflax.models import hf
 from hflax.models.tokenizer import load_tokenizer, save_tokenizer
 from hflax.rewards import RuleRewardScorer, load_reward_function, validation_metrics
@@ -213,23 +214,42 @@ class Trainer:
     return step
 
   # -- validation ---------------------------------------------------------------------------
-  def validate(self) -> dict:
+  def validate(self, step: int | None = None) -> dict:
     """Scores of rollout.val_n samples per held-out prompt, per data source (greedy with
     the default val_temperature=0). The same keys every time, so that validations at
-    different steps sample alike."""
+    different steps sample alike. With trainer.validation_data_dir, the samples go to
+    {dir}/{step}.jsonl."""
     actor, r = self.roles.actor, self.cfg.rollout
     sampling = dataclasses.replace(actor.sampling, n=r.val_n, temperature=r.val_temperature,
                                    top_k=r.val_top_k, top_p=r.val_top_p)
-    scores, sources, preds = [], [], []
+    scores, sources, preds, samples = [], [], [], []
     key = jax.random.key(self.cfg.trainer.seed)
     for i, raw in enumerate(_full_pass(self.val_loader, self.cfg.data.val_batch_size)):
       batch = actor.generate_sequences(Batch.from_dict(raw), sampling=sampling,
                                        rng=jax.random.fold_in(key, i))
-      scored = self.reward_fn(batch.to_host(), details=True)
+      host = batch.to_host()
+      scored = self.reward_fn(host, details=True)
+      if self.cfg.trainer.validation_data_dir and step is not None:
+        samples += generation_rows(self.tokenizer, host, scored["scores"], step,
+                                   outputs=scored["response_text"])
       scores.append(scored["scores"])
       preds += scored["pred"]
       sources += list(batch["data_source"])
+    if samples:
+      write_generations(self.cfg.trainer.validation_data_dir, step, samples)
     return validation_metrics(np.concatenate(scores), sources, r.val_n, preds)
+
+  def validate_only(self, step: int) -> dict:
+    """trainer.val_only: validates the policy as it stands (the run's latest checkpoint,
+    else the start) and logs the metrics at its step; nothing trains, saves or exports."""
+    metrics = self.validate(step)
+    t = self.cfg.trainer
+    logger = MetricsLogger(t.run_dir, step, backends=tuple(b for b in t.log if b != "console"),
+                           wandb=t.wandb_project or None, start_step=step)
+    logger.log(step, metrics)
+    logger.close()
+    self.log(f"held-out accuracy at step {step}: " + _fmt(metrics))
+    return {"before": metrics, "after": None}
 
   # -- the loop -----------------------------------------------------------------------------
   def prompt_batches(self):
@@ -239,12 +259,14 @@ class Trainer:
   def fit(self) -> dict:
     cfg = self.cfg
     start = self.resume()
+    if cfg.trainer.val_only:
+      return self.validate_only(start)
     total = cfg.trainer.total_steps
     logger = MetricsLogger(cfg.trainer.run_dir, total, backends=tuple(cfg.trainer.log),
                            wandb=cfg.trainer.wandb_project or None, start_step=start)
     first_val = last_val = None
     if cfg.trainer.val_before_train and start == 0:
-      first_val = self.validate()
+      first_val = self.validate(0)
       self.log("held-out accuracy before RL: " + _fmt(first_val))
       logger.log(0, first_val)  # step 0, as verl logs it: the curves start from the baseline
     driver, prompts = DRIVERS[cfg.algorithm.name], self.prompt_batches()
@@ -264,13 +286,17 @@ class Trainer:
       elapsed = time.perf_counter() - began
       if step in profile:
         jax.profiler.stop_trace()
+      if cfg.trainer.rollout_data_dir:
+        host = batch.to_host()
+        write_generations(cfg.trainer.rollout_data_dir, step, generation_rows(
+            self.tokenizer, host, host["token_level_scores"].sum(axis=1), step))
       tokens = float(np.asarray(batch["attention_mask"]).sum())
       metrics.update({"timing_s/step": elapsed,
                       "perf/throughput": throughput(tokens, elapsed, self.devices),
                       "perf/total_num_tokens": tokens})
       self.state.step = step
       if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
-        last_val = self.validate()
+        last_val = self.validate(step)
         metrics.update(last_val)
       logger.log(step, metrics)
       self.save(step)
