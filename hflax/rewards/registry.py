@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Callable
 
+from hflax.rewards.competition_math import boxed_answer, math_boxed, math_ground_truth
 from hflax.rewards.rules import (arithmetic_exact_match, arithmetic_ground_truth,
                                  extract_gsm8k_answer, gsm8k, leading_integer)
 
@@ -19,16 +20,21 @@ _BY_DATA_SOURCE: dict[str, RewardFn] = {
     "arithmetic": arithmetic_exact_match,
     "openai/gsm8k": gsm8k,  # the data_source verl's GSM8K preprocessing writes
     "gsm8k": gsm8k,
+    # The data_source names verl's MATH preprocessing and MATH-500 evaluation write.
+    **dict.fromkeys(("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
+                     "HuggingFaceH4/MATH-500", "math"), math_boxed),
 }
 
 
 # Rules whose ground truth has a required form, checked when the data loads.
-_GROUND_TRUTH_CHECKS: dict[RewardFn, Callable] = {arithmetic_exact_match: arithmetic_ground_truth}
+_GROUND_TRUTH_CHECKS: dict[RewardFn, Callable] = {arithmetic_exact_match: arithmetic_ground_truth,
+                                                   math_boxed: math_ground_truth}
 
 
 # What each rule reads as a response's answer: majority votes in validation count these.
 _PREDICTIONS: dict[RewardFn, Callable[[str], object]] = {
-    arithmetic_exact_match: leading_integer, gsm8k: extract_gsm8k_answer}
+    arithmetic_exact_match: leading_integer, gsm8k: extract_gsm8k_answer,
+    math_boxed: boxed_answer}
 
 
 def prediction_fn(data_source: str | None) -> Callable[[str], object] | None:
