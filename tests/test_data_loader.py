@@ -115,6 +115,12 @@ def test_overlong_prompts_left_out(train):
     make_loader(dataset, batch_size=4, max_prompt_length=48, filter_overlong=True)
   with pytest.raises(ValueError, match="choose one"):
     make_loader(dataset, max_prompt_length=48, filter_overlong=True, truncate=True)
+  # Another max_prompt_length keeps another set of rows of the same size: no resume.
+  others = PromptDataset(rows[1:] + rows[:1], source="mem.jsonl")  # 80, 10, 90, 7, 5
+  moved = make_loader(others, batch_size=3, max_prompt_length=48, filter_overlong=True)
+  assert len(moved.kept) == len(loader.kept)
+  with pytest.raises(ValueError, match="rows_digest"):
+    moved.load_state_dict(loader.state_dict())
   # With nothing left out, the order (and so a resume) is the unfiltered loader's.
   plain, filtered = make_loader(train), make_loader(train, filter_overlong=True)
   same_batches([plain.next_batch() for _ in range(8)], [filtered.next_batch() for _ in range(8)])

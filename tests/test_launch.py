@@ -13,6 +13,7 @@ import pytest
 
 from hflax.launch.config import base_config, validate
 from hflax.launch.trainer import Trainer
+from hflax.models import hf
 from hflax.rewards import validation_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,12 +136,20 @@ def test_validation_with_several_samples_per_prompt(tmp_path):
   c.rollout.update(val_n=4, val_temperature=1.0)
   c.data.builtin.num_val = 12  # two batches of 8 prompts, the second short
   trainer = Trainer(c, log=lambda *_: None)
-  seen = []
+  seen, prompts = [], []
   score = trainer.reward_fn
-  trainer.reward_fn = lambda batch, details: seen.append(score(batch, details)) or seen[-1]
+
+  def spy(batch, details):
+    prompts.extend(p[0]["content"] for p in batch["raw_prompt"])
+    seen.append(score(batch, details))
+    return seen[-1]
+  trainer.reward_fn = spy
   m = trainer.validate()
   texts = [t for out in seen for t in out["response_text"]]
   assert len(texts) == 48 and all(len(set(texts[i:i + 4])) > 1 for i in range(0, 48, 4))
+  # Rows i*4 .. i*4+3 are one prompt's samples, and the 12 prompts are all there.
+  assert all(len(set(prompts[i:i + 4])) == 1 for i in range(0, 48, 4))
+  assert len(set(prompts)) == 12
   scores = np.concatenate([out["scores"] for out in seen])
   assert m == validation_metrics(scores, ["arithmetic"] * 48, 4, [t[:1] or None for t in texts])
   core, aux = "val-core/arithmetic/acc", "val-aux/arithmetic/acc"
@@ -203,7 +212,6 @@ def test_end_to_end_run_artifacts_and_exact_resume(tmp_path):
 def test_jsonl_data_custom_reward_and_hf_checkpoint(tmp_path):
   from hflax.data import save_prompts
   from hflax.launch.roles import policy_model
-  from hflax.models import hf
   from hflax.models.tokenizer import ByteTokenizer
   rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"Q{i}?"}],
            "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i)},
@@ -264,7 +272,7 @@ def test_overlong_prompts_left_out_of_training_and_validation(tmp_path):
   assert set(np.concatenate(batches).tolist()) == {0, 1, 2, 3, 4}
 
 
-def test_generation_dumps_and_validating_a_finished_run(tmp_path):
+def test_generation_dumps_and_validating_a_finished_run(tmp_path, monkeypatch):
   c = tiny(tmp_path, total_steps=2, save_every=1, export_hf=False, log=("jsonl",))
   (tmp_path / "first_byte.py").write_text(  # scores that differ, so advantages do too
       "def score(text, truth, info):\n  return ord(text[0]) % 7 / 6 if text else 0.0\n")
@@ -287,14 +295,19 @@ def test_generation_dumps_and_validating_a_finished_run(tmp_path):
   val = _read_lines(tmp_path / "val" / "2.jsonl")
   assert len(val) == 8 and "advantage" not in val[0]
   assert np.mean([r["score"] for r in val]) == result["after"]["val-core/arithmetic/acc/mean@1"]
-  # val_only: the finished run's latest checkpoint, validated again without training.
-  c.trainer.update(val_only=True, rollout_data_dir="")
+  # val_only: the finished run's latest checkpoint, validated again without training
+  # (total_steps need not reach the checkpoint's step).
+  c.trainer.update(val_only=True, rollout_data_dir="", total_steps=1)
+
+  def refuse(*_, **__):
+    raise AssertionError("val_only saved or exported")
+  monkeypatch.setattr(Trainer, "save", refuse)
+  monkeypatch.setattr(hf, "export_checkpoint", refuse)
   again = Trainer(c, log=lambda *_: None).fit()
   assert again["before"] == result["after"]  # greedy: the same policy answers alike
   c.rollout.update(val_n=2, val_temperature=1.0)
   Trainer(c, log=lambda *_: None).fit()
   assert "val-core/arithmetic/acc/best@2/mean" in _read_jsonl(tmp_path / "run" / "metrics.jsonl")[2]
-  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1", "2"]  # nothing saved
 
 
 def _read_lines(path):

@@ -34,7 +34,8 @@ def test_pass_at_k_for_zero_one_scores():
 def test_majority_votes():
   assert majority_score([0, 1, 1, 0], ["7", "8", "8", "7"]) == 0.0  # a tie: the first answer
   assert majority_score([0, 1, 1, 0], [None, "8", "8", "7"]) == 1.0
-  assert majority_score([0.5, 0.2], [None, None]) == 0.5  # no answers: the first sample
+  assert majority_score([0, 0, 0, 1], [None, None, None, "5"]) == 0.0  # no answer wins (verl)
+  assert majority_score([0, 1, 1], [[1], [2], [2]]) == 1.0  # unhashable answers vote too
   assert subset_sizes(1) == [1] and subset_sizes(8) == [2, 4, 8] and subset_sizes(6) == [2, 4, 6]
 
 

@@ -9,6 +9,7 @@ epoch are skipped that epoch; a new shuffle gives them their turn in later epoch
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterator
 
 import numpy as np
@@ -124,11 +125,18 @@ class PromptLoader:
     # Size and batch size travel along so a resume against different data fails loudly
     # instead of silently skipping or repeating rows.
     return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
-            "num_rows": len(self.kept), "batch_size": self.batch_size}
+            "num_rows": len(self.kept), "batch_size": self.batch_size,
+            "rows_digest": self._rows_digest()}
+
+  def _rows_digest(self) -> str:
+    # Which rows were left out, not just how many: another max_prompt_length can keep a
+    # different set of the same size.
+    return hashlib.sha256(self.kept.tobytes()).hexdigest()[:16]
 
   def load_state_dict(self, state: dict[str, int]) -> None:
-    for key, ours in (("num_rows", len(self.kept)), ("batch_size", self.batch_size)):
-      if key in state and int(state[key]) != ours:
+    for key, ours in (("num_rows", len(self.kept)), ("batch_size", self.batch_size),
+                      ("rows_digest", self._rows_digest())):
+      if key in state and str(state[key]) != str(ours):
         raise ValueError(f"loader state was saved with {key}={state[key]}, this loader has "
                          f"{ours}: resuming would not continue with the next batch")
     position = int(state["position"])

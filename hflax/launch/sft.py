@@ -52,6 +52,8 @@ def _cache_dir(cfg, model_cfg) -> str:
          "seed": cfg.trainer.seed, "path": cfg.model.path, "train_files": d.train_files,
          "lengths": (d.max_prompt_length, d.max_response_length),
          "chat_template_kwargs": d.chat_template_kwargs.to_dict()}
+  if d.filter_overlong_prompts:  # fewer rows; only then, so other runs keep their key
+    key["filter_overlong_prompts"] = True
   digest = _file_digest(d.train_files)
   if digest:
     key["train_files_sha256"] = digest

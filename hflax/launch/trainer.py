@@ -183,7 +183,7 @@ class Trainer:
       raise ValueError(f"config.trainer.run_dir: {t.run_dir} already holds checkpoints up to "
                        f"step {latest}; set trainer.resume=True to continue it, or use a new "
                        "run_dir (nothing is overwritten)")
-    if latest > t.total_steps:
+    if latest > t.total_steps and not t.val_only:
       raise ValueError(f"config.trainer.total_steps: {t.total_steps}, but {t.run_dir} already "
                        f"holds checkpoints up to step {latest}; raise total_steps to continue "
                        "it, or use a new run_dir")
@@ -223,7 +223,8 @@ class Trainer:
     sampling = dataclasses.replace(actor.sampling, n=r.val_n, temperature=r.val_temperature,
                                    top_k=r.val_top_k, top_p=r.val_top_p)
     scores, sources, preds, samples = [], [], [], []
-    key = jax.random.key(self.cfg.trainer.seed)
+    # Not the rollouts' keys (seed, call): a tag of its own keeps the two apart.
+    key = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed), _VALIDATION_TAG)
     for i, raw in enumerate(_full_pass(self.val_loader, self.cfg.data.val_batch_size)):
       batch = actor.generate_sequences(Batch.from_dict(raw), sampling=sampling,
                                        rng=jax.random.fold_in(key, i))
@@ -320,6 +321,9 @@ class Trainer:
         plot_metrics(path, os.path.join(self.cfg.trainer.run_dir, "metrics.png"))
       except ImportError as e:  # matplotlib missing: the JSONL is still there to re-plot
         self.log(f"no plot: {e}")
+
+
+_VALIDATION_TAG = 0x76616C  # "val"
 
 
 def _full_pass(loader: PromptLoader, size: int):

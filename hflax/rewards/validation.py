@@ -14,8 +14,9 @@ Per data source, each metric is computed per prompt and averaged over prompts:
 best@k and worst@k are exact: the mean over every k-subset of a prompt's N samples, which
 for 0/1 scores is the unbiased pass@k estimator (Chen et al., 2021). verl estimates them by
 a bootstrap that draws with replacement, so its best@N repeats samples and falls below the
-best of the N. maj@N votes over all N samples; samples with no answer do not vote, and a
-tie goes to the answer given first.
+best of the N. maj@N votes over all N samples as verl does: giving no answer (None) is a
+vote too, and a tie goes to the answer given first. Answers that cannot be hashed (a list)
+vote by their repr.
 """
 from __future__ import annotations
 
@@ -43,13 +44,20 @@ def best_of_k(scores_PxN: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
   return mean, np.sqrt(np.maximum(ascending ** 2 @ weights - mean ** 2, 0.0))
 
 
+def _ballot(pred):
+  try:
+    hash(pred)
+    return pred
+  except TypeError:
+    return repr(pred)
+
+
 def majority_score(scores_N: Sequence[float], preds_N: Sequence) -> float:
-  """The score of the first sample giving the most common answer (None does not vote)."""
-  votes = Counter(p for p in preds_N if p is not None)
-  if not votes:
-    return float(scores_N[0])
+  """The score of the first sample giving the most common answer."""
+  ballots = [_ballot(p) for p in preds_N]
+  votes = Counter(ballots)
   winner = max(votes, key=votes.get)  # Counter keeps first-seen order: ties go to the first
-  return float(next(s for s, p in zip(scores_N, preds_N) if p == winner))
+  return float(scores_N[ballots.index(winner)])
 
 
 def subset_sizes(n: int) -> list[int]:
@@ -94,7 +102,7 @@ def validation_metrics(scores, data_sources: Sequence[str], samples_per_prompt: 
       best, best_std = best_of_k(group_scores, k)
       worst, worst_std = best_of_k(-group_scores, k)
       out[f"{section}/best@{k}/mean"] = float(best.mean())
-      out[f"{aux}/worst@{k}/mean"] = float(-worst.mean())
+      out[f"{aux}/worst@{k}/mean"] = float(-worst.mean()) + 0.0  # + 0.0: no "-0.0"
       if k < n:  # with every sample taken there is one subset: no spread
         out[f"{aux}/best@{k}/std"] = float(best_std.mean())
         out[f"{aux}/worst@{k}/std"] = float(worst_std.mean())
