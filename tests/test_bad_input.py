@@ -69,8 +69,9 @@ CASES = {
                              "row 0 (line 1): missing field 'prompt'"),
     "prompt too long": (["--config.data.train_files={tmp}/long.jsonl"],
                         "row 2: field 'prompt' is 519 tokens, longer than max_prompt_length=48 "
-                        "(raise data.max_prompt_length, drop the row, or keep its last tokens: "
-                        "data.truncate_prompts=True"),
+                        "(raise data.max_prompt_length, leave such rows out: "
+                        "data.filter_overlong_prompts=True, or keep their last tokens: "
+                        "data.truncate_prompts=True)"),
     "reward file that raises": (["--config.reward.custom_fn.path={tmp}/raises.py",
                                  "--config.reward.custom_fn.name=score"],
                                 "importing it raised RuntimeError: broken on import"),
