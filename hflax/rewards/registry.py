@@ -1,6 +1,8 @@
 """Which rule reward judges which data_source, and loading a user's reward from a file.
 
-Every reward function has the signature (response_text, ground_truth, extra_info) -> float.
+Every reward function has the signature (response_text, ground_truth, extra_info) -> float,
+or -> {"score": float, "pred": the answer it read, ...} as verl's may return; a rule's
+answer for majority votes comes from its extractor in _PREDICTIONS.
 """
 from __future__ import annotations
 
