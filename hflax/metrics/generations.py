@@ -15,21 +15,15 @@ import numpy as np
 from hflax.models.tokenizer import Tokenizer
 
 
-def decode_rows(tokenizer: Tokenizer, ids_BxT, mask_BxT, skip_special_tokens=True) -> list[str]:
-  ids, mask = np.asarray(ids_BxT), np.asarray(mask_BxT, bool)
-  return [tokenizer.decode(row[keep], skip_special_tokens=skip_special_tokens)
-          for row, keep in zip(ids, mask)]
-
-
 def generation_rows(tokenizer: Tokenizer, batch, scores: Sequence[float], step: int,
                     outputs: Sequence[str] | None = None) -> list[dict]:
   """One dict per sample of a generated batch (host arrays): prompt text (with special
   tokens) and response text (without), ground truth, data source, score, and the
   advantage where the step computed one."""
   # The prompt as the model saw it, chat template tokens and all.
-  inputs = decode_rows(tokenizer, batch["prompts"], batch["prompt_mask"], False)
+  inputs = tokenizer.decode_rows(batch["prompts"], batch["prompt_mask"], False)
   if outputs is None:
-    outputs = decode_rows(tokenizer, batch["responses"], batch["response_mask"])
+    outputs = tokenizer.decode_rows(batch["responses"], batch["response_mask"])
   rows = [{"step": step, "input": i, "output": o, "gts": g, "score": float(s),
            "data_source": d}
           for i, o, g, s, d in zip(inputs, outputs, batch["ground_truth"], scores,

@@ -48,6 +48,13 @@ class Tokenizer(abc.ABC):
     return self.encode(self.apply_chat_template(messages, add_generation_prompt,
                                                 **template_vars), add_special_tokens=False)
 
+  def decode_rows(self, ids_BxT, mask_BxT, skip_special_tokens: bool = True) -> list[str]:
+    """The text of each row's masked-in tokens (a batch of prompts or responses)."""
+    ids, mask = np.asarray(ids_BxT), np.asarray(mask_BxT, bool)
+    if ids.ndim != 2 or ids.shape != mask.shape:
+      raise ValueError(f"ids {ids.shape} and mask {mask.shape} must be the same [B, T] shape")
+    return [self.decode(row[keep], skip_special_tokens) for row, keep in zip(ids, mask)]
+
   def _valid_ids(self, ids) -> list[int]:
     # Models often pad their vocab beyond the tokenizer's; sampled ids there have no text.
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)

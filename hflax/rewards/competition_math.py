@@ -122,6 +122,6 @@ def math_boxed(response_text: str, ground_truth: str, extra_info: dict | None = 
   answer = last_boxed(response_text)
   if answer is None:
     return 0.0
-  truth = str(ground_truth)
-  truth = last_boxed(truth) if last_boxed(truth) is not None else truth
+  boxed_truth = last_boxed(str(ground_truth))
+  truth = str(ground_truth) if boxed_truth is None else boxed_truth
   return 1.0 if same_answer(answer, truth) else 0.0

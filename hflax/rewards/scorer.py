@@ -45,12 +45,7 @@ class RuleRewardScorer:
   def decode(self, response_ids_BxT, response_mask_BxT) -> list[str]:
     if self.tokenizer is None:
       raise ValueError("scoring token ids needs a tokenizer; pass one or pass strings")
-    ids, mask = np.asarray(response_ids_BxT), np.asarray(response_mask_BxT, bool)
-    if ids.ndim != 2 or ids.shape != mask.shape:
-      raise ValueError(f"response ids {ids.shape} and response_mask {mask.shape} must be "
-                       "the same [B, T] shape")
-    return [self.tokenizer.decode(row[keep], skip_special_tokens=True)
-            for row, keep in zip(ids, mask)]
+    return self.tokenizer.decode_rows(response_ids_BxT, response_mask_BxT)
 
   def _fn(self, data_source: str | None) -> RewardFn:
     if self.reward_fn is not None:
