@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,37 +80,48 @@ def train_compiler_options(devices) -> dict | None:
   return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
 
+def trained_part(params, trainable=None):
+  """(what the optimizer updates, what stays frozen): `trainable` is an nnx filter (e.g.
+  nnx.LoRAParam) of an nnx.State, None for every parameter."""
+  if trainable is None:
+    return params, None
+  return params.split(trainable, ...)
+
+
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_batches: int,
-                    weight_fn: Callable | None = None):
+                    weight_fn: Callable | None = None, trainable=None):
   """step(params, opt_state, rows) -> (params, opt_state, metrics).
 
   loss_fn(params, rows) -> (loss, metrics) sees one micro-batch. weight_fn(rows) is what
   that micro-batch's mean loss averages over (its valid tokens for a token-mean loss, its
   sequences for a sequence mean): gradients and metrics are averaged with these weights,
   so the mini-batch's loss does not depend on how it is cut into micro-batches. Without
-  it every micro-batch counts equally.
+  it every micro-batch counts equally. With `trainable` (see trained_part) only that part
+  has gradients and optimizer state (`tx.init` of it); the rest passes through as is.
   """
 
   def step(params, opt_state, rows):
+    trained, frozen = trained_part(params, trainable)
+    whole = (lambda t: t) if frozen is None else (lambda t: nnx.merge_state(frozen, t))
     # Micro-batch m takes rows m, m + k, m + 2k, ...: every device keeps its own rows.
     micro = jax.tree.map(
         lambda x: x.reshape(-1, micro_batches, *x.shape[1:]).swapaxes(0, 1), rows)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = jax.value_and_grad(lambda t, one: loss_fn(whole(t), one), has_aux=True)
 
     def accumulate(grads, one):
-      (_, metrics), g = grad_fn(params, one)
+      (_, metrics), g = grad_fn(trained, one)
       w = jnp.float32(1.0) if weight_fn is None else jnp.asarray(weight_fn(one), jnp.float32)
       return jax.tree.map(lambda a, b: a + w * b, grads, g), (metrics, w)
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(jnp.zeros_like, trained)
     grads, (metrics, weights) = jax.lax.scan(accumulate, zeros, micro)
     total = jnp.sum(weights)
     total = jnp.where(total > 0, total, 1.0)  # nothing to learn from: the gradients are 0
     grads = jax.tree.map(lambda g: g / total, grads)
     metrics = jax.tree.map(lambda m: jnp.tensordot(weights, m, axes=1) / total, metrics)
     metrics["grad_norm"] = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, metrics
+    updates, opt_state = tx.update(grads, opt_state, trained)
+    return whole(optax.apply_updates(trained, updates)), opt_state, metrics
 
   return step
 

@@ -20,9 +20,10 @@ from hflax.controller.batch import Batch
 from hflax.controller.protocol import LIVE_ROWS, Protocol, first_rows, replicated, transfer
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
                                        make_train_step, mini_batch_order,
-                                       train_compiler_options)
+                                       train_compiler_options, trained_part)
+from hflax.models.lora import base_config, merge_adapters, split_adapters
 from hflax.models.logprobs import sequence_log_probs
-from hflax.models.transformer import forward
+from hflax.models.transformer import create_abstract, forward
 from hflax.rewards.scorer import last_token_scores
 from hflax.rollout.sampler import SamplingParams, _generate, decode_segments
 from hflax.sharding.hybrid_engine import HybridEngine
@@ -50,6 +51,8 @@ class RoleWorker:
     self.home = home or SingleDeviceSharding(placement.pool.devices[0])
     self.rows_sharding = batch_sharding(self.mesh)
     self.update_cfg, self.seed, self.updates, self.optimizer_steps = update, seed, 0, 0
+    # With LoRA adapters only they are trained (and have optimizer state).
+    self.trainable = nnx.LoRAParam if self.cfg.lora_rank else None
     if optim is not None:
       if update is None:
         raise ValueError(f"{placement.role}: an optimizer needs an UpdateConfig")
@@ -60,7 +63,7 @@ class RoleWorker:
                            and x.sharding.mesh == self.mesh)
       self.opt_state = jax.tree.map(
           lambda x: x if on_mesh(x) else jax.device_put(x, replicated(self.mesh)),
-          self.tx.init(self.params))
+          self.tx.init(trained_part(self.params, self.trainable)[0]))
     self._steps: dict = {}
 
   # -- plumbing -----------------------------------------------------------------------------
@@ -108,7 +111,8 @@ class RoleWorker:
     unit = cfg.mini_batch_size // micro * dp
     if name not in self._steps:
       opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
-      step = make_train_step(loss_fn, self.tx, cfg.mini_batch_size // micro, weight_fn)
+      step = make_train_step(loss_fn, self.tx, cfg.mini_batch_size // micro, weight_fn,
+                             self.trainable)
       rows_sharding = self.rows_sharding
 
       # The mini-batch is cut inside the step: a cut dispatched on its own would make the
@@ -168,7 +172,16 @@ class ActorRolloutWorker(RoleWorker):
     self.recompute_log_prob = (recompute_log_prob or self.cfg.dtype != "float32" or
                                generate_dtype not in (None, self.cfg.param_dtype))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    self.engine = HybridEngine(self.mesh, abstract, self.shardings, placement.generate_tensor,
+    self.base_graphdef, shardings = graphdef, self.shardings
+    if self.trainable is not None:
+      # Generation runs the merged weights (W + scale A B) on the base model's graph: no
+      # adapter matmuls in the decode loop, and the engine reshards base-shaped weights.
+      self.base_graphdef = create_abstract(base_config(self.cfg))[0]
+      abstract = split_adapters(abstract)[1]
+      shardings = state_shardings(abstract, self.mesh, TRAIN_RULES)
+      self._merged = jax.jit(functools.partial(merge_adapters, self.cfg),
+                             in_shardings=(self.shardings,), out_shardings=shardings)
+    self.engine = HybridEngine(self.mesh, abstract, shardings, placement.generate_tensor,
                                generate_dtype, placement.generate_strided)
     self.temperature = sampling.temperature or 1.0
     self._rng = jax.random.key(self.seed)
@@ -188,7 +201,8 @@ class ActorRolloutWorker(RoleWorker):
     count = len(prompts)
     # Generation replicas split the prompts: pad with repeats, drop their samples after.
     prompts, pad = prompts.pad_to_divisor(self.engine.mesh.shape["data"])
-    gen_state, metrics = self.engine.to_generate(self.params)
+    gen_state, metrics = self.engine.to_generate(
+        self.params if self.trainable is None else self._merged(self.params))
     if self.optimizer_offload:
       metrics.update(self._offload_optimizer())
     rows = jax.sharding.NamedSharding(self.engine.mesh, jax.sharding.PartitionSpec("data"))
@@ -198,7 +212,7 @@ class ActorRolloutWorker(RoleWorker):
     if rng is None:
       rng = jax.random.fold_in(self._rng, self._calls)
       self._calls += 1
-    out = _generate(self.graphdef, gen_state, tokens, mask, rng, params=params,
+    out = _generate(self.base_graphdef, gen_state, tokens, mask, rng, params=params,
                     segments=decode_segments(params.max_new_tokens), live_B=live,
                     mesh=self.engine.mesh)
     del gen_state  # the generation copy is freed once the program has consumed it
@@ -220,6 +234,18 @@ class ActorRolloutWorker(RoleWorker):
     fn = self._jit_rows(_log_probs_fn(self.graphdef, _response_width(batch), self.temperature))
     logp, entropy = fn(self.params, rows)
     return {"old_log_probs": logp, "entropy": entropy}
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
+  def compute_ref_log_prob(self, rows, batch):
+    """With LoRA, the reference policy is the base model beneath the adapters (verl's
+    ref_in_actor): the log-probs of the frozen weights, with no copy of them elsewhere."""
+    if self.trainable is None:
+      raise ValueError("actor.compute_ref_log_prob needs LoRA adapters (model.lora_rank > 0); "
+                       "without them the reference policy is a role of its own")
+    fn = self._jit_rows(_base_log_probs_fn(self.base_graphdef, _response_width(batch),
+                                           self.temperature))
+    logp, _ = fn(self.params, rows)
+    return {"ref_log_prob": logp}
 
   def _offload_optimizer(self) -> dict:
     """The optimizer state to host memory, each leaf keeping its sharding; its size is
@@ -312,6 +338,13 @@ def _log_probs_fn(graphdef, width: int, temperature: float):
                                        temperature=temperature)
     return logp[:, -width:], entropy[:, -width:]
   return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _base_log_probs_fn(base_graphdef, width: int, temperature: float):
+  """_log_probs_fn of the base weights of a state that holds LoRA adapters."""
+  inner = _log_probs_fn(base_graphdef, width, temperature)
+  return lambda params, rows: inner(split_adapters(params)[1], rows)
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,6 +12,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from hflax.algorithms import LOSS_AGG_MODES, advantage_estimator_names, policy_loss_names
+from hflax.models.lora import lora_targets
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp", "dapo", "safe_rlhf")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -45,6 +46,10 @@ def base_config() -> ml_collections.ConfigDict:
       # the built-in model. dtype: compute (e.g. "bfloat16" with float32 master weights in
       # param_dtype).
       path="", tokenizer="", dtype="float32", param_dtype="float32", remat=False,
+      # LoRA (verl's names): lora_rank 0 trains every weight; > 0 trains rank-r adapters
+      # on target_modules ("all-linear", or HF names such as "q_proj,v_proj") and nothing
+      # else, and the reference policy is the frozen base (no copy of its own).
+      lora_rank=0, lora_alpha=16.0, target_modules="all-linear",
       builtin=dict(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
                    num_kv_heads=2, rope_theta=10000.0))
   c.actor = dict(
@@ -226,6 +231,14 @@ def validate(c) -> None:
       fail(field, f"must be > 0, got {value!r}")
   if c.actor.clip_ratio_c is not None and not c.actor.clip_ratio_c > 1:
     fail("actor.clip_ratio_c", f"dual-clip's bound must be > 1, got {c.actor.clip_ratio_c!r}")
+  _check_int(c, "model.lora_rank", 0, fail, "(0: no LoRA, every weight is trained)")
+  if c.model.lora_rank:
+    if not c.model.lora_alpha > 0:
+      fail("model.lora_alpha", f"must be > 0, got {c.model.lora_alpha!r}")
+    try:
+      lora_targets(c.model.target_modules)
+    except ValueError as e:
+      fail("model.target_modules", str(e))
   if c.data.truncate_prompts and c.data.filter_overlong_prompts:
     fail("data.filter_overlong_prompts", "and data.truncate_prompts both say what to do with a "
          "prompt longer than data.max_prompt_length (leave it out, or keep its last tokens): "

@@ -11,15 +11,26 @@ from hflax.controller.training import OptimConfig, UpdateConfig
 from hflax.controller.workers import (ActorRolloutWorker, CriticWorker, FunctionRewardWorker,
                                       ReferenceWorker, RewardModelWorker)
 from hflax.models import ModelConfig, create, hf
+from hflax.models.lora import add_adapters, lora_config
 from hflax.rollout import SamplingParams
 from hflax.sharding.layouts import data_parallel_size
 from hflax.sharding.placement import build_placement, colocated, standalone
 
 
+def uses_reference(cfg) -> bool:
+  return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def reference_in_actor(cfg) -> bool:
+  """With LoRA the actor serves the reference log-probs from its frozen base weights (verl's
+  ref_in_actor), so no reference role, pool or weight copy exists."""
+  return uses_reference(cfg) and cfg.model.lora_rank > 0
+
+
 def role_reasons(cfg) -> dict[str, str]:
   """The roles this config runs, each with the setting that calls for it."""
   roles = {"actor": "every algorithm"}
-  if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+  if uses_reference(cfg) and not reference_in_actor(cfg):
     roles["ref"] = "actor.use_kl_loss or algorithm.use_kl_in_reward"
   if cfg.algorithm.name in NEEDS_CRITIC:
     roles["critic"] = f"algorithm.name={cfg.algorithm.name!r}"
@@ -109,6 +120,13 @@ def builtin_config(cfg, vocab_size: int, tokenizer=None) -> ModelConfig:
       pad_token_id=tokenizer.pad_id if tokenizer else None)
 
 
+def actor_config(cfg, model_cfg: ModelConfig) -> ModelConfig:
+  """The policy's model config as the actor trains it: with LoRA adapters if asked."""
+  m = cfg.model
+  return lora_config(model_cfg, m.lora_rank, m.lora_alpha, m.target_modules) if m.lora_rank \
+      else model_cfg
+
+
 def _value_model(path: str, policy, seed: int):
   """A value-head model: from a checkpoint, else the policy's backbone with a fresh head."""
   if path:
@@ -160,18 +178,23 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
   n, seed = cfg.rollout.n, cfg.trainer.seed
   check_micro_batches(cfg, placed, wanted, n)
   home = jax.sharding.SingleDeviceSharding(placed[wanted[0] if wanted else "actor"].pool.devices[0])
-  _, graphdef, state = policy
+  model_cfg, graphdef, state = policy
+  actor_graphdef, actor_state = graphdef, state
+  if cfg.model.lora_rank:
+    actor_graphdef, actor_state = add_adapters(actor_config(cfg, model_cfg), state, seed)
   sampling = SamplingParams(
       max_new_tokens=cfg.data.max_response_length, temperature=cfg.rollout.temperature,
       top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, n=n, eos_ids=tuple(tokenizer.eos_ids),
       pad_id=tokenizer.pad_id)
   out = Roles(actor=ActorRolloutWorker(
-      placed["actor"], graphdef, state, sampling=sampling, loss_fn=actor_loss(cfg.actor),
+      placed["actor"], actor_graphdef, actor_state, sampling=sampling, loss_fn=actor_loss(cfg.actor),
       loss_fields=("ref_log_prob",) if cfg.actor.use_kl_loss else (),
       generate_dtype=cfg.rollout.dtype, recompute_log_prob=cfg.actor.recompute_log_prob,
       optimizer_offload=cfg.actor.optimizer_offload,
       optim=OptimConfig(**cfg.actor.optim), update=_update(cfg.actor, n), home=home, seed=seed)
       if "actor" in wanted else None)
+  if reference_in_actor(cfg):
+    out.ref = out.actor
   if "ref" in wanted:
     out.ref = ReferenceWorker(placed["ref"], graphdef, state, home=home,
                               temperature=cfg.rollout.temperature or 1.0)

@@ -15,12 +15,13 @@ from hflax.checkpoint import Checkpointer
 from hflax.controller.batch import Batch
 from hflax.data import PromptLoader, arithmetic_task, load_prompts
 from hflax.launch.config import tokenizer_spec, validate
-from hflax.launch.roles import (build_roles, check_micro_batches, check_roles_placed,
+from hflax.launch.roles import (actor_config, build_roles, check_micro_batches, check_roles_placed,
                                 needed_roles, placement_spec, policy_model, read_model_configs)
 from hflax.launch.sft import sft_warmup
 from hflax.metrics import MetricsLogger, plot_metrics, throughput
 from hflax.metrics.generations import generation_rows, write_generations
 from hflax.models import hf
+from hflax.models.lora import export_adapter, merge_adapters
 from hflax.models.tokenizer import load_tokenizer, save_tokenizer
 from hflax.rewards import RuleRewardScorer, load_reward_function, validation_metrics
 from hflax.rewards.registry import check_rule_rows
@@ -308,7 +309,16 @@ class Trainer:
       self.log("held-out accuracy after RL:  " + _fmt(last_val))
     if cfg.trainer.export_hf:
       out = os.path.join(cfg.trainer.run_dir, "hf_actor")
-      hf.export_checkpoint(out, self.model_cfg, self.roles.actor.params)
+      params = self.roles.actor.params
+      if cfg.model.lora_rank:  # the adapters in PEFT's format, and merged into hf_actor
+        adapter = os.path.join(cfg.trainer.run_dir, "lora_adapter")
+        lora_cfg = actor_config(cfg, self.model_cfg)
+        # The adapters sit on model.path's weights unless a warm-up changed them first.
+        base = cfg.model.path if not cfg.trainer.sft_warmup.steps else ""
+        export_adapter(adapter, lora_cfg, params, base_model=base)
+        params = merge_adapters(lora_cfg, params)
+        self.log(f"exported the LoRA adapters to {adapter}")
+      hf.export_checkpoint(out, self.model_cfg, params)
       save_tokenizer(self.tokenizer, out)
       self.log(f"exported the actor to {out}")
     self._plot()

@@ -10,6 +10,9 @@ _FAMILIES = {"Llama": dict(family="llama"), "Qwen2": dict(family="qwen2", qkv_bi
 ARCHITECTURES = {prefix + head: switches for prefix, switches in _FAMILIES.items()
                  for head in ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification")}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The linear layers LoRA can adapt, by their HF module names (PEFT's "all-linear" is all
+# of them: the output layer is never adapted).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,12 @@ class ModelConfig:
   param_dtype: str = "float32"
   # Recompute each layer's activations in the backward pass instead of storing them.
   remat: bool = False
+  # LoRA: rank-`lora_rank` adapters (0: none) on the linear layers named in lora_targets
+  # (HF module names, see LORA_TARGETS), each adding (lora_alpha / lora_rank) x A B to
+  # its kernel, as PEFT does. Adapters are trained; the rest stays frozen.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -52,6 +61,16 @@ class ModelConfig:
     rope_type = self.rope_scaling_dict.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
       raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+    unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    if unknown:
+      raise ValueError(f"lora_targets {unknown} are not among {LORA_TARGETS}")
+    if self.lora_rank < 0 or (self.lora_rank > 0) != bool(self.lora_targets):
+      raise ValueError(f"lora_rank={self.lora_rank} with lora_targets={self.lora_targets}: a "
+                       "positive rank needs targets, and targets need a positive rank")
+
+  @property
+  def lora_scale(self) -> float:
+    return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
   @property
   def rope_scaling_dict(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from hflax.controller.ray_backend.group import (HostRole, WorkerDied, WorkerGrou
 from hflax.controller.ray_backend.session import SAFE_ENV, RaySession, check_loopback
 from hflax.controller.ray_backend.transport import to_host
 from hflax.controller.workers import FunctionRewardWorker
-from hflax.launch.roles import needed_roles, placement_spec
+from hflax.launch.roles import needed_roles, placement_spec, reference_in_actor
 from hflax.launch.trainer import Trainer
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -116,6 +116,8 @@ class RayTrainer(Trainer):
     handles = build_groups(self.groups, builders)
     self.log(f"ray: roles {', '.join(handles)} built in {time.perf_counter() - started:.1f} s")
     out = Roles(**{r: handles.get(r) for r in ("actor", "ref", "critic", "reward", "cost")})
+    if reference_in_actor(cfg):
+      out.ref = out.actor
     if out.reward is None:
       out.reward = HostRole(FunctionRewardWorker(self.reward_fn, output="token_level_scores"))
     if cfg.algorithm.name == "safe_rlhf" and out.cost is None:
