@@ -85,7 +85,7 @@ def trained_part(params, trainable=None):
   nnx.LoRAParam) of an nnx.State, None for every parameter."""
   if trainable is None:
     return params, None
-  return params.split(trainable, ...)
+  return nnx.split_state(params, trainable, ...)
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_batches: int,

@@ -55,7 +55,7 @@ def add_adapters(cfg: ModelConfig, state: nnx.State, seed: int):
 
 def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
   """(adapters, base weights)."""
-  return state.split(nnx.LoRAParam, ...)
+  return nnx.split_state(state, nnx.LoRAParam, ...)
 
 
 def merge_adapters(cfg: ModelConfig, state: nnx.State) -> nnx.State:

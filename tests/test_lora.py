@@ -1,0 +1,175 @@
+"""LoRA: the adapted model against PEFT, merged weights, training the adapters alone, the
+reference policy from the frozen base, sharded against unsharded, and a run end to end."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ppo_step import CFG, SAMPLING, actor_loss, prompts_batch
+from hflax.controller.batch import Batch
+from hflax.controller.training import OptimConfig, UpdateConfig
+from hflax.controller.workers import ActorRolloutWorker, ReferenceWorker
+from hflax.models import create, hf
+from hflax.models.lora import (add_adapters, export_adapter, init_adapters, lora_config,
+                               lora_targets, merge_adapters, split_adapters)
+from hflax.models.transformer import logits_fn
+from hflax.sharding.placement import build_placement, colocated
+
+LORA_CFG = lora_config(CFG, 4, 8.0, "all-linear")
+
+
+def _randomised(state, seed=0, scale=0.05):
+  """Adapters with a random B as well (fresh ones have B = 0, where any adapter is a no-op)."""
+  adapters, base = split_adapters(state)
+  leaves, tree = jax.tree.flatten(adapters)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  leaves = [scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  return nnx.merge_state(base, jax.tree.unflatten(tree, leaves))
+
+
+def _tokens(rows=2, length=10, vocab=64, seed=0):
+  tokens = np.random.RandomState(seed).randint(3, vocab, (rows, length))
+  return tokens, np.ones_like(tokens)
+
+
+def test_fresh_adapters_are_the_base_model_and_merging_is_exact():
+  graphdef, state = create(CFG, seed=0)
+  lora_graphdef, lora_state = add_adapters(LORA_CFG, state, seed=1)
+  tokens, mask = _tokens()
+  base = logits_fn(graphdef, state, tokens, mask)
+  np.testing.assert_array_equal(logits_fn(lora_graphdef, lora_state, tokens, mask), base)
+  adapted = _randomised(lora_state)
+  lora_logits = logits_fn(lora_graphdef, adapted, tokens, mask)
+  assert float(jnp.abs(lora_logits - base).max()) > 1e-2  # the adapters do something
+  merged = merge_adapters(LORA_CFG, adapted)
+  assert not split_adapters(merged)[0]  # base-shaped: the base graph runs it
+  np.testing.assert_allclose(logits_fn(graphdef, merged, tokens, mask), lora_logits, atol=1e-5)
+  # LoRA's A draws from a stream of its own: a model built with adapters has the weights
+  # of the one built without, and its adapters are those init_adapters makes alone.
+  _, built = create(LORA_CFG, seed=0)
+  for got, want in zip(jax.tree.leaves(split_adapters(built)[1]), jax.tree.leaves(state),
+                       strict=True):
+    np.testing.assert_array_equal(got, want)
+  for got, want in zip(jax.tree.leaves(split_adapters(built)[0]),
+                       jax.tree.leaves(init_adapters(LORA_CFG, 0)), strict=True):
+    np.testing.assert_array_equal(got, want)
+  b = [x for p, x in nnx.to_flat_state(built) if p[-1] == "lora_b"]
+  assert b and all(not np.asarray(x[...]).any() for x in b)
+
+
+def test_targets_parse_like_peft_and_bad_ones_are_named():
+  assert lora_targets("all-linear") == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                        "up_proj", "down_proj")
+  assert lora_targets("q_proj, v_proj,q_proj") == ("q_proj", "v_proj")
+  with pytest.raises(ValueError, match="unknown: \\['qkv_proj'\\]"):
+    lora_targets("q_proj,qkv_proj")
+  only_q = lora_config(CFG, 2, 4.0, "q_proj")
+  adapted = {p[:-1] for p, _ in nnx.to_flat_state(init_adapters(only_q, 0))}
+  assert adapted == {("layers", i, "attn", "q") for i in range(CFG.num_layers)}
+  from hflax.launch.config import base_config, validate
+  for field, value, message in (("lora_rank", -1, "config.model.lora_rank: must be an integer"),
+                                ("lora_alpha", 0.0, "config.model.lora_alpha: must be > 0"),
+                                ("target_modules", "q_proj,mlp", "config.model.target_modules")):
+    c = base_config()
+    c.model.lora_rank = 4
+    c.model[field] = value
+    with pytest.raises(ValueError, match=message):
+      validate(c)
+
+
+def test_adapted_forward_and_both_exports_match_peft(tmp_path):
+  import peft
+  import torch
+  import transformers
+  from hf_models import tiny_hf_model
+  model = tiny_hf_model("qwen2")  # qkv biases, tied embeddings
+  model.save_pretrained(tmp_path / "base")
+  cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
+  lcfg = lora_config(cfg, 4, 8.0, "q_proj,v_proj,o_proj,down_proj")
+  graphdef, adapted = add_adapters(lcfg, state, seed=3)
+  adapted = _randomised(adapted, scale=0.1)
+  export_adapter(str(tmp_path / "adapter"), lcfg, adapted, base_model=str(tmp_path / "base"))
+  tokens, mask = _tokens(vocab=128)
+  with torch.no_grad():
+    plain = model(torch.tensor(tokens)).logits.numpy()
+    reference = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    want = reference(torch.tensor(tokens)).logits.numpy()
+  assert np.abs(want - plain).max() > 1e-2  # PEFT read the adapters
+  ours = np.asarray(logits_fn(graphdef, adapted, tokens, mask))
+  np.testing.assert_allclose(ours, want, atol=2e-4)
+  hf.export_checkpoint(str(tmp_path / "merged"), cfg, merge_adapters(lcfg, adapted))
+  merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+  with torch.no_grad():
+    np.testing.assert_allclose(merged(torch.tensor(tokens)).logits.numpy(), want, atol=2e-4)
+
+
+def _lora_actor_round(spec):
+  """Adapters made non-trivial, one rollout, the actor's reference log-probs, two updates."""
+  placed = build_placement(spec)
+  home = jax.sharding.SingleDeviceSharding(placed["actor"].pool.devices[0])
+  base = create(CFG, seed=0)
+  graphdef, state = add_adapters(LORA_CFG, base[1], seed=0)
+  actor = ActorRolloutWorker(placed["actor"], graphdef, _randomised(state), sampling=SAMPLING,
+                             loss_fn=actor_loss, optim=OptimConfig(lr=1e-2),
+                             update=UpdateConfig(mini_batch_size=16, micro_batch_size=8),
+                             home=home)
+  ref = ReferenceWorker(placed["ref"], *base, home=home)
+  before = jax.tree.map(np.asarray, actor.params)
+  batch = actor.generate_sequences(prompts_batch())
+  batch = batch.union(actor.compute_log_prob(batch))
+  out = {"responses": np.asarray(batch["responses"]),
+         "rollout_log_probs": np.asarray(batch["rollout_log_probs"]),
+         "old_log_probs": np.asarray(batch["old_log_probs"]),
+         "actor_ref": np.asarray(actor.compute_ref_log_prob(batch)["ref_log_prob"]),
+         "ref": np.asarray(ref.compute_ref_log_prob(batch)["ref_log_prob"])}
+  advantages = np.random.RandomState(0).randn(*out["old_log_probs"].shape).astype(np.float32)
+  batch = batch.union(Batch({"advantages": jnp.asarray(advantages)}))
+  for _ in range(2):
+    metrics = actor.update_actor(batch).meta["metrics"]
+  return actor, before, out, metrics
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  return _lora_actor_round(colocated(["actor", "ref"], 1))
+
+
+def test_actor_trains_only_the_adapters_and_serves_the_reference(one_device):
+  actor, before, out, metrics = one_device
+  mask = out["responses"] != SAMPLING.pad_id
+  # Generation ran the merged weights: its log-probs are the adapted model's teacher-forced
+  # ones, not the base model's.
+  np.testing.assert_allclose(out["rollout_log_probs"] * mask, out["old_log_probs"] * mask,
+                             atol=2e-5)
+  assert np.abs((out["old_log_probs"] - out["ref"]) * mask).max() > 1e-3
+  # The actor's reference log-probs are those of a separate reference worker on the base.
+  np.testing.assert_allclose(out["actor_ref"], out["ref"], atol=1e-6)
+  adapters_before, base_before = split_adapters(before)
+  adapters_after, base_after = split_adapters(actor.params)
+  for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(base_after), strict=True):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  moved = [float(np.abs(a - np.asarray(b)).max())
+           for a, b in zip(jax.tree.leaves(adapters_before), jax.tree.leaves(adapters_after))]
+  assert min(moved) > 0
+  # Optimizer state for the adapters alone: Adam's two moments, and scalar counts.
+  adapter_elements = sum(x.size for x in jax.tree.leaves(adapters_after))
+  state_elements = sum(x.size for x in jax.tree.leaves(actor.opt_state) if x.ndim)
+  assert state_elements == 2 * adapter_elements
+  assert float(metrics["actor/grad_norm"]) > 0
+
+
+def test_sharded_lora_actor_matches_one_device(one_device):
+  _, _, want, _ = one_device
+  spec = {"pools": {"policy": 4, "scoring": 2},
+          "roles": {"actor": {"pool": "policy", "mesh": {"fsdp": 2, "tensor": 2},
+                              "generate_tensor": 2},
+                    "ref": {"pool": "scoring", "mesh": {"fsdp": 2}}}}
+  actor, _, got, _ = _lora_actor_round(spec)
+  assert actor.engine.mesh.shape["tensor"] == 2
+  np.testing.assert_array_equal(got["responses"], want["responses"])
+  for key in ("rollout_log_probs", "old_log_probs", "actor_ref", "ref"):
+    np.testing.assert_allclose(got[key], want[key], atol=2e-5, err_msg=key)
+  for a, b in zip(jax.tree.leaves(actor.params), jax.tree.leaves(one_device[0].params),
+                  strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
