@@ -26,6 +26,7 @@ setup(
     extras_require={
         # torch only as the parity reference; pin it, or pip pulls CUDA builds.
         "test": ["pytest", "pytest-xdist", "transformers>=4.50", "torch==2.13.0",
+                 "peft",  # the reference for LoRA adapters and their export
                  "tensorboard",  # its reader checks our event files
                  "ray[default]"],  # the Ray backend's tests (run under netless)
         "ray": ["ray[default]"],

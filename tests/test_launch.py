@@ -209,6 +209,39 @@ def test_end_to_end_run_artifacts_and_exact_resume(tmp_path):
       assert rows_b[step][key] == rows[step][key], (step, key)
 
 
+def test_lora_run_reference_in_actor_merged_export_and_exact_resume(tmp_path):
+  from hflax.models.transformer import logits_fn
+
+  def lora(path, **trainer):
+    c = tiny(path, val_every=0, val_before_train=False, **trainer)
+    c.model.update(lora_rank=4, lora_alpha=8.0, target_modules="q_proj,v_proj,up_proj")
+    c.actor.optim.lr = 1e-2  # adapters start at B = 0: let them move within 4 steps
+    return c
+
+  straight = Trainer(lora(tmp_path / "a"), log=lambda *_: None)
+  actor = straight.roles.actor
+  assert straight.roles.ref is actor  # no reference worker, pool or weight copy
+  straight.fit()
+  run_dir = tmp_path / "a" / "run"
+  rows = _read_jsonl(run_dir / "metrics.jsonl")
+  assert rows[4]["actor/kl_loss"] > 0 and "timing_s/ref" in rows[4]
+  # hf_actor holds the adapters merged in; lora_adapter is PEFT's format.
+  _, graphdef, merged = hf.load_checkpoint(str(run_dir / "hf_actor"))
+  tokens = np.random.RandomState(0).randint(3, 200, (2, 12))
+  np.testing.assert_allclose(logits_fn(graphdef, merged, tokens, np.ones_like(tokens)),
+                             logits_fn(actor.graphdef, actor.params, tokens, np.ones_like(tokens)),
+                             atol=1e-5)
+  adapter = json.loads((run_dir / "lora_adapter" / "adapter_config.json").read_text())
+  assert (adapter["r"], adapter["lora_alpha"]) == (4, 8.0)
+  assert sorted(adapter["target_modules"]) == ["q_proj", "up_proj", "v_proj"]
+
+  Trainer(lora(tmp_path / "b", total_steps=2), log=lambda *_: None).fit()
+  resumed = Trainer(lora(tmp_path / "b"), log=lambda *_: None)
+  resumed.fit()
+  for a, b in zip(_leaves(actor.params), _leaves(resumed.roles.actor.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_jsonl_data_custom_reward_and_hf_checkpoint(tmp_path):
   from hflax.data import save_prompts
   from hflax.launch.roles import policy_model
