@@ -170,3 +170,27 @@ def test_a_data_split_that_does_not_divide_costs_its_padding():
   padded, exact, fewer = (sim.forward("ref", six, free=60e9).time for sim in sims)
   assert padded == pytest.approx(exact) and fewer < exact
   assert sims[0].mesh_problem("ref", six) is None
+
+
+def test_lora_actor_keeps_optimizer_state_for_adapters_and_computes_the_reference():
+  from hflax.models.lora import lora_config
+  base = automap.llama2_config("7b")
+  lora = lora_config(base, 16, 32.0, "all-linear")
+  # Llama-2-7B, rank 16 on every linear layer: PEFT reports 39,976,960 trainable parameters.
+  assert lora.num_lora_params == 39_976_960
+  full = Simulator(Workload(models={"actor": base}), A100)
+  adapted = Simulator(Workload(models={"actor": lora}), A100)
+  mesh = MeshShape(1, 8, 1)
+  # 16 bytes per trained parameter, 2 per frozen one.
+  assert full.resident("actor", mesh) == pytest.approx(16 * base.num_params / 8)
+  assert adapted.resident("actor", mesh) == pytest.approx(
+      (2 * base.num_params + 16 * lora.num_lora_params) / 8)
+  # No weight gradients for the base: 3 forward-equivalents with remat instead of 4, and
+  # an optimizer update of the adapters alone.
+  free = 40e9
+  assert adapted.train("actor", mesh, free).time < 0.8 * full.train("actor", mesh, free).time
+  # The reference log-probs run as a second forward pass on the actor's pool.
+  for_ref = Workload(models={"actor": lora}, reference_in_actor=True)
+  one = Planner(Workload(models={"actor": lora}), A100).evaluate_pool(("actor",), 8, {"actor": mesh})
+  two = Planner(for_ref, A100).evaluate_pool(("actor",), 8, {"actor": mesh})
+  assert two.stage_times["forward"] == pytest.approx(2 * one.stage_times["forward"])

@@ -18,7 +18,7 @@ configure_cpu()  # before JAX starts
 def workload(cfg, policy_cfg):
   """The auto-mapper's Workload for a config (every model has the policy's shape unless a
   checkpoint says otherwise)."""
-  from hflax.launch.roles import needed_roles
+  from hflax.launch.roles import actor_config, needed_roles, reference_in_actor
   from hflax.models import hf
   from hflax.sharding import automap
   models = {}
@@ -26,12 +26,13 @@ def workload(cfg, policy_cfg):
     path = {"critic": cfg.critic.model_path, "reward": cfg.reward.model_path,
             "cost": cfg.cost.model_path}.get(role, "")
     models[role] = hf.read_config(path) if path else policy_cfg
+  models["actor"] = actor_config(cfg, policy_cfg)
   micro = cfg.actor.ppo_micro_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n
   return automap.Workload(
       models=models, prompts_per_step=cfg.data.train_batch_size, samples_per_prompt=cfg.rollout.n,
       prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
       mini_batch_size=cfg.actor.ppo_mini_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
-      micro_batch_size=micro)
+      micro_batch_size=micro, reference_in_actor=reference_in_actor(cfg))
 
 
 def profile(name: str, devices):

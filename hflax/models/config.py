@@ -88,6 +88,15 @@ class ModelConfig:
     head = 0 if self.tie_word_embeddings else self.vocab_size * d
     return self.vocab_size * d + self.num_layers * per_layer + d + head
 
+  @property
+  def num_lora_params(self) -> int:
+    """Parameters of the LoRA adapters (rank x (in + out) per adapted layer)."""
+    d, h, kv, hd, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                       self.intermediate_size)
+    sizes = {"q_proj": d + h * hd, "k_proj": d + kv * hd, "v_proj": d + kv * hd,
+             "o_proj": h * hd + d, "gate_proj": d + f, "up_proj": d + f, "down_proj": f + d}
+    return self.num_layers * self.lora_rank * sum(sizes[t] for t in self.lora_targets)
+
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
 

@@ -8,7 +8,9 @@ all-reduce runs after each mini-batch's last backward pass.
 
 Bytes: bf16 weights (2 bytes/param) for inference and generation; a trained model keeps
 16 bytes/param (bf16 weights and gradients, fp32 master copy, two fp32 Adam moments),
-sharded over fsdp x tensor and replicated over data.
+sharded over fsdp x tensor and replicated over data. With LoRA only the adapters have
+gradients and optimizer state (the frozen base costs 2 bytes/param), and the backward
+pass skips the base weights' gradient matmuls: 2 forward-equivalents, not 3.
 """
 from __future__ import annotations
 
@@ -88,6 +90,11 @@ def weight_tensors(cfg: ModelConfig) -> int:
   return cfg.num_layers * per_layer + 2 + (0 if cfg.tie_word_embeddings else 1)
 
 
+def trained_params(cfg: ModelConfig) -> int:
+  """What has gradients and optimizer state: the LoRA adapters, else every parameter."""
+  return cfg.num_lora_params if cfg.lora_rank else cfg.num_params
+
+
 def layer_params(cfg: ModelConfig) -> float:
   return (cfg.num_params - 2 * cfg.vocab_size * cfg.hidden_size) / cfg.num_layers
 
@@ -131,8 +138,11 @@ class Simulator:
     return min(1.0, mesh.size / self.prof.devices_per_node)
 
   def resident(self, role: str, mesh: MeshShape) -> float:
-    per_param = TRAIN_BYTES_PER_PARAM if role in TRAINED else WEIGHT_BYTES
-    return per_param * self.wl.models[role].num_params / mesh.shards
+    cfg = self.wl.models[role]
+    if role not in TRAINED:
+      return WEIGHT_BYTES * cfg.num_params / mesh.shards
+    frozen = cfg.num_params if cfg.lora_rank else 0  # the base beneath the adapters
+    return (TRAIN_BYTES_PER_PARAM * trained_params(cfg) + WEIGHT_BYTES * frozen) / mesh.shards
 
   def mesh_problem(self, role: str, mesh: MeshShape) -> str | None:
     wl = self.wl
@@ -195,15 +205,18 @@ class Simulator:
                        f"{max(free, 0) / 1e9:.1f} GB free")
     steps = wl.optimizer_steps
     calls = steps * math.ceil(per_device / micro)
-    passes = 3 + remat  # forward, backward (2x), and the recomputed forward
+    # forward, backward (2x: activation and weight gradients; LoRA's frozen weights need
+    # no weight gradients), and the recomputed forward
+    passes = (2 if cfg.lora_rank else 3) + remat
     compute = (steps * per_device * mesh.batch_ways * passes * forward_flops(cfg, wl.seq_len)
                / (mesh.size * self.flops_rate) * self.share(mesh))
     tp, gather = self._layer_comm(cfg, mesh, micro, passes=2 + remat)
     fsdp = calls * gather * (2 + remat)  # gathers for forward and backward (+ recompute),
     # the reduce-scatter of gradients costing as much as one gather
-    grads = WEIGHT_BYTES * cfg.num_params / mesh.shards
+    trained = trained_params(cfg)
+    grads = WEIGHT_BYTES * trained / mesh.shards
     sync = steps * comm.all_reduce(self.prof, grads, mesh.data, mesh.size)
-    update = (steps * 2 * TRAIN_BYTES_PER_PARAM * cfg.num_params / mesh.shards / self.hbm_rate
+    update = (steps * 2 * TRAIN_BYTES_PER_PARAM * trained / mesh.shards / self.hbm_rate
               * self.share(mesh))
     time = (self.ovh.hide(compute, fsdp) + calls * tp + sync + update
             + self.ovh.call_time(mesh.size))

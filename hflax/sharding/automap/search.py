@@ -97,6 +97,8 @@ class Planner:
       if problem:
         return dataclasses.replace(plan, reason=problem)
       calls = [("forward", sim.forward(role, mesh, free))]
+      if role == "actor" and self.wl.reference_in_actor:
+        calls.append(calls[0])
       if role in TRAINED:
         calls.append(("train", sim.train(role, mesh, free)))
       if role == "actor":

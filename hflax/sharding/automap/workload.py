@@ -26,6 +26,8 @@ class Workload:
   mini_batch_size: int = 256          # prompts per optimizer step (verl's ppo_mini_batch_size)
   ppo_epochs: int = 1
   micro_batch_size: int = 8           # sequences per device per forward/backward call
+  # The actor also computes the reference log-probs (LoRA: from its frozen base).
+  reference_in_actor: bool = False
 
   def __post_init__(self):
     roles = tuple(self.models)
