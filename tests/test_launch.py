@@ -234,6 +234,14 @@ def test_lora_run_reference_in_actor_merged_export_and_exact_resume(tmp_path):
   adapter = json.loads((run_dir / "lora_adapter" / "adapter_config.json").read_text())
   assert (adapter["r"], adapter["lora_alpha"]) == (4, 8.0)
   assert sorted(adapter["target_modules"]) == ["q_proj", "up_proj", "v_proj"]
+  # A new run starts its adapters from that directory (the same seed gives the same base).
+  from hflax.models.lora import split_adapters
+  c = lora(tmp_path / "from_adapter")
+  c.model.lora_adapter_path = str(run_dir / "lora_adapter")
+  started = Trainer(c, log=lambda *_: None).roles.actor.params
+  for a, b in zip(_leaves(split_adapters(started)[0]), _leaves(split_adapters(actor.params)[0]),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
 
   Trainer(lora(tmp_path / "b", total_steps=2), log=lambda *_: None).fit()
   resumed = Trainer(lora(tmp_path / "b"), log=lambda *_: None)
@@ -388,44 +396,44 @@ def test_plan_cli_ranks_plans_and_names_what_cannot_run(capsys):
 def test_sft_cache_key_follows_the_data_files_contents(tmp_path):
   from hflax.data import save_prompts
   from hflax.launch.roles import builtin_config
-  from hflax.launch.sft import _cache_dir
+  from hflax.launch.sft import warmup_cache_dir
   c = tiny(tmp_path)
   rows = [{"data_source": "arithmetic", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}}]
   c.data.train_files = str(tmp_path / "train.jsonl")
   save_prompts(rows, c.data.train_files)
   model_cfg = builtin_config(c, 261)
-  before = _cache_dir(c, model_cfg)
-  assert _cache_dir(c, model_cfg) == before  # a rerun reuses the warm-up
+  before = warmup_cache_dir(c, model_cfg)
+  assert warmup_cache_dir(c, model_cfg) == before  # a rerun reuses the warm-up
   rows[0]["reward_model"]["ground_truth"] = "3"  # the same path, edited in place
   save_prompts(rows, c.data.train_files)
-  assert _cache_dir(c, model_cfg) != before
+  assert warmup_cache_dir(c, model_cfg) != before
 
 
 def test_sft_cache_key_ignores_what_the_warmup_does_not_read(tmp_path):
   from hflax.launch.roles import builtin_config
-  from hflax.launch.sft import _cache_dir
+  from hflax.launch.sft import warmup_cache_dir
   c = tiny(tmp_path)
   model_cfg = builtin_config(c, 261)
-  key = os.path.basename(_cache_dir(c, model_cfg))
+  key = os.path.basename(warmup_cache_dir(c, model_cfg))
   same = [("data", "train_batch_size", 8), ("data", "val_batch_size", 3),
           ("data", "val_files", "other.jsonl"), ("trainer", "total_steps", 99)]
   for section, field, value in same:
     d = copy.deepcopy(c)
     d[section][field] = value
-    assert os.path.basename(_cache_dir(d, model_cfg)) == key, field
+    assert os.path.basename(warmup_cache_dir(d, model_cfg)) == key, field
   d = copy.deepcopy(c)
   d.trainer.sft_warmup.cache_dir = str(tmp_path / "elsewhere")
-  assert os.path.basename(_cache_dir(d, model_cfg)) == key
+  assert os.path.basename(warmup_cache_dir(d, model_cfg)) == key
   different = [("data", "max_response_length", 9), ("data", "seed", 1), ("trainer", "seed", 1)]
   for section, field, value in different:
     d = copy.deepcopy(c)
     d[section][field] = value
-    assert os.path.basename(_cache_dir(d, model_cfg)) != key, field
+    assert os.path.basename(warmup_cache_dir(d, model_cfg)) != key, field
   d = copy.deepcopy(c)
   d.data.builtin.digits = (1, 1)
-  assert os.path.basename(_cache_dir(d, model_cfg)) != key
+  assert os.path.basename(warmup_cache_dir(d, model_cfg)) != key
   bf16 = dataclasses.replace(model_cfg, dtype="bfloat16")  # same weights' shape, other numbers
-  assert os.path.basename(_cache_dir(c, bf16)) != key
+  assert os.path.basename(warmup_cache_dir(c, bf16)) != key
 
 
 def test_val_every_none_still_means_no_validation(tmp_path):

@@ -173,3 +173,60 @@ def test_sharded_lora_actor_matches_one_device(one_device):
   for a, b in zip(jax.tree.leaves(actor.params), jax.tree.leaves(one_device[0].params),
                   strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+def test_an_adapter_peft_saved_loads_and_runs_as_peft_runs_it(tmp_path):
+  import peft
+  import torch
+  from hf_models import tiny_hf_model
+  from hflax.launch.config import base_config
+  from hflax.launch.roles import check_adapter
+  from hflax.models.lora import load_adapter, read_adapter_config
+  model = tiny_hf_model("llama")
+  model.save_pretrained(tmp_path / "base")
+  # init_lora_weights=False: B random too, so the adapter changes the model.
+  adapted = peft.get_peft_model(model, peft.LoraConfig(
+      r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate_proj"],
+      init_lora_weights=False)).eval()
+  adapted.save_pretrained(tmp_path / "adapter")
+  tokens, mask = _tokens(vocab=128)
+  with torch.no_grad():
+    want = adapted(torch.tensor(tokens)).logits.numpy()
+  found = read_adapter_config(str(tmp_path / "adapter"))
+  assert (found["rank"], found["alpha"]) == (4, 8.0)
+  assert set(found["targets"]) == {"q_proj", "k_proj", "gate_proj"}
+  cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
+  lcfg = lora_config(cfg, 4, 8.0, found["targets"])
+  graphdef, fresh = add_adapters(lcfg, state, seed=0)
+  loaded = nnx.merge_state(split_adapters(fresh)[1], load_adapter(str(tmp_path / "adapter"), lcfg))
+  np.testing.assert_allclose(logits_fn(graphdef, loaded, tokens, mask), want, atol=2e-4)
+  # Our export of what we loaded reads back bit for bit.
+  export_adapter(str(tmp_path / "again"), lcfg, loaded)
+  for a, b in zip(jax.tree.leaves(load_adapter(str(tmp_path / "again"), lcfg)),
+                  jax.tree.leaves(split_adapters(loaded)[0]), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # A config that does not describe the adapter is refused before anything runs, saying
+  # what would.
+  c = base_config()
+  c.model.update(lora_rank=8, lora_alpha=8.0, target_modules="q_proj,k_proj,gate_proj",
+                 lora_adapter_path=str(tmp_path / "adapter"))
+  with pytest.raises(ValueError, match="has r=4, lora_alpha=8, .* set model.lora_rank=4"):
+    check_adapter(c)
+  c.model.lora_rank = 4
+  check_adapter(c)
+  with pytest.raises(ValueError, match="no tensor .*layers.0.self_attn.v_proj.lora_A.weight"):
+    load_adapter(str(tmp_path / "adapter"), lora_config(cfg, 4, 8.0, "q_proj,v_proj"))
+
+
+def test_with_lora_a_pool_only_the_reference_used_is_not_built():
+  import importlib.util
+  from hflax.launch.roles import needed_roles, placement_spec
+  spec = importlib.util.spec_from_file_location("grpo_cfg", "configs/grpo.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()  # actor and reference on pools of their own
+  assert placement_spec(c, needed_roles(c), 2)["pools"] == {"policy": 1, "reference": 1}
+  c.model.lora_rank = 8
+  assert needed_roles(c) == ["actor"]
+  assert placement_spec(c, needed_roles(c), 2) == {
+      "pools": {"policy": 1}, "roles": {"actor": {"pool": "policy", "generate_tensor": 1}}}

@@ -21,7 +21,7 @@ from hflax.controller.protocol import LIVE_ROWS, Protocol, first_rows, replicate
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
                                        make_train_step, mini_batch_order,
                                        train_compiler_options, trained_part)
-from hflax.models.lora import base_config, merge_adapters, split_adapters
+from hflax.models.lora import base_config, merged_kernels, split_adapters, split_for_merge
 from hflax.models.logprobs import sequence_log_probs
 from hflax.models.transformer import create_abstract, forward
 from hflax.rewards.scorer import last_token_scores
@@ -177,10 +177,12 @@ class ActorRolloutWorker(RoleWorker):
       # Generation runs the merged weights (W + scale A B) on the base model's graph: no
       # adapter matmuls in the decode loop, and the engine reshards base-shaped weights.
       self.base_graphdef = create_abstract(base_config(self.cfg))[0]
+      # Only the adapted kernels are computed (and copied); the other weights pass through.
+      kernels = split_for_merge(abstract)[0]
+      self._merge = jax.jit(functools.partial(merged_kernels, self.cfg),
+                            out_shardings=state_shardings(kernels, self.mesh, TRAIN_RULES))
       abstract = split_adapters(abstract)[1]
       shardings = state_shardings(abstract, self.mesh, TRAIN_RULES)
-      self._merged = jax.jit(functools.partial(merge_adapters, self.cfg),
-                             in_shardings=(self.shardings,), out_shardings=shardings)
     self.engine = HybridEngine(self.mesh, abstract, shardings, placement.generate_tensor,
                                generate_dtype, placement.generate_strided)
     self.temperature = sampling.temperature or 1.0
@@ -201,8 +203,7 @@ class ActorRolloutWorker(RoleWorker):
     count = len(prompts)
     # Generation replicas split the prompts: pad with repeats, drop their samples after.
     prompts, pad = prompts.pad_to_divisor(self.engine.mesh.shape["data"])
-    gen_state, metrics = self.engine.to_generate(
-        self.params if self.trainable is None else self._merged(self.params))
+    gen_state, metrics = self.engine.to_generate(self._generation_weights())
     if self.optimizer_offload:
       metrics.update(self._offload_optimizer())
     rows = jax.sharding.NamedSharding(self.engine.mesh, jax.sharding.PartitionSpec("data"))
@@ -234,6 +235,13 @@ class ActorRolloutWorker(RoleWorker):
     fn = self._jit_rows(_log_probs_fn(self.graphdef, _response_width(batch), self.temperature))
     logp, entropy = fn(self.params, rows)
     return {"old_log_probs": logp, "entropy": entropy}
+
+  def _generation_weights(self):
+    """The training-layout weights generation reshards: with LoRA, the merged ones."""
+    if self.trainable is None:
+      return self.params
+    kernels, adapters, rest = split_for_merge(self.params)
+    return nnx.merge_state(rest, self._merge(kernels, adapters))
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
   def compute_ref_log_prob(self, rows, batch):
@@ -288,6 +296,13 @@ class ReferenceWorker(RoleWorker):
   def __init__(self, placement, graphdef, state, *, temperature: float = 1.0, **kw):
     super().__init__(placement, graphdef, state, **kw)
     self.temperature = temperature
+
+  def _generation_weights(self):
+    """The training-layout weights generation reshards: with LoRA, the merged ones."""
+    if self.trainable is None:
+      return self.params
+    kernels, adapters, rest = split_for_merge(self.params)
+    return nnx.merge_state(rest, self._merge(kernels, adapters))
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
   def compute_ref_log_prob(self, rows, batch):

@@ -49,7 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
       # LoRA (verl's names): lora_rank 0 trains every weight; > 0 trains rank-r adapters
       # on target_modules ("all-linear", or HF names such as "q_proj,v_proj") and nothing
       # else, and the reference policy is the frozen base (no copy of its own).
-      lora_rank=0, lora_alpha=16.0, target_modules="all-linear",
+      # lora_adapter_path: a PEFT adapter directory to start the adapters from (its r,
+      # lora_alpha and target_modules must be the three above).
+      lora_rank=0, lora_alpha=16.0, target_modules="all-linear", lora_adapter_path="",
       builtin=dict(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=4,
                    num_kv_heads=2, rope_theta=10000.0))
   c.actor = dict(
@@ -232,6 +234,9 @@ def validate(c) -> None:
   if c.actor.clip_ratio_c is not None and not c.actor.clip_ratio_c > 1:
     fail("actor.clip_ratio_c", f"dual-clip's bound must be > 1, got {c.actor.clip_ratio_c!r}")
   _check_int(c, "model.lora_rank", 0, fail, "(0: no LoRA, every weight is trained)")
+  if c.model.lora_adapter_path and not c.model.lora_rank:
+    fail("model.lora_rank", "model.lora_adapter_path is set: set lora_rank (and lora_alpha, "
+         "target_modules) to the adapter's r (lora_alpha, target_modules)")
   if c.model.lora_rank:
     if not c.model.lora_alpha > 0:
       fail("model.lora_alpha", f"must be > 0, got {c.model.lora_alpha!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+from flax import nnx
 
 from hflax.algorithms.drivers import NEEDS_CRITIC, Roles
 from hflax.algorithms.drivers.common import actor_loss, critic_loss
@@ -11,7 +12,8 @@ from hflax.controller.training import OptimConfig, UpdateConfig
 from hflax.controller.workers import (ActorRolloutWorker, CriticWorker, FunctionRewardWorker,
                                       ReferenceWorker, RewardModelWorker)
 from hflax.models import ModelConfig, create, hf
-from hflax.models.lora import add_adapters, lora_config
+from hflax.models.lora import (add_adapters, load_adapter, lora_config, lora_targets,
+                               read_adapter_config, split_adapters)
 from hflax.rollout import SamplingParams
 from hflax.sharding.layouts import data_parallel_size
 from hflax.sharding.placement import build_placement, colocated, standalone
@@ -71,7 +73,27 @@ def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
         read[field] = hf.read_config(path)
       except (OSError, ValueError) as e:
         raise ValueError(f"config.{field}: {e}") from None
+  if cfg.model.lora_adapter_path:
+    check_adapter(cfg)
   return read.get("model.path")
+
+
+def check_adapter(cfg) -> None:
+  """model.lora_adapter_path holds adapters of the rank, alpha and targets configured."""
+  m = cfg.model
+  try:
+    found = read_adapter_config(m.lora_adapter_path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.model.lora_adapter_path: {e}") from None
+  wanted = {"rank": m.lora_rank, "alpha": float(m.lora_alpha),
+            "targets": set(lora_targets(m.target_modules))}
+  found["targets"] = set(found["targets"])
+  if found != wanted:
+    raise ValueError(
+        f"config.model.lora_adapter_path: {m.lora_adapter_path} has r={found['rank']}, "
+        f"lora_alpha={found['alpha']:g}, target_modules {sorted(found['targets'])}; set "
+        f"model.lora_rank={found['rank']} model.lora_alpha={found['alpha']:g} "
+        f"model.target_modules={','.join(sorted(found['targets']))}")
 
 
 def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_list=None) -> dict:
@@ -88,6 +110,10 @@ def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_
     spec = standalone(roles, devices // len(roles), tensor)
   else:
     spec = {"pools": cfg.placement.pools.to_dict(), "roles": cfg.placement.roles.to_dict()}
+    if reference_in_actor(cfg) and spec["roles"].pop("ref", None):
+      # The actor serves the reference: a pool that only the reference used would idle.
+      used = {r.get("pool") for r in spec["roles"].values()}
+      spec["pools"] = {p: n for p, n in spec["pools"].items() if p in used}
     actor = spec["roles"].get("actor")
     if actor is None or "generate_tensor" in actor:
       return spec
@@ -181,7 +207,11 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
   model_cfg, graphdef, state = policy
   actor_graphdef, actor_state = graphdef, state
   if cfg.model.lora_rank:
-    actor_graphdef, actor_state = add_adapters(actor_config(cfg, model_cfg), state, seed)
+    lora_cfg = actor_config(cfg, model_cfg)
+    actor_graphdef, actor_state = add_adapters(lora_cfg, state, seed)
+    if cfg.model.lora_adapter_path:
+      actor_state = nnx.merge_state(split_adapters(actor_state)[1],
+                                    load_adapter(cfg.model.lora_adapter_path, lora_cfg))
   sampling = SamplingParams(
       max_new_tokens=cfg.data.max_response_length, temperature=cfg.rollout.temperature,
       top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p, n=n, eos_ids=tuple(tokenizer.eos_ids),

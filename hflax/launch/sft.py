@@ -42,7 +42,7 @@ def _file_digest(path: str) -> str | None:
   return digest.hexdigest()
 
 
-def _cache_dir(cfg, model_cfg) -> str:
+def warmup_cache_dir(cfg, model_cfg) -> str:
   """Keyed by what the warm-up reads, and only that: batch sizes, validation data or the
   cache's own location do not change its result, so they do not repeat it."""
   d = cfg.data
@@ -87,7 +87,7 @@ def sft_warmup(cfg, policy, tokenizer, rows, log=print):
   """Returns the warmed-up policy (model config, graphdef, state); cached on disk."""
   model_cfg, graphdef, state = policy
   sft = cfg.trainer.sft_warmup
-  cache = _cache_dir(cfg, model_cfg)
+  cache = warmup_cache_dir(cfg, model_cfg)
   if os.path.isfile(os.path.join(cache, "config.json")):
     log(f"sft warm-up: reusing {cache}")
     return hf.load_checkpoint(cache, param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype,

@@ -16,8 +16,9 @@ from hflax.controller.batch import Batch
 from hflax.data import PromptLoader, arithmetic_task, load_prompts
 from hflax.launch.config import tokenizer_spec, validate
 from hflax.launch.roles import (actor_config, build_roles, check_micro_batches, check_roles_placed,
-                                needed_roles, placement_spec, policy_model, read_model_configs)
-from hflax.launch.sft import sft_warmup
+                                needed_roles, placement_spec, policy_model, read_model_configs,
+                                reference_in_actor)
+from hflax.launch.sft import sft_warmup, warmup_cache_dir
 from hflax.metrics import MetricsLogger, plot_metrics, throughput
 from hflax.metrics.generations import generation_rows, write_generations
 from hflax.models import hf
@@ -130,7 +131,10 @@ class Trainer:
     self.cost_fn = make_reward_fn(cfg.cost, self.tokenizer, "cost") if \
         cfg.algorithm.name == "safe_rlhf" and cfg.cost.kind == "rule" else None
     policy = policy_model(cfg, self.tokenizer.vocab_size, self.tokenizer)
+    # What LoRA adapters sit on: model.path, or the warm-up's cached checkpoint.
+    self.base_path = cfg.model.path
     if cfg.trainer.sft_warmup.steps:
+      self.base_path = warmup_cache_dir(cfg, policy[0])
       policy = sft_warmup(cfg, policy, self.tokenizer, [train[i] for i in self.loader.kept],
                           log=log)
     self.model_cfg = policy[0]
@@ -148,6 +152,9 @@ class Trainer:
                                where="config.placement")
       check_roles_placed(self.cfg, placed)
       check_micro_batches(self.cfg, placed, roles, self.cfg.rollout.n)
+    if reference_in_actor(self.cfg) and "ref" in self.cfg.placement.roles:
+      self.log("model.lora_rank: the actor computes the reference log-probs from its frozen "
+               "base, so placement.roles.ref is not used (nor a pool only it used)")
 
   def make_roles(self, policy, devices):
     """The role workers on this process's devices (the Ray backend overrides this)."""
@@ -313,9 +320,7 @@ class Trainer:
       if cfg.model.lora_rank:  # the adapters in PEFT's format, and merged into hf_actor
         adapter = os.path.join(cfg.trainer.run_dir, "lora_adapter")
         lora_cfg = actor_config(cfg, self.model_cfg)
-        # The adapters sit on model.path's weights unless a warm-up changed them first.
-        base = cfg.model.path if not cfg.trainer.sft_warmup.steps else ""
-        export_adapter(adapter, lora_cfg, params, base_model=base)
+        export_adapter(adapter, lora_cfg, params, base_model=self.base_path)
         params = merge_adapters(lora_cfg, params)
         self.log(f"exported the LoRA adapters to {adapter}")
       hf.export_checkpoint(out, self.model_cfg, params)

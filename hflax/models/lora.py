@@ -59,21 +59,34 @@ def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
 
 
 def merge_adapters(cfg: ModelConfig, state: nnx.State) -> nnx.State:
-  """The base model's state with each adapted kernel replaced by W + scale * A B (in
-  float32, cast back to W's dtype): the same function, without the adapters' two extra
-  matmuls per layer."""
-  flat = dict(nnx.to_flat_state(state))
-  merged = []
-  for path, var in flat.items():
-    if isinstance(var, nnx.LoRAParam):
-      continue
-    if path[-1] == "kernel" and path[:-1] + ("lora_a",) in flat:
-      a, b = flat[path[:-1] + ("lora_a",)][...], flat[path[:-1] + ("lora_b",)][...]
-      w = var[...]
-      delta = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
-      var = var.replace(value=(w.astype(jnp.float32) + cfg.lora_scale * delta).astype(w.dtype))
-    merged.append((path, var))
-  return nnx.from_flat_state(merged)
+  """The base model's state with each adapted kernel replaced by W + scale * A B: the
+  same function, without the adapters' two extra matmuls per layer."""
+  kernels, adapters, rest = split_for_merge(state)
+  merged = dict(nnx.to_flat_state(merged_kernels(cfg, kernels, adapters)))
+  return nnx.merge_state(rest, nnx.from_flat_state(list(merged.items())))
+
+
+def split_for_merge(state: nnx.State) -> tuple[nnx.State, nnx.State, nnx.State]:
+  """(the adapted kernels, the adapters, every other weight): a merge reads the first
+  two and leaves the third as it is."""
+  adapters, base = split_adapters(state)
+  layers = {path[:-1] for path, _ in nnx.to_flat_state(adapters)}
+  kernels, rest = nnx.split_state(
+      base, lambda path, _: path[-1] == "kernel" and tuple(path[:-1]) in layers, ...)
+  return kernels, adapters, rest
+
+
+def merged_kernels(cfg: ModelConfig, kernels: nnx.State, adapters: nnx.State) -> nnx.State:
+  """W + scale * A B for each adapted kernel, summed in float32 and cast back to W's dtype
+  (in bfloat16 weights, an adapter change below W's precision rounds away)."""
+  flat = dict(nnx.to_flat_state(adapters))
+  out = []
+  for path, var in nnx.to_flat_state(kernels):
+    a, b, w = flat[path[:-1] + ("lora_a",)][...], flat[path[:-1] + ("lora_b",)][...], var[...]
+    delta = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
+    out.append((path, var.replace(value=(w.astype(jnp.float32) + cfg.lora_scale * delta)
+                                  .astype(w.dtype))))
+  return nnx.from_flat_state(out)
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:
@@ -87,12 +100,9 @@ def export_adapter(path: str, cfg: ModelConfig, state: nnx.State, *, base_model:
   names = hf_name_map(base_config(cfg))
   tensors = {}
   for kpath, var in nnx.to_flat_state(split_adapters(state)[0]):
-    weight, _ = names[kpath[:-1] + ("kernel",)]
-    which = {"lora_a": "lora_A", "lora_b": "lora_B"}[kpath[-1]]
     # PEFT keeps torch's [out, in] layout: A is [rank, in], B is [out, rank].
     array = np.asarray(jax.device_get(var[...]), np.float32).T
-    tensors["base_model.model." + weight.replace(".weight", f".{which}.weight")] = (
-        np.ascontiguousarray(array))
+    tensors[_peft_key(names, kpath)] = np.ascontiguousarray(array)
   os.makedirs(path, exist_ok=True)
   save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
   adapter_config = dict(
@@ -102,3 +112,62 @@ def export_adapter(path: str, cfg: ModelConfig, state: nnx.State, *, base_model:
       base_model_name_or_path=base_model or None)
   with open(os.path.join(path, "adapter_config.json"), "w") as f:
     json.dump(adapter_config, f, indent=2)
+
+
+def read_adapter_config(path: str) -> dict:
+  """rank, alpha and targets of a PEFT LoRA adapter directory; what hflax cannot run
+  the same way (rsLoRA, DoRA, trained biases, extra modules) is refused, naming it."""
+  file = os.path.join(path, "adapter_config.json")
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"no adapter_config.json in LoRA adapter directory {path!r}")
+  with open(file) as f:
+    c = json.load(f)
+  unsupported = {"peft_type": c.get("peft_type") != "LORA", "use_rslora": c.get("use_rslora"),
+                 "use_dora": c.get("use_dora"), "bias": c.get("bias", "none") != "none",
+                 "modules_to_save": c.get("modules_to_save"),
+                 "rank_pattern": c.get("rank_pattern"), "alpha_pattern": c.get("alpha_pattern")}
+  bad = [k for k, v in unsupported.items() if v]
+  if bad:
+    raise ValueError(f"{file}: {', '.join(f'{k}={c.get(k)!r}' for k in bad)} is not supported "
+                     "(hflax runs plain LoRA: peft_type LORA, no rsLoRA/DoRA, bias 'none')")
+  try:
+    targets = lora_targets(c.get("target_modules"))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{file}: target_modules: {e}") from None
+  return {"rank": int(c["r"]), "alpha": float(c["lora_alpha"]), "targets": targets}
+
+
+def load_adapter(path: str, cfg: ModelConfig) -> nnx.State:
+  """The adapters of a PEFT LoRA directory (adapter_model.safetensors) as the LoRAParams
+  of the model `cfg` describes; every tensor must be there, with its shape, and no other."""
+  from safetensors import safe_open
+  from hflax.models.hf import hf_name_map
+  file = os.path.join(path, "adapter_model.safetensors")
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"no adapter_model.safetensors in LoRA adapter directory {path!r}")
+  names = hf_name_map(base_config(cfg))
+  abstract = split_adapters(create_abstract(cfg)[1])[0]
+  loaded = []
+  with safe_open(file, framework="numpy") as f:
+    stored = set(f.keys())
+    for kpath, var in nnx.to_flat_state(abstract):
+      key = _peft_key(names, kpath)
+      if key not in stored:
+        raise ValueError(f"{file}: no tensor {key!r} (adapter and model.target_modules differ?)")
+      array, want = f.get_tensor(key).T, var.get_value()
+      if array.shape != want.shape:
+        raise ValueError(f"{file}: {key} has shape {array.T.shape}, the model needs "
+                         f"{want.shape[::-1]}")
+      loaded.append((kpath, var.replace(value=jnp.asarray(array, want.dtype))))
+      stored.discard(key)
+  if stored:
+    raise ValueError(f"{file}: tensors the model has no place for: {sorted(stored)[:3]}")
+  return nnx.from_flat_state(loaded)
+
+
+def _peft_key(names: dict, kpath: tuple) -> str:
+  """PEFT's name of one adapter matrix, e.g. base_model.model.model.layers.0.self_attn.
+  q_proj.lora_A.weight for (layers, 0, attn, q, lora_a)."""
+  weight, _ = names[kpath[:-1] + ("kernel",)]
+  which = {"lora_a": "lora_A", "lora_b": "lora_B"}[kpath[-1]]
+  return "base_model.model." + weight.replace(".weight", f".{which}.weight")
