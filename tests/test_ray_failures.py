@@ -173,3 +173,22 @@ def test_killed_worker_fails_the_run_cleanly(tmp_path):
   _assert_nothing_left(job)
   assert _steps(job.run_dir) == []  # died in step 1
   assert "died during actor." in job.output  # in one of the step's calls
+
+
+def test_lora_on_ray_matches_the_local_backend(tmp_path):
+  """LoRA with a KL loss: the actor's Ray handle also serves the reference log-probs."""
+  lora = ["--config.model.lora_rank=4", "--config.actor.use_kl_loss=True",
+          "--config.actor.optim.lr=1e-2", "--config.trainer.total_steps=2"]
+  runs = {}
+  for backend in ("ray", "local"):
+    (tmp_path / backend).mkdir()
+    job = Job(tmp_path / backend, f"--config.cluster.backend={backend}", *lora)
+    assert job.finish(timeout=240) == 0, job.output[-4000:]
+    with open(job.run_dir / "metrics.jsonl") as f:
+      runs[backend] = {row["step"]: row for row in map(json.loads, f)}
+  assert runs["ray"][2]["actor/kl_loss"] > 0  # the adapters moved off the base
+  for step in (1, 2):
+    ray_row, local_row = runs["ray"][step], runs["local"][step]
+    assert "timing_s/ref" in ray_row
+    for key in ("actor/pg_loss", "actor/kl_loss", "critic/score/mean", "response_length/mean"):
+      assert ray_row[key] == pytest.approx(local_row[key], rel=1e-4, abs=1e-6), (step, key)
