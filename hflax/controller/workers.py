@@ -297,13 +297,6 @@ class ReferenceWorker(RoleWorker):
     super().__init__(placement, graphdef, state, **kw)
     self.temperature = temperature
 
-  def _generation_weights(self):
-    """The training-layout weights generation reshards: with LoRA, the merged ones."""
-    if self.trainable is None:
-      return self.params
-    kernels, adapters, rest = split_for_merge(self.params)
-    return nnx.merge_state(rest, self._merge(kernels, adapters))
-
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
   def compute_ref_log_prob(self, rows, batch):
     fn = self._jit_rows(_log_probs_fn(self.graphdef, _response_width(batch), self.temperature))

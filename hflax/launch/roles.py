@@ -206,7 +206,7 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
   home = jax.sharding.SingleDeviceSharding(placed[wanted[0] if wanted else "actor"].pool.devices[0])
   model_cfg, graphdef, state = policy
   actor_graphdef, actor_state = graphdef, state
-  if cfg.model.lora_rank:
+  if cfg.model.lora_rank and "actor" in wanted:
     lora_cfg = actor_config(cfg, model_cfg)
     actor_graphdef, actor_state = add_adapters(lora_cfg, state, seed)
     if cfg.model.lora_adapter_path:

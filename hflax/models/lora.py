@@ -62,8 +62,7 @@ def merge_adapters(cfg: ModelConfig, state: nnx.State) -> nnx.State:
   """The base model's state with each adapted kernel replaced by W + scale * A B: the
   same function, without the adapters' two extra matmuls per layer."""
   kernels, adapters, rest = split_for_merge(state)
-  merged = dict(nnx.to_flat_state(merged_kernels(cfg, kernels, adapters)))
-  return nnx.merge_state(rest, nnx.from_flat_state(list(merged.items())))
+  return nnx.merge_state(rest, merged_kernels(cfg, kernels, adapters))
 
 
 def split_for_merge(state: nnx.State) -> tuple[nnx.State, nnx.State, nnx.State]:
