@@ -230,3 +230,38 @@ def test_with_lora_a_pool_only_the_reference_used_is_not_built():
   assert needed_roles(c) == ["actor"]
   assert placement_spec(c, needed_roles(c), 2) == {
       "pools": {"policy": 1}, "roles": {"actor": {"pool": "policy", "generate_tensor": 1}}}
+
+
+def test_critic_lora_trains_its_adapters_and_value_head_only():
+  from ppo_step import critic_loss
+  from hflax.controller.workers import CriticWorker
+  from hflax.launch.config import base_config
+  from hflax.launch.roles import _value_model
+  c = base_config()
+  c.critic.update(lora_rank=4, lora_alpha=8.0, target_modules="q_proj,down_proj")
+  policy = (CFG, *create(CFG, seed=0))
+  plain = _value_model("", policy, seed=1)
+  graphdef, state = _value_model("", policy, seed=1, lora=c.critic)
+  placed = build_placement(colocated(["critic"], 2))
+  critic = CriticWorker(placed["critic"], graphdef, state, loss_fn=critic_loss,
+                        optim=OptimConfig(lr=1e-2), update=UpdateConfig(mini_batch_size=8))
+  rs = np.random.RandomState(0)
+  tokens = rs.randint(3, 64, (8, 12))
+  batch = Batch({"input_ids": jnp.asarray(tokens), "attention_mask": jnp.ones((8, 12), jnp.int32),
+                 "responses": jnp.asarray(tokens[:, -4:]),
+                 "response_mask": jnp.ones((8, 4), jnp.float32),
+                 "returns": jnp.asarray(rs.randn(8, 4), jnp.float32)})
+  values = critic.compute_values(batch)["values"]
+  # Fresh adapters: the values of the same critic without them.
+  from hflax.controller.workers import _values_fn
+  np.testing.assert_allclose(values, _values_fn(plain[0], 4)(plain[1], batch.arrays), atol=1e-6)
+  before = dict(nnx.to_flat_state(jax.tree.map(np.asarray, critic.params)))
+  for _ in range(2):  # the first moves B alone (A's gradient is 0 while B = 0)
+    critic.update_critic(batch.union(Batch({"values": values})))
+  after = dict(nnx.to_flat_state(critic.params))
+  changed = {p for p in before if not np.array_equal(before[p][...], np.asarray(after[p][...]))}
+  trainable = {p for p in before if p[-1] in ("lora_a", "lora_b") or p[0] == "score"}
+  assert changed == trainable
+  assert {p[-1] for p in trainable} == {"lora_a", "lora_b", "kernel", "bias"}
+  state_elements = sum(x.size for x in jax.tree.leaves(critic.opt_state) if x.ndim)
+  assert state_elements == 2 * sum(before[p][...].size for p in trainable)

@@ -21,7 +21,8 @@ from hflax.controller.protocol import LIVE_ROWS, Protocol, first_rows, replicate
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
                                        make_train_step, mini_batch_order,
                                        train_compiler_options, trained_part)
-from hflax.models.lora import base_config, merged_kernels, split_adapters, split_for_merge
+from hflax.models.lora import (base_config, merged_kernels, split_adapters, split_for_merge,
+                               trainable_filter)
 from hflax.models.logprobs import sequence_log_probs
 from hflax.models.transformer import create_abstract, forward
 from hflax.rewards.scorer import last_token_scores
@@ -41,8 +42,9 @@ class RoleWorker:
                optim: OptimConfig | None = None, update: UpdateConfig | None = None,
                seed: int = 0):
     self.placement, self.mesh, self.graphdef = placement, placement.mesh, graphdef
-    self.cfg = nnx.merge(graphdef, jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)).cfg
+    model = nnx.merge(graphdef, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+    self.cfg = model.cfg
     self.shardings = state_shardings(state, self.mesh, TRAIN_RULES)
     # A private copy: updates donate their buffers, which other roles must not share
     # (device_put may hand back the caller's buffers, e.g. for replicated leaves).
@@ -52,7 +54,7 @@ class RoleWorker:
     self.rows_sharding = batch_sharding(self.mesh)
     self.update_cfg, self.seed, self.updates, self.optimizer_steps = update, seed, 0, 0
     # With LoRA adapters only they are trained (and have optimizer state).
-    self.trainable = nnx.LoRAParam if self.cfg.lora_rank else None
+    self.trainable = trainable_filter(self.cfg, model.head)
     if optim is not None:
       if update is None:
         raise ValueError(f"{placement.role}: an optimizer needs an UpdateConfig")

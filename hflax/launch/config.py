@@ -70,7 +70,9 @@ def base_config() -> ml_collections.ConfigDict:
                    val_top_k=0, val_top_p=1.0)
   c.critic = dict(optim=_optim(1e-4), ppo_mini_batch_size=8, ppo_micro_batch_size=0,
                   ppo_epochs=1, shuffle=False, cliprange_value=0.5,
-                  loss_agg_mode="token-mean", model_path="")
+                  loss_agg_mode="token-mean", model_path="",
+                  # LoRA for the critic (as model.lora_*): adapters and the value head train.
+                  lora_rank=0, lora_alpha=16.0, target_modules="all-linear")
   c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""))
   c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""))
   # kind: "colocated" (every role on all devices), "standalone" (a pool per role), "auto"
@@ -233,17 +235,18 @@ def validate(c) -> None:
       fail(field, f"must be > 0, got {value!r}")
   if c.actor.clip_ratio_c is not None and not c.actor.clip_ratio_c > 1:
     fail("actor.clip_ratio_c", f"dual-clip's bound must be > 1, got {c.actor.clip_ratio_c!r}")
-  _check_int(c, "model.lora_rank", 0, fail, "(0: no LoRA, every weight is trained)")
+  for section in ("model", "critic"):
+    _check_int(c, f"{section}.lora_rank", 0, fail, "(0: no LoRA, every weight is trained)")
+    if c[section].lora_rank:
+      if not c[section].lora_alpha > 0:
+        fail(f"{section}.lora_alpha", f"must be > 0, got {c[section].lora_alpha!r}")
+      try:
+        lora_targets(c[section].target_modules)
+      except ValueError as e:
+        fail(f"{section}.target_modules", str(e))
   if c.model.lora_adapter_path and not c.model.lora_rank:
     fail("model.lora_rank", "model.lora_adapter_path is set: set lora_rank (and lora_alpha, "
          "target_modules) to the adapter's r (lora_alpha, target_modules)")
-  if c.model.lora_rank:
-    if not c.model.lora_alpha > 0:
-      fail("model.lora_alpha", f"must be > 0, got {c.model.lora_alpha!r}")
-    try:
-      lora_targets(c.model.target_modules)
-    except ValueError as e:
-      fail("model.target_modules", str(e))
   if c.data.truncate_prompts and c.data.filter_overlong_prompts:
     fail("data.filter_overlong_prompts", "and data.truncate_prompts both say what to do with a "
          "prompt longer than data.max_prompt_length (leave it out, or keep its last tokens): "

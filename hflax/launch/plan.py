@@ -20,6 +20,7 @@ def workload(cfg, policy_cfg):
   checkpoint says otherwise)."""
   from hflax.launch.roles import actor_config, needed_roles, reference_in_actor
   from hflax.models import hf
+  from hflax.models.lora import lora_config
   from hflax.sharding import automap
   models = {}
   for role in needed_roles(cfg):
@@ -27,6 +28,9 @@ def workload(cfg, policy_cfg):
             "cost": cfg.cost.model_path}.get(role, "")
     models[role] = hf.read_config(path) if path else policy_cfg
   models["actor"] = actor_config(cfg, policy_cfg)
+  if "critic" in models and cfg.critic.lora_rank:
+    c = cfg.critic
+    models["critic"] = lora_config(models["critic"], c.lora_rank, c.lora_alpha, c.target_modules)
   micro = cfg.actor.ppo_micro_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n
   return automap.Workload(
       models=models, prompts_per_step=cfg.data.train_batch_size, samples_per_prompt=cfg.rollout.n,

@@ -153,16 +153,20 @@ def actor_config(cfg, model_cfg: ModelConfig) -> ModelConfig:
       else model_cfg
 
 
-def _value_model(path: str, policy, seed: int):
-  """A value-head model: from a checkpoint, else the policy's backbone with a fresh head."""
+def _value_model(path: str, policy, seed: int, lora=None):
+  """A value-head model: from a checkpoint, else the policy's backbone with a fresh head;
+  `lora` (a config section with lora_rank > 0) adds adapters to it."""
   if path:
-    _, graphdef, state = hf.load_checkpoint(path, head="value", seed=seed)
-    return graphdef, state
-  model_cfg, _, policy_state = policy
-  graphdef, state = create(model_cfg, seed=seed, head="value")
-  for key in policy_state:
-    if key in state and key != "lm_head":
-      state[key] = policy_state[key]
+    model_cfg, graphdef, state = hf.load_checkpoint(path, head="value", seed=seed)
+  else:
+    model_cfg, _, policy_state = policy
+    graphdef, state = create(model_cfg, seed=seed, head="value")
+    for key in policy_state:
+      if key in state and key != "lm_head":
+        state[key] = policy_state[key]
+  if lora is not None and lora.lora_rank:
+    model_cfg = lora_config(model_cfg, lora.lora_rank, lora.lora_alpha, lora.target_modules)
+    graphdef, state = add_adapters(model_cfg, state, seed, head="value")
   return graphdef, state
 
 
@@ -229,7 +233,8 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
     out.ref = ReferenceWorker(placed["ref"], graphdef, state, home=home,
                               temperature=cfg.rollout.temperature or 1.0)
   if "critic" in wanted:
-    out.critic = CriticWorker(placed["critic"], *_value_model(cfg.critic.model_path, policy, seed + 1),
+    out.critic = CriticWorker(placed["critic"], *_value_model(cfg.critic.model_path, policy,
+                                                              seed + 1, lora=cfg.critic),
                               loss_fn=critic_loss(cfg.critic), optim=OptimConfig(**cfg.critic.optim),
                               update=_update(cfg.critic, n), home=home, seed=seed)
   for role, section, fn, output in (("reward", cfg.reward, reward_fn, "token_level_scores"),

@@ -38,19 +38,28 @@ def lora_config(cfg: ModelConfig, rank: int, alpha: float, targets) -> ModelConf
   return cfg.replace(lora_rank=rank, lora_alpha=float(alpha), lora_targets=lora_targets(targets))
 
 
-def init_adapters(cfg: ModelConfig, seed: int) -> nnx.State:
+def init_adapters(cfg: ModelConfig, seed: int, head: str = "lm") -> nnx.State:
   """Fresh adapters alone: the whole model is traced under jit, and XLA drops the base
   weights' initialisation, which nothing returns."""
-  return jax.jit(lambda: nnx.state(DecoderLM(cfg, rngs=model_rngs(seed)), nnx.LoRAParam))()
+  return jax.jit(lambda: nnx.state(DecoderLM(cfg, rngs=model_rngs(seed), head=head),
+                                   nnx.LoRAParam))()
 
 
-def add_adapters(cfg: ModelConfig, state: nnx.State, seed: int):
+def add_adapters(cfg: ModelConfig, state: nnx.State, seed: int, head: str = "lm"):
   """(graphdef, state) of the model `cfg` describes (adapters included), its base weights
   taken from `state` (a model without adapters)."""
   if split_adapters(state)[0]:
     raise ValueError("add_adapters: the state already holds LoRA adapters")
-  graphdef, _ = create_abstract(cfg)
-  return graphdef, nnx.merge_state(state, init_adapters(cfg, seed))
+  graphdef, _ = create_abstract(cfg, head=head)
+  return graphdef, nnx.merge_state(state, init_adapters(cfg, seed, head))
+
+
+def trainable_filter(cfg: ModelConfig, head: str):
+  """What an optimizer trains in a model: None (every weight), or with LoRA the adapters,
+  plus a value model's score head (new, so trained in full: PEFT's modules_to_save)."""
+  if not cfg.lora_rank:
+    return None
+  return nnx.LoRAParam if head == "lm" else nnx.Any(nnx.LoRAParam, nnx.PathContains("score"))
 
 
 def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
