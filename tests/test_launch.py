@@ -243,6 +243,10 @@ def test_lora_run_reference_in_actor_merged_export_and_exact_resume(tmp_path):
                   strict=True):
     np.testing.assert_array_equal(a, b)
 
+  # Checkpoints keep the adapters, not the frozen base (resume rebuilds it from the seed).
+  saved = json.loads((run_dir / "checkpoints" / "4" / "actor_params" / "_METADATA").read_text())
+  names = list(saved["tree_metadata"])
+  assert names and all("lora_a" in n or "lora_b" in n for n in names), names[:5]
   Trainer(lora(tmp_path / "b", total_steps=2), log=lambda *_: None).fit()
   resumed = Trainer(lora(tmp_path / "b"), log=lambda *_: None)
   resumed.fit()

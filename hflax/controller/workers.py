@@ -68,6 +68,18 @@ class RoleWorker:
           self.tx.init(trained_part(self.params, self.trainable)[0]))
     self._steps: dict = {}
 
+  # -- checkpoints --------------------------------------------------------------------------
+  def checkpoint_arrays(self) -> dict:
+    """What a checkpoint keeps of this role: the trained parameters and their optimizer
+    state. With LoRA that is the adapters alone: the frozen base is rebuilt from its
+    source (model.path, the warm-up's cache, the seed) when a run resumes."""
+    return {"params": trained_part(self.params, self.trainable)[0], "opt_state": self.opt_state}
+
+  def load_checkpoint_arrays(self, arrays: dict):
+    frozen = trained_part(self.params, self.trainable)[1]
+    self.params = arrays["params"] if frozen is None else nnx.merge_state(frozen, arrays["params"])
+    self.opt_state = arrays["opt_state"]
+
   # -- plumbing -----------------------------------------------------------------------------
   def input_sharding(self, protocol: Protocol):
     return self.rows_sharding if protocol is Protocol.DATA_PARALLEL else replicated(self.mesh)

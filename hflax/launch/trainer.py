@@ -169,9 +169,8 @@ class Trainer:
   def save(self, step: int, force: bool = False):
     if self.ckpt.latest_step() == step:
       return
-    arrays = {}
-    for name, w in self._trained().items():
-      arrays[f"{name}_params"], arrays[f"{name}_opt_state"] = w.params, w.opt_state
+    arrays = {f"{name}_{k}": v for name, w in self._trained().items()
+              for k, v in w.checkpoint_arrays().items()}
     host = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.state.kl_ctrl,
             "lagrange_lambda": self.state.lagrange_lambda,
             "workers": {name: {"updates": w.updates, "optimizer_steps": w.optimizer_steps,
@@ -200,9 +199,8 @@ class Trainer:
     step = self._latest_checkpoint()
     if step is None:
       return 0
-    targets = {}
-    for name, w in self._trained().items():
-      targets[f"{name}_params"], targets[f"{name}_opt_state"] = w.params, w.opt_state
+    targets = {f"{name}_{k}": v for name, w in self._trained().items()
+               for k, v in w.checkpoint_arrays().items()}
     try:
       arrays, host = self.ckpt.restore(step, targets)
     except Exception as e:  # noqa: BLE001 - say which checkpoint, and what to do
@@ -210,7 +208,7 @@ class Trainer:
                        f"{self.ckpt.directory} cannot be restored ({type(e).__name__}: {e}); "
                        "remove it or set --config.trainer.resume=False") from None
     for name, w in self._trained().items():
-      w.params, w.opt_state = arrays[f"{name}_params"], arrays[f"{name}_opt_state"]
+      w.load_checkpoint_arrays({k: arrays[f"{name}_{k}"] for k in ("params", "opt_state")})
       saved = host["workers"][name]
       w.updates, w.optimizer_steps = saved["updates"], saved["optimizer_steps"]
       if hasattr(w, "_calls"):

@@ -114,10 +114,8 @@ class PoolMember:
   def save(self, directory: str, keep: int, step: int, roles: list[str]) -> dict:
     ckpt = self._checkpointer(directory, keep)
     self._drop_after(ckpt, step - 1)
-    arrays = {}
-    for role in roles:
-      w = self.workers[role]
-      arrays[f"{role}_params"], arrays[f"{role}_opt_state"] = w.params, w.opt_state
+    arrays = {f"{role}_{k}": v for role in roles
+              for k, v in self.workers[role].checkpoint_arrays().items()}
     ckpt.save(step, arrays, {}, force=True)
     ckpt.wait_until_finished()
     return self.counters(roles)
@@ -125,14 +123,12 @@ class PoolMember:
   def restore(self, directory: str, keep: int, step: int, roles: list[str], counters: dict):
     ckpt = self._checkpointer(directory, keep)
     self._drop_after(ckpt, step)
-    targets = {}
-    for role in roles:
-      w = self.workers[role]
-      targets[f"{role}_params"], targets[f"{role}_opt_state"] = w.params, w.opt_state
+    targets = {f"{role}_{k}": v for role in roles
+               for k, v in self.workers[role].checkpoint_arrays().items()}
     arrays, _ = ckpt.restore(step, targets)
     for role in roles:
       w, saved = self.workers[role], counters[role]
-      w.params, w.opt_state = arrays[f"{role}_params"], arrays[f"{role}_opt_state"]
+      w.load_checkpoint_arrays({k: arrays[f"{role}_{k}"] for k in ("params", "opt_state")})
       w.updates, w.optimizer_steps = saved["updates"], saved["optimizer_steps"]
       if hasattr(w, "_calls"):
         w._calls = saved["calls"]  # noqa: SLF001 - the sampler's call count (exact resume)
