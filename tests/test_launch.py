@@ -172,9 +172,14 @@ def _leaves(state):
 
 
 def test_end_to_end_run_artifacts_and_exact_resume(tmp_path):
-  straight = Trainer(tiny(tmp_path / "a"), log=lambda *_: None)
+  straight = Trainer(tiny(tmp_path / "a", log_val_generations=3), log=lambda *_: None)
   result = straight.fit()
   run_dir = tmp_path / "a" / "run"
+  # verl's log_val_generations: the same 3 held-out prompts at every validation.
+  shown = [json.loads(line) for line in (run_dir / "val_generations.jsonl").open()]
+  assert [row["step"] for row in shown] == [0, 2, 4]
+  assert len({tuple(s["input"] for s in row["samples"]) for row in shown}) == 1
+  assert all(len(row["samples"]) == 3 for row in shown)
   rows = _read_jsonl(run_dir / "metrics.jsonl")
   assert sorted(rows) == [0, 1, 2, 3, 4]  # step 0: validation before training
   assert rows[0] == {"step": 0, **result["before"]}

@@ -381,3 +381,33 @@ def test_throughput():
   # verl: tokens / (step seconds * devices).
   assert M.throughput(12_000, 3.0, 8) == 500.0
   assert float(M.throughput(jnp.float32(1000.0), 2.0, 1)) == 500.0
+
+
+def test_validation_samples_reach_jsonl_console_and_tensorboard_text(tmp_path):
+  accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+  samples = [{"input": "<|im_start|>user\nWhat is 2+2?<|im_end|>\n", "output": "4 | four\n",
+              "score": 1.0},
+             {"input": "What is 3+3?", "output": "", "score": 0.0}]
+  console = io.StringIO()
+  with M.MetricsLogger(tmp_path, 5, backends=("jsonl", "console", "tensorboard"),
+                       stream=console) as logger:
+    logger.log(2, {"val-core/acc": 0.5})
+    logger.log_generations(2, samples)
+  rows = [json.loads(line) for line in (tmp_path / "val_generations.jsonl").open()]
+  assert rows == [{"step": 2, "samples": samples}]
+  text = console.getvalue()
+  assert "validation samples at step 2:" in text
+  assert '[score 1] ...<|im_start|>user What is 2+2?<|im_end|> -> "4 | four\\n"' in text
+  assert '[score 0] ...What is 3+3? -> ""' in text
+  events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"),
+                                        size_guidance={"tensors": 0})
+  events.Reload()
+  assert "val/generations" in events.Tags()["tensors"]
+  (event,) = events.Tensors("val/generations")
+  assert event.step == 2
+  table = event.tensor_proto.string_val[0].decode()
+  assert table.splitlines()[:3] == ["| # | input | output | score |", "|---|---|---|---|",
+                                    "| 1 | <\\|im_start\\|>user<br>What is 2+2?<\\|im_end\\|><br> | "
+                                    "4 \\| four<br> | 1 |"]
+  plugin = events.SummaryMetadata("val/generations").plugin_data.plugin_name
+  assert plugin == "text"

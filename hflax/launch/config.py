@@ -86,6 +86,9 @@ def base_config() -> ml_collections.ConfigDict:
       stage_timing=True, export_hf=True, devices=0, val_only=False,
       # verl's: each step's samples (text, score, advantage) as {dir}/{step}.jsonl.
       rollout_data_dir="", validation_data_dir="",
+      # verl's: this many validation samples (the same prompts each time) to the console,
+      # run_dir/val_generations.jsonl, TensorBoard's text tab and a wandb table.
+      log_val_generations=0,
       sft_warmup=dict(steps=0, lr=1e-3, batch_size=64, cache_dir="", target_loss=0.0))
   # Where the roles run: "local" (this process's devices) or "ray" (each placement pool is
   # a group of Ray actor processes forming one jax.distributed job; see
@@ -192,6 +195,7 @@ def validate(c) -> None:
   for field in positive:
     _check_int(c, field, 1, fail)
   _check_int(c, "trainer.devices", 0, fail, "(0: every local device)")
+  _check_int(c, "trainer.log_val_generations", 0, fail, "(validation samples to log; 0: none)")
   for which, count in (("train_files", "num_train"), ("val_files", "num_val")):
     if c.data[which] == "builtin:arithmetic":
       _check_int(c, f"data.builtin.{count}", 1, fail, f"(data.{which} is builtin:arithmetic)")

@@ -142,6 +142,7 @@ class Trainer:
     self.devices = len(devices)
     self.state = init_state(cfg.algorithm)
     self.state.lagrange_lambda = cfg.algorithm.lambda_init
+    self.val_generations: list[dict] = []  # trainer.log_val_generations of the last validation
 
   def check_placement(self, devices):
     """Placement errors surface before any work is done (an auto plan needs the policy's
@@ -228,23 +229,36 @@ class Trainer:
     actor, r = self.roles.actor, self.cfg.rollout
     sampling = dataclasses.replace(actor.sampling, n=r.val_n, temperature=r.val_temperature,
                                    top_k=r.val_top_k, top_p=r.val_top_p)
+    t = self.cfg.trainer
     scores, sources, preds, samples = [], [], [], []
+    keep_samples = step is not None and (t.validation_data_dir or t.log_val_generations)
     # Not the rollouts' keys (seed, call): a tag of its own keeps the two apart.
-    key = jax.random.fold_in(jax.random.key(self.cfg.trainer.seed), _VALIDATION_TAG)
+    key = jax.random.fold_in(jax.random.key(t.seed), _VALIDATION_TAG)
     for i, raw in enumerate(_full_pass(self.val_loader, self.cfg.data.val_batch_size)):
       batch = actor.generate_sequences(Batch.from_dict(raw), sampling=sampling,
                                        rng=jax.random.fold_in(key, i))
       host = batch.to_host()
       scored = self.reward_fn(host, details=True)
-      if self.cfg.trainer.validation_data_dir and step is not None:
+      if keep_samples:
         samples += generation_rows(self.tokenizer, host, scored["scores"], step,
                                    outputs=scored["response_text"])
       scores.append(scored["scores"])
       preds += scored["pred"]
       sources += list(batch["data_source"])
-    if samples:
-      write_generations(self.cfg.trainer.validation_data_dir, step, samples)
+    if samples and t.validation_data_dir:
+      write_generations(t.validation_data_dir, step, samples)
+    if samples and t.log_val_generations:
+      # The same samples at every validation (a fixed draw over a fixed order), so the
+      # logs show how the answers to the same prompts change.
+      pick = np.random.default_rng(_VALIDATION_TAG).permutation(len(samples))
+      self.val_generations = [{k: samples[j][k] for k in ("input", "output", "score")}
+                              for j in sorted(pick[:t.log_val_generations])]
     return validation_metrics(np.concatenate(scores), sources, r.val_n, preds)
+
+  def _log_validation(self, logger: MetricsLogger, step: int, metrics: dict):
+    logger.log(step, metrics)
+    if self.val_generations:
+      logger.log_generations(step, self.val_generations)
 
   def validate_only(self, step: int) -> dict:
     """trainer.val_only: validates the policy as it stands (the run's latest checkpoint,
@@ -253,7 +267,7 @@ class Trainer:
     t = self.cfg.trainer
     logger = MetricsLogger(t.run_dir, step, backends=tuple(b for b in t.log if b != "console"),
                            wandb=t.wandb_project or None, start_step=step)
-    logger.log(step, metrics)
+    self._log_validation(logger, step, metrics)
     logger.close()
     self.log(f"held-out accuracy at step {step}: " + _fmt(metrics))
     return {"before": metrics, "after": None}
@@ -275,7 +289,8 @@ class Trainer:
     if cfg.trainer.val_before_train and start == 0:
       first_val = self.validate(0)
       self.log("held-out accuracy before RL: " + _fmt(first_val))
-      logger.log(0, first_val)  # step 0, as verl logs it: the curves start from the baseline
+      # step 0, as verl logs it: the curves start from the baseline
+      self._log_validation(logger, 0, first_val)
     driver, prompts = DRIVERS[cfg.algorithm.name], self.prompt_batches()
     profile = set(cfg.trainer.profile_steps)
     for step in range(start + 1, total + 1):
@@ -302,10 +317,13 @@ class Trainer:
                       "perf/throughput": throughput(tokens, elapsed, self.devices),
                       "perf/total_num_tokens": tokens})
       self.state.step = step
-      if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
+      validated = cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total)
+      if validated:
         last_val = self.validate(step)
         metrics.update(last_val)
       logger.log(step, metrics)
+      if validated and self.val_generations:
+        logger.log_generations(step, self.val_generations)
       self.save(step)
     self.save(total, force=True)
     logger.close()

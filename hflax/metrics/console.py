@@ -5,6 +5,7 @@ else (log files, CI) each step is one plain line, so logs stay greppable.
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -82,6 +83,10 @@ def key_numbers(values: dict[str, float]) -> str:
   return "  ".join(parts)
 
 
+def _one_line(text: str) -> str:
+  return " ".join(str(text).split())
+
+
 class ConsoleBackend:
   def __init__(self, total_steps: int, start_step: int = 0, stream=None, clock=time.monotonic):
     self.stream = sys.stderr if stream is None else stream
@@ -102,6 +107,16 @@ class ConsoleBackend:
       self._bar_shown = True
     else:
       self.stream.write(self.line(values) + "\n")
+    self.stream.flush()
+
+  def write_generations(self, step: int, samples: list[dict]):
+    lines = [f"validation samples at step {step}:"]
+    for s in samples:
+      # The end of the prompt (a chat template's head repeats) and the start of the answer.
+      prompt, answer = _one_line(s["input"]), json.dumps(s["output"], ensure_ascii=False)
+      lines.append(f"  [score {s['score']:g}] ...{prompt[-80:]} -> {answer[:160]}")
+    self.stream.write(("\r\x1b[K" if self._bar_shown else "") + "\n".join(lines) + "\n")
+    self._bar_shown = False
     self.stream.flush()
 
   def close(self):

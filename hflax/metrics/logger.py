@@ -42,6 +42,15 @@ def to_floats(metrics: dict) -> dict[str, float]:
   return out
 
 
+def generations_markdown(samples: list[dict]) -> str:
+  """A Markdown table (what TensorBoard's text plugin renders) of validation samples."""
+  def cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", "<br>")
+  rows = [f"| {i + 1} | {cell(s['input'])} | {cell(s['output'])} | {s['score']:g} |"
+          for i, s in enumerate(samples)]
+  return "\n".join(["| # | input | output | score |", "|---|---|---|---|", *rows])
+
+
 class JsonlBackend:
   def __init__(self, run_dir: str):
     self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -60,6 +69,11 @@ class JsonlBackend:
   def write(self, step: int, values: dict[str, float]):
     self._file.write(json.dumps({"step": step, **values}) + "\n")
     self._file.flush()  # into the OS each step: a killed (not crashed-machine) run keeps it
+
+  def write_generations(self, step: int, samples: list[dict]):
+    with open(os.path.join(os.path.dirname(self.path), "val_generations.jsonl"), "a",
+              encoding="utf-8") as f:
+      f.write(json.dumps({"step": step, "samples": samples}) + "\n")
 
   def close(self):
     self._file.close()
@@ -81,6 +95,9 @@ class TensorboardBackend:
   def write(self, step: int, values: dict[str, float]):
     self._writer.write(step, values)
 
+  def write_generations(self, step: int, samples: list[dict]):
+    self._writer.write(step, texts={"val/generations": generations_markdown(samples)})
+
   def close(self):
     self._writer.close()
 
@@ -99,9 +116,21 @@ class WandbBackend:
     kwargs.setdefault("mode", "offline")  # sync later with `wandb sync`; never block on network
     kwargs.setdefault("dir", run_dir)
     self._run = wandb.init(**kwargs)
+    self._generation_rows: list[list] = []
 
   def write(self, step: int, values: dict[str, float]):
     self._run.log(values, step=step)
+
+  def write_generations(self, step: int, samples: list[dict]):
+    """One row per validation, as verl's table: step, then input/output/score per sample
+    (the whole table is logged again each time: wandb tables are immutable)."""
+    import wandb
+    self._generation_rows.append([step] + [s[k] for s in samples
+                                           for k in ("input", "output", "score")])
+    columns = ["step"] + [f"{k}_{i + 1}" for i in range(len(samples))
+                          for k in ("input", "output", "score")]
+    self._run.log({"val/generations": wandb.Table(columns=columns, data=self._generation_rows)},
+                  step=step)
 
   def close(self):
     self._run.finish()
@@ -148,6 +177,13 @@ class MetricsLogger:
     step = int(step)
     for backend in self.backends:
       backend.write(step, values)
+
+  def log_generations(self, step: int, samples: list[dict]):
+    """A few validation samples ({input, output, score} each; verl's
+    trainer.log_val_generations) to every backend that shows text."""
+    for backend in self.backends:
+      if hasattr(backend, "write_generations"):
+        backend.write_generations(int(step), samples)
 
   def close(self):
     backends, self.backends = self.backends, []

@@ -10,8 +10,15 @@ Format (what TensorBoard's reader expects): a file named *.tfevents.* holding TF
 each `data` a serialized tensorflow.Event (tensorflow/core/util/event.proto):
   Event   { double wall_time = 1; int64 step = 2; string file_version = 3;
             Summary summary = 5; SessionLog session_log = 7; }
-  Summary { repeated Value value = 1; }   Value { string tag = 1; float simple_value = 2; }
+  Summary { repeated Value value = 1; }
+  Value   { string tag = 1; float simple_value = 2; TensorProto tensor = 8;
+            SummaryMetadata metadata = 9; }
   SessionLog { SessionStatus status = 1; }   (START = 1)
+Text (TensorBoard's text plugin) is a Value whose metadata names the plugin,
+  SummaryMetadata { PluginData plugin_data = 1; }   PluginData { string plugin_name = 1; }
+and whose tensor is one string,
+  TensorProto { DataType dtype = 1 (DT_STRING = 7); TensorShapeProto tensor_shape = 2;
+                repeated bytes string_val = 8; }
 """
 from __future__ import annotations
 
@@ -66,14 +73,21 @@ def _float32(value: float) -> bytes:
   return struct.pack("<f", value)
 
 
-def encode_event(wall_time: float, step: int, *, scalars=None, file_version=None,
+def _text_value(tag: str, text: str) -> bytes:
+  tensor = b"\x08\x07" + _field(2, b"") + _field(8, text.encode())
+  metadata = _field(1, _field(1, b"text"))
+  return _field(1, tag.encode()) + _field(8, tensor) + _field(9, metadata)
+
+
+def encode_event(wall_time: float, step: int, *, scalars=None, texts=None, file_version=None,
                  session_start=False) -> bytes:
   out = b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step)
   if file_version is not None:
     out += _field(3, file_version.encode())
-  if scalars:
+  if scalars or texts:
     values = b"".join(_field(1, _field(1, tag.encode()) + b"\x15" + _float32(value))
-                      for tag, value in scalars.items())
+                      for tag, value in (scalars or {}).items())
+    values += b"".join(_field(1, _text_value(tag, text)) for tag, text in (texts or {}).items())
     out += _field(5, values)
   if session_start:
     out += _field(7, b"\x08\x01")
@@ -100,8 +114,9 @@ class EventFileWriter:
     self._file.write(header + struct.pack("<I", masked_crc32c(header)) + data +
                      struct.pack("<I", masked_crc32c(data)))
 
-  def write(self, step: int, scalars: dict[str, float]):
-    self._record(encode_event(time.time(), step, scalars=scalars))
+  def write(self, step: int, scalars: dict[str, float] | None = None,
+            texts: dict[str, str] | None = None):
+    self._record(encode_event(time.time(), step, scalars=scalars, texts=texts))
     self._file.flush()
 
   def close(self):
