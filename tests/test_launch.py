@@ -214,12 +214,14 @@ def test_end_to_end_run_artifacts_and_exact_resume(tmp_path):
       assert rows_b[step][key] == rows[step][key], (step, key)
 
 
-def test_lora_run_reference_in_actor_merged_export_and_exact_resume(tmp_path):
+def test_lora_ppo_reference_in_actor_merged_export_and_exact_resume(tmp_path):
   from hflax.models.transformer import logits_fn
 
-  def lora(path, **trainer):
-    c = tiny(path, val_every=0, val_before_train=False, **trainer)
+  def lora(path, **trainer):  # PPO: LoRA on the actor and on the critic
+    c = tiny(path, name="ppo", val_every=0, val_before_train=False, **trainer)
+    c.actor.use_kl_loss = True
     c.model.update(lora_rank=4, lora_alpha=8.0, target_modules="q_proj,v_proj,up_proj")
+    c.critic.update(lora_rank=2, lora_alpha=4.0, target_modules="k_proj,down_proj")
     c.actor.optim.lr = 1e-2  # adapters start at B = 0: let them move within 4 steps
     return c
 
@@ -255,8 +257,14 @@ def test_lora_run_reference_in_actor_merged_export_and_exact_resume(tmp_path):
   Trainer(lora(tmp_path / "b", total_steps=2), log=lambda *_: None).fit()
   resumed = Trainer(lora(tmp_path / "b"), log=lambda *_: None)
   resumed.fit()
-  for a, b in zip(_leaves(actor.params), _leaves(resumed.roles.actor.params), strict=True):
-    np.testing.assert_array_equal(a, b)
+  for role in ("actor", "critic"):
+    for a, b in zip(_leaves(getattr(straight.roles, role).params),
+                    _leaves(getattr(resumed.roles, role).params), strict=True):
+      np.testing.assert_array_equal(a, b)
+  assert split_adapters(resumed.roles.critic.params)[0]  # the critic has adapters too
+  # A base that is not the one the adapters were trained on (another seed) is refused.
+  with pytest.raises(ValueError, match="frozen base weights .* not the ones checkpoint step 4"):
+    Trainer(lora(tmp_path / "b", seed=1), log=lambda *_: None).fit()
 
 
 def test_jsonl_data_custom_reward_and_hf_checkpoint(tmp_path):

@@ -265,3 +265,17 @@ def test_critic_lora_trains_its_adapters_and_value_head_only():
   assert {p[-1] for p in trainable} == {"lora_a", "lora_b", "kernel", "bias"}
   state_elements = sum(x.size for x in jax.tree.leaves(critic.opt_state) if x.ndim)
   assert state_elements == 2 * sum(before[p][...].size for p in trainable)
+
+
+def test_the_auto_mapper_sees_both_lora_models():
+  from hflax.launch.config import base_config
+  from hflax.launch.plan import workload
+  c = base_config()  # PPO, colocated, no KL: actor and critic
+  c.model.update(lora_rank=8, target_modules="q_proj")
+  c.critic.update(lora_rank=4, target_modules="all-linear")
+  wl = workload(c, CFG)
+  assert (wl.models["actor"].lora_rank, wl.models["actor"].lora_targets) == (8, ("q_proj",))
+  assert wl.models["critic"].lora_rank == 4 and not wl.reference_in_actor
+  c.actor.use_kl_loss = True
+  wl = workload(c, CFG)
+  assert "ref" not in wl.models and wl.reference_in_actor

@@ -128,6 +128,7 @@ class PoolMember:
     arrays, _ = ckpt.restore(step, targets)
     for role in roles:
       w, saved = self.workers[role], counters[role]
+      w.check_frozen(saved.get("frozen_checksum"), step)
       w.load_checkpoint_arrays({k: arrays[f"{role}_{k}"] for k in ("params", "opt_state")})
       w.updates, w.optimizer_steps = saved["updates"], saved["optimizer_steps"]
       if hasattr(w, "_calls"):
@@ -137,7 +138,8 @@ class PoolMember:
   def counters(self, roles: list[str]) -> dict:
     return {role: {"updates": self.workers[role].updates,
                    "optimizer_steps": self.workers[role].optimizer_steps,
-                   "calls": getattr(self.workers[role], "_calls", 0)} for role in roles}
+                   "calls": getattr(self.workers[role], "_calls", 0),
+                   "frozen_checksum": self.workers[role].frozen_checksum()} for role in roles}
 
 
 def _describe(worker) -> dict:
