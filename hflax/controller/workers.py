@@ -75,27 +75,35 @@ class RoleWorker:
     source (model.path, the warm-up's cache, the seed) when a run resumes."""
     return {"params": trained_part(self.params, self.trainable)[0], "opt_state": self.opt_state}
 
+  def checkpoint_counters(self) -> dict:
+    """The host values a checkpoint keeps beside the arrays: update counts, the sampler's
+    call count (so a resumed run draws what the uninterrupted one would) and the frozen
+    base's checksum."""
+    return {"updates": self.updates, "optimizer_steps": self.optimizer_steps,
+            "calls": getattr(self, "_calls", 0), "frozen_checksum": self.frozen_checksum()}
+
   def frozen_checksum(self) -> float | None:
-    """Sum of |w| over the frozen weights (None: every weight trains), kept with each
-    checkpoint: a resumed run checks that the base it rebuilt is the one saved with."""
+    """Sum of |w| over the frozen weights (None: every weight trains): a resumed run checks
+    that the base it rebuilt is the one the checkpoint was saved with."""
     frozen = trained_part(self.params, self.trainable)[1]
     if frozen is None:
       return None
-    return float(sum(float(jnp.sum(jnp.abs(x.astype(jnp.float32))))
-                     for x in jax.tree.leaves(frozen)))
+    return float(sum(jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in jax.tree.leaves(frozen)))
 
-  def check_frozen(self, saved: float | None, step: int):
-    now = self.frozen_checksum()
+  def restore_checkpoint(self, arrays: dict, counters: dict, step: int):
+    """Takes back what checkpoint_arrays and checkpoint_counters saved at `step`."""
+    saved, now = counters.get("frozen_checksum"), self.frozen_checksum()
     if saved is not None and not np.isclose(now, saved, rtol=1e-5):
       raise ValueError(
           f"{self.placement.role}: the frozen base weights (sum |w| = {now:.6g}) are not the "
           f"ones checkpoint step {step} was trained on ({saved:.6g}): model.path, or the "
           "warm-up's cached checkpoint, changed since. Restore them, or start a new run_dir")
-
-  def load_checkpoint_arrays(self, arrays: dict):
     frozen = trained_part(self.params, self.trainable)[1]
     self.params = arrays["params"] if frozen is None else nnx.merge_state(frozen, arrays["params"])
     self.opt_state = arrays["opt_state"]
+    self.updates, self.optimizer_steps = counters["updates"], counters["optimizer_steps"]
+    if hasattr(self, "_calls"):
+      self._calls = counters["calls"]
 
   # -- plumbing -----------------------------------------------------------------------------
   def input_sharding(self, protocol: Protocol):

@@ -18,9 +18,8 @@ configure_cpu()  # before JAX starts
 def workload(cfg, policy_cfg):
   """The auto-mapper's Workload for a config (every model has the policy's shape unless a
   checkpoint says otherwise)."""
-  from hflax.launch.roles import actor_config, needed_roles, reference_in_actor
+  from hflax.launch.roles import actor_config, needed_roles, reference_in_actor, with_lora
   from hflax.models import hf
-  from hflax.models.lora import lora_config
   from hflax.sharding import automap
   models = {}
   for role in needed_roles(cfg):
@@ -28,9 +27,8 @@ def workload(cfg, policy_cfg):
             "cost": cfg.cost.model_path}.get(role, "")
     models[role] = hf.read_config(path) if path else policy_cfg
   models["actor"] = actor_config(cfg, policy_cfg)
-  if "critic" in models and cfg.critic.lora_rank:
-    c = cfg.critic
-    models["critic"] = lora_config(models["critic"], c.lora_rank, c.lora_alpha, c.target_modules)
+  if "critic" in models:
+    models["critic"] = with_lora(models["critic"], cfg.critic)
   micro = cfg.actor.ppo_micro_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n
   return automap.Workload(
       models=models, prompts_per_step=cfg.data.train_batch_size, samples_per_prompt=cfg.rollout.n,

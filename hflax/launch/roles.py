@@ -146,11 +146,16 @@ def builtin_config(cfg, vocab_size: int, tokenizer=None) -> ModelConfig:
       pad_token_id=tokenizer.pad_id if tokenizer else None)
 
 
+def with_lora(model_cfg: ModelConfig, section) -> ModelConfig:
+  """model_cfg with the adapters a config section (model, critic) asks for, if any."""
+  s = section
+  return lora_config(model_cfg, s.lora_rank, s.lora_alpha, s.target_modules) if s.lora_rank \
+      else model_cfg
+
+
 def actor_config(cfg, model_cfg: ModelConfig) -> ModelConfig:
   """The policy's model config as the actor trains it: with LoRA adapters if asked."""
-  m = cfg.model
-  return lora_config(model_cfg, m.lora_rank, m.lora_alpha, m.target_modules) if m.lora_rank \
-      else model_cfg
+  return with_lora(model_cfg, cfg.model)
 
 
 def _value_model(path: str, policy, seed: int, lora=None):
@@ -165,8 +170,7 @@ def _value_model(path: str, policy, seed: int, lora=None):
       if key in state and key != "lm_head":
         state[key] = policy_state[key]
   if lora is not None and lora.lora_rank:
-    model_cfg = lora_config(model_cfg, lora.lora_rank, lora.lora_alpha, lora.target_modules)
-    graphdef, state = add_adapters(model_cfg, state, seed, head="value")
+    graphdef, state = add_adapters(with_lora(model_cfg, lora), state, seed, head="value")
   return graphdef, state
 
 

@@ -174,10 +174,7 @@ class Trainer:
               for k, v in w.checkpoint_arrays().items()}
     host = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.state.kl_ctrl,
             "lagrange_lambda": self.state.lagrange_lambda,
-            "workers": {name: {"updates": w.updates, "optimizer_steps": w.optimizer_steps,
-                               "calls": getattr(w, "_calls", 0),
-                               "frozen_checksum": w.frozen_checksum()}
-                        for name, w in self._trained().items()}}
+            "workers": {name: w.checkpoint_counters() for name, w in self._trained().items()}}
     self.ckpt.save(step, arrays, host, force=force)
 
   def _latest_checkpoint(self):
@@ -210,12 +207,8 @@ class Trainer:
                        f"{self.ckpt.directory} cannot be restored ({type(e).__name__}: {e}); "
                        "remove it or set --config.trainer.resume=False") from None
     for name, w in self._trained().items():
-      saved = host["workers"][name]
-      w.check_frozen(saved.get("frozen_checksum"), step)
-      w.load_checkpoint_arrays({k: arrays[f"{name}_{k}"] for k in ("params", "opt_state")})
-      w.updates, w.optimizer_steps = saved["updates"], saved["optimizer_steps"]
-      if hasattr(w, "_calls"):
-        w._calls = saved["calls"]
+      w.restore_checkpoint({k: arrays[f"{name}_{k}"] for k in ("params", "opt_state")},
+                           host["workers"][name], step)
     self.loader.load_state_dict(host["loader"])
     self.state.step, self.state.kl_ctrl = host["step"], host["kl_ctrl"]
     self.state.lagrange_lambda = host["lagrange_lambda"]

@@ -127,19 +127,12 @@ class PoolMember:
                for k, v in self.workers[role].checkpoint_arrays().items()}
     arrays, _ = ckpt.restore(step, targets)
     for role in roles:
-      w, saved = self.workers[role], counters[role]
-      w.check_frozen(saved.get("frozen_checksum"), step)
-      w.load_checkpoint_arrays({k: arrays[f"{role}_{k}"] for k in ("params", "opt_state")})
-      w.updates, w.optimizer_steps = saved["updates"], saved["optimizer_steps"]
-      if hasattr(w, "_calls"):
-        w._calls = saved["calls"]  # noqa: SLF001 - the sampler's call count (exact resume)
+      self.workers[role].restore_checkpoint(
+          {k: arrays[f"{role}_{k}"] for k in ("params", "opt_state")}, counters[role], step)
     return True
 
   def counters(self, roles: list[str]) -> dict:
-    return {role: {"updates": self.workers[role].updates,
-                   "optimizer_steps": self.workers[role].optimizer_steps,
-                   "calls": getattr(self.workers[role], "_calls", 0),
-                   "frozen_checksum": self.workers[role].frozen_checksum()} for role in roles}
+    return {role: self.workers[role].checkpoint_counters() for role in roles}
 
 
 def _describe(worker) -> dict:
