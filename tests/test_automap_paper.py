@@ -69,3 +69,10 @@ def test_table_prints(results, capsys):
   text = paper.table(results, sizes=SIZES, gpus=GPUS)
   assert text.splitlines()[0].split()[0] == "size" and len(text.splitlines()) == 4
   assert "colocate" in text and "split" in text
+
+
+def test_standalone_at_13b_128_costs_other_cells():
+  # The sweep's finding (paper.py --sweep): standalone takes 13B at 128 only at 10x the
+  # fitted per-device call cost, and then 13B at 64 no longer colocates.
+  _, differs = paper._sweep_point((0.2, 1.0, 1))
+  assert "13b@128" not in differs and "13b@64" in differs

@@ -91,10 +91,16 @@ def test_to_config_format():
   plan = Planner(wl, A100).evaluate((("actor", "ref"), ("critic", "reward")), (8, 8), meshes,
                                     generate_tensor=2)
   assert plan.feasible, plan.reason
+  # The KV cache gets what the pool's resident state and the generation weights leave:
+  # 72 GB usable - actor 16 B/param over 8 shards - ref 2 B/param unsharded - weights
+  # 2 B/param over t_g=2, in sequences of 2 x 32 layers x 16 KV heads x 128 x 2 B x 2048.
+  P = wl.models["actor"].num_params
+  fits = int((72e9 - 16 * P / 8 - 2 * P - 2 * P / 2) // (2 * 32 * 16 * 128 * 2 * 2048))
+  assert fits == 71
   assert plan.to_config() == {
       "pools": {"pool0": 8, "pool1": 8},
       "roles": {"actor": {"pool": "pool0", "mesh": {"data": 1, "fsdp": 4, "tensor": 2},
-                          "generate_tensor": 2},
+                          "generate_tensor": 2, "max_num_seqs": fits},
                 "ref": {"pool": "pool0", "mesh": {"data": 8, "fsdp": 1, "tensor": 1}},
                 "critic": {"pool": "pool1", "mesh": {"data": 2, "fsdp": 2, "tensor": 2}},
                 "reward": {"pool": "pool1", "mesh": {"data": 8, "fsdp": 1, "tensor": 1}}}}

@@ -158,6 +158,11 @@ def test_validation_with_several_samples_per_prompt(tmp_path):
   assert f"{core}/maj@4/mean" in m and m[f"{aux}/std@4"] > 0
   trainer.reward_fn = score
   assert trainer.validate() == m  # the same sampling keys every time
+  # rollout.max_num_seqs=4: one prompt's 4 samples per wave, and the same samples.
+  c.rollout.max_num_seqs = 4
+  capped = Trainer(c, log=lambda *_: None)
+  assert capped.roles.actor.max_num_seqs == 4 and capped.validate() == m
+  c.rollout.max_num_seqs = 0
   c.rollout.update(val_n=1, val_temperature=0.0)
   assert list(Trainer(c, log=lambda *_: None).validate()) == [f"{core}/mean@1"]
 
@@ -383,6 +388,7 @@ def test_placement_auto_runs_the_best_plan(tmp_path, monkeypatch):
   c.trainer.sft_warmup.steps = 0
   trainer = Trainer(c, log=lambda *_: None)
   best = ranked_plans(c, trainer.model_cfg, jax.devices()[:4], top=1)[0].to_config()
+  assert trainer.roles.actor.max_num_seqs == best["roles"]["actor"]["max_num_seqs"] > 0
   for role, spec in best["roles"].items():
     worker = getattr(trainer.roles, role)
     assert worker.mesh.devices.size == best["pools"][spec["pool"]]

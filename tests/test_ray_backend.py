@@ -114,8 +114,11 @@ def _assert_same(ray_run, local_run):
 
 def test_one_pool_of_two_processes_matches_local(ray_session):
   """2 processes x 4 CPU devices = one pool of 8 devices (one jax.distributed job): the
-  hybrid engine's switch and every update cross the two processes."""
+  hybrid engine's switch and every update cross the two processes. Generation runs in 2
+  waves (max_num_seqs: 1 prompt's 2 samples per replica of 4), whose results each process
+  gathers."""
   spec = colocated(ROLES, 8, generate_tensor=2)
+  spec["roles"]["actor"]["max_num_seqs"] = 2
 
   def errors_come_back_as_themselves(handles):
     with pytest.raises(KeyError, match="generate_sequences needs field 'prompt_mask'"):

@@ -27,6 +27,7 @@ from hflax.models.logprobs import sequence_log_probs
 from hflax.models.transformer import create_abstract, forward
 from hflax.rewards.scorer import last_token_scores
 from hflax.rollout.sampler import SamplingParams, _generate, decode_segments
+from hflax.rollout.waves import generation_waves
 from hflax.sharding.hybrid_engine import HybridEngine
 from hflax.sharding.layouts import (TRAIN_RULES, batch_sharding, data_parallel_size,
                                     state_shardings)
@@ -197,9 +198,12 @@ class ActorRolloutWorker(RoleWorker):
   def __init__(self, placement, graphdef, state, *, sampling: SamplingParams,
                loss_fn: Callable | None = None, generate_dtype: str | None = None,
                recompute_log_prob: bool = False, loss_fields: tuple[str, ...] = (),
-               optimizer_offload: bool = False, **kw):
+               optimizer_offload: bool = False, max_num_seqs: int = 0, **kw):
     super().__init__(placement, graphdef, state, **kw)
     self.sampling, self.loss_fn, self.loss_fields = sampling, loss_fn, tuple(loss_fields)
+    # Sequences one generation replica holds at once (0: all of its rows): the tighter of
+    # the config's rollout.max_num_seqs and the placement's (the KV cache the plan fits).
+    self.max_num_seqs = min((c for c in (max_num_seqs, placement.max_num_seqs) if c), default=0)
     # Optimizer state in host memory from generation until the next update, so the KV
     # cache and the generation copy of the weights have the accelerator to themselves.
     self.optimizer_offload = optimizer_offload and hasattr(self, "opt_state")
@@ -240,22 +244,33 @@ class ActorRolloutWorker(RoleWorker):
       if key not in prompts:
         raise KeyError(f"actor.generate_sequences needs field {key!r}; batch has {prompts.keys()}")
     count = len(prompts)
-    # Generation replicas split the prompts: pad with repeats, drop their samples after.
-    prompts, pad = prompts.pad_to_divisor(self.engine.mesh.shape["data"])
+    # Generation replicas split the prompts, in waves of `size` when max_num_seqs caps
+    # them: pad with repeats (born finished), drop their samples after.
+    replicas = self.engine.mesh.shape["data"]
+    size = replicas * generation_waves(count, replicas, params.n, self.max_num_seqs)[1]
+    prompts, pad = prompts.pad_to_divisor(size)
     gen_state, metrics = self.engine.to_generate(self._generation_weights())
     if self.optimizer_offload:
       metrics.update(self._offload_optimizer())
     rows = jax.sharding.NamedSharding(self.engine.mesh, jax.sharding.PartitionSpec("data"))
-    tokens = jax.device_put(prompts["prompts"], rows)
-    mask = jax.device_put(prompts["prompt_mask"], rows)
-    live = jax.device_put(np.arange(len(prompts)) < count, rows)  # padding: born finished
+    live = np.arange(len(prompts)) < count
     if rng is None:
       rng = jax.random.fold_in(self._rng, self._calls)
       self._calls += 1
-    out = _generate(self.base_graphdef, gen_state, tokens, mask, rng, params=params,
-                    segments=decode_segments(params.max_new_tokens), live_B=live,
-                    mesh=self.engine.mesh)
-    del gen_state  # the generation copy is freed once the program has consumed it
+    waves = []
+    for start in range(0, len(prompts), size):
+      wave = prompts.slice(start, start + size)
+      tokens, mask, live_B = jax.device_put(
+          (wave["prompts"], wave["prompt_mask"], live[start:start + size]), rows)
+      # Each wave's KV cache is freed when its program ends; its rows go home as they come.
+      waves.append(jax.device_put(_generate(
+          self.base_graphdef, gen_state, tokens, mask, rng, params=params,
+          segments=decode_segments(params.max_new_tokens), live_B=live_B,
+          mesh=self.engine.mesh, first_row=start), self.home))
+    del gen_state  # the generation copy is freed once the programs have consumed it
+    out = {k: jnp.concatenate([w[k] for w in waves]) if len(waves) > 1 else waves[0][k]
+           for k in waves[0]}
+    metrics["rollout/waves"] = float(len(waves))
     out["group_ids"] = jnp.repeat(jnp.arange(len(prompts), dtype=jnp.int32), params.n)
     rows = count * params.n  # samples of prompt i are rows i*n .. i*n + n - 1
     result = Batch({k: first_rows(jax.device_put(v, self.home), rows, pad)

@@ -64,10 +64,11 @@ def base_config() -> ml_collections.ConfigDict:
       # optimizer_offload, for the KV cache's sake on accelerators).
       optimizer_offload=False)
   # val_*: how held-out prompts are sampled (verl's rollout.val_kwargs); val_n > 1 adds
-  # best@k, worst@k and maj@N to the validation metrics.
+  # best@k, worst@k and maj@N to the validation metrics. max_num_seqs (as vLLM's): at most
+  # this many sequences per generation replica at once, the rest in further waves (0: all).
   c.rollout = dict(n=1, temperature=1.0, top_k=0, top_p=1.0, generate_tensor=1,
                    dtype=config_dict.placeholder(str), val_n=1, val_temperature=0.0,
-                   val_top_k=0, val_top_p=1.0)
+                   val_top_k=0, val_top_p=1.0, max_num_seqs=0)
   c.critic = dict(optim=_optim(1e-4), ppo_mini_batch_size=8, ppo_micro_batch_size=0,
                   ppo_epochs=1, shuffle=False, cliprange_value=0.5,
                   loss_agg_mode="token-mean", model_path="",
@@ -145,6 +146,11 @@ def _check_choices(c, fail):
       fail(f"rollout.{prefix}top_p", f"must be in (0, 1], got {top_p!r}")
     _check_int(c, f"rollout.{prefix}top_k", 0, fail, "(0: no top-k filter)")
   _check_int(c, "rollout.val_n", 1, fail, "(samples per held-out prompt)")
+  _check_int(c, "rollout.max_num_seqs", 0, fail, "(0: no cap)")
+  samples = max(c.rollout.n, c.rollout.val_n)
+  if 0 < c.rollout.max_num_seqs < samples:
+    fail("rollout.max_num_seqs", f"{c.rollout.max_num_seqs} is less than the {samples} samples "
+         "of one prompt (rollout.n / val_n), which are generated together")
   if c.rollout.val_n > 1 and c.rollout.val_temperature == 0:
     fail("rollout.val_n", f"{c.rollout.val_n} samples per prompt with rollout.val_temperature=0 "
          "(greedy) are copies of one response; set val_temperature > 0 (e.g. 1.0)")

@@ -34,7 +34,8 @@ def workload(cfg, policy_cfg):
       models=models, prompts_per_step=cfg.data.train_batch_size, samples_per_prompt=cfg.rollout.n,
       prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
       mini_batch_size=cfg.actor.ppo_mini_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
-      micro_batch_size=micro, reference_in_actor=reference_in_actor(cfg))
+      micro_batch_size=micro, reference_in_actor=reference_in_actor(cfg),
+      max_num_seqs=cfg.rollout.max_num_seqs)
 
 
 def profile(name: str, devices):

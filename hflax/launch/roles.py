@@ -228,7 +228,7 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
       placed["actor"], actor_graphdef, actor_state, sampling=sampling, loss_fn=actor_loss(cfg.actor),
       loss_fields=("ref_log_prob",) if cfg.actor.use_kl_loss else (),
       generate_dtype=cfg.rollout.dtype, recompute_log_prob=cfg.actor.recompute_log_prob,
-      optimizer_offload=cfg.actor.optimizer_offload,
+      optimizer_offload=cfg.actor.optimizer_offload, max_num_seqs=cfg.rollout.max_num_seqs,
       optim=OptimConfig(**cfg.actor.optim), update=_update(cfg.actor, n), home=home, seed=seed)
       if "actor" in wanted else None)
   if reference_in_actor(cfg):

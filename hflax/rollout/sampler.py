@@ -127,9 +127,12 @@ def _segment_ends(max_new_tokens: int, segments: int) -> list[int]:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments", "mesh"))
 def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: SamplingParams,
-              segments: int = 1, live_B=None, mesh: Mesh | None = None):
+              segments: int = 1, live_B=None, mesh: Mesh | None = None, first_row=0):
   """live_B (optional, bool [B]): False marks padding rows, born finished so that they
   never keep the decode loop running.
+
+  first_row: the index of prompt row 0 in a larger batch generated in waves; rows draw
+  their samples by that index (see _pick), so waves sample what one call would have.
 
   mesh (optional): when its "data" axis has more than one device, the rows split over it
   and each device runs its own decode loop on its rows (shard_map), stopping when they
@@ -137,7 +140,8 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   """
   B = prompts_BxP.shape[0]
   live_B = jnp.ones((B,), bool) if live_B is None else live_B.astype(bool)
-  args = (state, prompts_BxP, prompt_mask_BxP.astype(bool), rng, live_B, jnp.arange(B))
+  args = (state, prompts_BxP, prompt_mask_BxP.astype(bool), rng, live_B,
+          first_row + jnp.arange(B))
   decode = functools.partial(_decode, graphdef, params=params, segments=segments)
   if mesh is None or mesh.shape.get("data", 1) == 1:
     return decode(*args)

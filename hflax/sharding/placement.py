@@ -3,13 +3,16 @@
 A placement is a plain dict (what config files and the auto-mapper produce):
 
   {"pools": {"train": 4, "score": 4},
-   "roles": {"actor":  {"pool": "train", "mesh": {"fsdp": 4}, "generate_tensor": 2},
+   "roles": {"actor":  {"pool": "train", "mesh": {"fsdp": 4}, "generate_tensor": 2,
+                        "max_num_seqs": 256},
              "ref":    {"pool": "train", "mesh": {"fsdp": 4}},
              "critic": {"pool": "score", "mesh": {"fsdp": 2, "tensor": 2}},
              "reward": {"pool": "score", "mesh": {"data": 4}}}}
 
 Roles that share a pool are colocated (they run in turn); roles on different pools run
-concurrently. Pools take consecutive devices in the order they are listed.
+concurrently. Pools take consecutive devices in the order they are listed. The actor's
+optional generate_tensor, generate_strided and max_num_seqs set its generation layout and
+how many sequences each generation replica holds at once (see hybrid_engine, workers).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class RolePlacement:
   mesh: Mesh
   generate_tensor: int = 1
   generate_strided: bool = True  # False: node-local tensor groups (see hybrid_engine)
+  max_num_seqs: int = 0  # sequences a generation replica holds at once (0: no cap)
 
 
 def colocated(roles: Sequence[str], devices: int, generate_tensor: int = 1) -> dict:
@@ -61,7 +65,7 @@ def standalone(roles: Sequence[str], devices_per_role: int, generate_tensor: int
                     for r in roles}}
 
 
-ROLE_FIELDS = ("pool", "mesh", "generate_tensor", "generate_strided")
+ROLE_FIELDS = ("pool", "mesh", "generate_tensor", "generate_strided", "max_num_seqs")
 
 
 def build_placement(spec: Mapping[str, Any], devices=None, *,
@@ -109,8 +113,11 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
     if pool.size % tensor_g:
       raise ValueError(f"{field}.generate_tensor: {tensor_g} does not divide pool "
                        f"{pool.name!r} of {pool.size} devices")
+    cap = rspec.get("max_num_seqs", 0)
+    if not isinstance(cap, (int, np.integer)) or isinstance(cap, bool) or cap < 0:
+      raise ValueError(f"{field}.max_num_seqs: must be an integer >= 0 (0: no cap), got {cap!r}")
     mesh = train_mesh(pool.devices, int(shape.get("data", 1)), int(shape.get("fsdp", 1)),
                       int(shape.get("tensor", 1)))
     placed[role] = RolePlacement(role, pool, mesh, tensor_g,
-                                 bool(rspec.get("generate_strided", True)))
+                                 bool(rspec.get("generate_strided", True)), int(cap))
   return placed

@@ -18,6 +18,7 @@ import dataclasses
 import math
 
 from hflax.models.config import ModelConfig
+from hflax.rollout.waves import generation_waves
 from hflax.sharding.automap import comm
 from hflax.sharding.automap.mesh import MeshShape
 from hflax.sharding.automap.profile import DeviceProfile
@@ -118,6 +119,7 @@ class StageCost:
   transient: float = 0.0  # bytes per device held only while this call runs
   reason: str | None = None
   note: str = ""
+  max_num_seqs: int = 0  # generation: the sequences per replica its KV budget holds
 
 
 class Simulator:
@@ -251,7 +253,8 @@ class Simulator:
                strided: bool = True) -> StageCost:
     """Reshard, then prefill and decode every sequence on n / t_g replicas of t_g-way
     tensor parallelism. The KV cache gets the memory left free; a replica whose
-    sequences do not all fit generates them in waves."""
+    sequences do not all fit (or exceed the workload's max_num_seqs) generates them in
+    waves, as the actor does when the plan's max_num_seqs caps it (rollout/waves.py)."""
     cfg, wl, prof = self.wl.models["actor"], self.wl, self.prof
     problem = shape_problem(cfg, gen_tensor, "actor generate")
     if problem:
@@ -264,12 +267,15 @@ class Simulator:
     kv_heads = max(1, cfg.num_kv_heads // gen_tensor)  # fewer than t_g: replicated
     kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * WEIGHT_BYTES
     kv_seq = kv_token * wl.seq_len
-    if free - weights < kv_seq:
+    n = wl.samples_per_prompt
+    fits = int(max(free - weights, 0) // kv_seq)  # sequences the KV budget holds
+    if fits < n:
       return StageCost(reason=f"OOM: actor generate weights {weights / 1e9:.1f} GB + KV "
-                       f"{kv_seq / 1e9:.2f} GB/seq, {max(free, 0) / 1e9:.1f} GB free")
-    per_replica = rows_per_shard(wl.sequences, replicas)
-    waves = math.ceil(per_replica / min(per_replica, int((free - weights) // kv_seq)))
-    batch = math.ceil(per_replica / waves)
+                       f"{kv_seq / 1e9:.2f} GB/seq x {n} samples of a prompt, "
+                       f"{max(free, 0) / 1e9:.1f} GB free")
+    cap = min(fits, wl.max_num_seqs) if wl.max_num_seqs else fits
+    waves, prompts = generation_waves(wl.prompts_per_step, replicas, n, cap)
+    batch = prompts * n
     span = mesh.shards if strided else gen_tensor  # devices one tensor group spreads over
     prefill = (batch * forward_flops(cfg, wl.prompt_len) / (gen_tensor * self.flops_rate)
                * self.share(mesh)
@@ -290,4 +296,4 @@ class Simulator:
             + self.ovh.call_time(mesh.size))
     notes = ([] if strided else ["node-local t_g groups"]) + \
         ([f"waves={waves}"] if waves > 1 else [])
-    return StageCost(time, weights + batch * kv_seq, note=", ".join(notes))
+    return StageCost(time, weights + batch * kv_seq, note=", ".join(notes), max_num_seqs=fits)

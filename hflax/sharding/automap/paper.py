@@ -30,6 +30,10 @@ How the cost model was brought to this pattern, honestly:
   repeated rows (as verl pads a DataProto; controller/protocol.py) and the simulator
   charges the padded rows (6 x 171 = 1026 per pass on 6 data shards). Before the runtime
   padded, no pool could hold 48 GPUs and 64 + 32 pools won these cells.
+`--sweep` replays the 12 cells of 7B-34B over 81 settings (call_per_device 0-0.3 s,
+overlap 0.6-1.0, inter-node bandwidth x0.5-x2; 4 min on 2 cores): 13 settings reproduce
+11 (all but 13B at 128), none all 12. Standalone wins 13B at 128 only from
+call_per_device=0.2, where 8 cells at most hold (7B and 13B at 64 turn to split).
 Cell not reproduced (marked * in the table), after trying to:
 - 13B at 128 standalone: standalone gives each trained model at most a third of the GPUs
   and idles the forward-only pools through generation and training; with all four models
@@ -108,12 +112,52 @@ def table(results: dict, sizes=SIZES, gpus=GPUS) -> str:
   return "\n".join(lines)
 
 
+# The sensitivity sweep: the fitted per-device call cost, the compute/gather overlap, and the
+# inter-node bandwidth (x the preset's), over ranges wide enough to flip every cell.
+SWEEP = {"call_per_device": (0, .01, .02, .03, .05, .08, .12, .2, .3),
+         "overlap": (0.6, 0.8, 1.0), "inter_node": (0.5, 1, 2)}
+
+
+def _sweep_point(point) -> tuple[tuple, list[str]]:
+  call_per_device, overlap, inter_node = point
+  base = get_profile("a100-80gb")
+  results = winners(sizes=("7b", "13b", "34b"),
+                    profile=base.replace(inter_node_bandwidth=base.inter_node_bandwidth * inter_node),
+                    overheads=Overheads(call_per_device=call_per_device, overlap=overlap))
+  return point, [f"{s}@{n}" for (s, n), want in FINDINGS.items()
+                 if results.get((s, n)) and family(results[(s, n)][0]) != want]
+
+
+def sweep(processes: int = 2) -> list[tuple[tuple, list[str]]]:
+  """(call_per_device, overlap, inter-node bandwidth factor) -> the 7B-34B cells that
+  differ from the paper, over the SWEEP grid: whether any setting reproduces them all."""
+  import itertools
+  import multiprocessing
+  grid = list(itertools.product(*SWEEP.values()))
+  with multiprocessing.get_context("spawn").Pool(processes) as pool:
+    return pool.map(_sweep_point, grid)
+
+
+def print_sweep(points) -> None:
+  cells = sum(1 for (s, n) in FINDINGS if s in ("7b", "13b", "34b") and (s, n) != ("34b", 16))
+  print(f"{len(points)} settings of {', '.join(SWEEP)}; cells of 7B-34B that hold, of {cells}:")
+  for (cpd, overlap, inter), missed in sorted(points, key=lambda p: (len(p[1]), p[0])):
+    print(f"  call_per_device={cpd:<5} overlap={overlap:<4} inter_node x{inter:<4} "
+          f"{cells - len(missed):>2}/{cells}  differs: {', '.join(missed) or '-'}")
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--roofline", action="store_true",
                       help="hardware limits only (no software overheads)")
   parser.add_argument("--plans", type=int, default=0, help="also list the N best plans per cell")
+  parser.add_argument("--sweep", action="store_true",
+                      help="sensitivity: which cells hold over a grid of the model's settings "
+                      "(a few minutes on 2 cores)")
   args = parser.parse_args(argv)
+  if args.sweep:
+    print_sweep(sweep())
+    return
   overheads = Overheads.roofline() if args.roofline else Overheads()
   results = winners(overheads=overheads)
   print(f"Best placement per model size and GPU count (a100-80gb, {overheads}); step time per "

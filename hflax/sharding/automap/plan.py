@@ -21,6 +21,9 @@ class Plan:
   reason: str | None = None            # why the plan cannot run (None: it can)
   notes: dict[str, str] = dataclasses.field(default_factory=dict)  # role -> "remat", ...
   generate_strided: bool = True        # False: node-local generation tensor groups
+  # Sequences per generation replica whose KV cache the plan's memory holds: the actor
+  # generates in waves of at most this many (also in validation, whatever its batch).
+  max_num_seqs: int = 0
 
   @property
   def feasible(self) -> bool:
@@ -45,7 +48,7 @@ class Plan:
 
       {"pools": {"pool0": 8, "pool1": 8},
        "roles": {"actor": {"pool": "pool0", "mesh": {"data": 1, "fsdp": 4, "tensor": 2},
-                           "generate_tensor": 2},
+                           "generate_tensor": 2, "max_num_seqs": 48},
                  "critic": {"pool": "pool1", "mesh": {...}}, ...}}
 
     Only when the plan needs node-local generation groups (hybrid_engine.generate_mesh
@@ -59,6 +62,8 @@ class Plan:
           entry["generate_tensor"] = self.generate_tensor
           if not self.generate_strided:
             entry["generate_strided"] = False
+          if self.max_num_seqs:
+            entry["max_num_seqs"] = self.max_num_seqs
         roles[role] = entry
     return {"pools": {f"pool{i}": n for i, n in enumerate(self.devices)}, "roles": roles}
 

@@ -32,6 +32,7 @@ class PoolPlan:
   meshes: dict[str, MeshShape] = dataclasses.field(default_factory=dict)
   generate_tensor: int = 1
   generate_strided: bool = True
+  max_num_seqs: int = 0  # the actor's sequences per generation replica that fit
   stage_times: dict[str, float] = dataclasses.field(default_factory=dict)
   peak_memory: float = 0.0
   notes: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -108,6 +109,7 @@ class Planner:
           return dataclasses.replace(plan, reason=cost.reason)
         times[stage] += cost.time
         transient = max(transient, cost.transient)
+        plan.max_num_seqs = cost.max_num_seqs or plan.max_num_seqs
         if cost.note:
           plan.notes[role] = ", ".join(filter(None, [plan.notes.get(role), cost.note]))
     if resident > sim.capacity:
@@ -247,18 +249,18 @@ def _stage_time(profile: DeviceProfile):
 
 
 def _combine(placement: Placement, chosen, stage_time) -> Plan:
-  meshes, notes, gen, strided = {}, {}, 1, True
+  meshes, notes, gen, strided, cap = {}, {}, 1, True, 0
   for group, (_, pool) in zip(placement, chosen):
     meshes.update(pool.meshes)
     notes.update(pool.notes)
     if "actor" in group:
-      gen, strided = pool.generate_tensor, pool.generate_strided
+      gen, strided, cap = pool.generate_tensor, pool.generate_strided, pool.max_num_seqs
   times = {s: [p.stage_times.get(s, 0.0) for _, p in chosen] for s in STAGES}
   stages = {s: stage_time(sum(t), max(t)) for s, t in times.items()}
   return Plan(placement, tuple(n for n, _ in chosen), meshes, gen,
               {s: t for s, t in stages.items() if t > 0},
               tuple(p.stage_times for _, p in chosen), tuple(p.peak_memory for _, p in chosen),
-              notes=notes, generate_strided=strided)
+              notes=notes, generate_strided=strided, max_num_seqs=cap)
 
 
 def search(workload: Workload, profile: DeviceProfile, num_devices: int, *,

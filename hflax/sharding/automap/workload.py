@@ -28,6 +28,9 @@ class Workload:
   micro_batch_size: int = 8           # sequences per device per forward/backward call
   # The actor also computes the reference log-probs (LoRA: from its frozen base).
   reference_in_actor: bool = False
+  # Sequences a generation replica may hold at once (rollout.max_num_seqs; 0: as many as
+  # the KV cache fits).
+  max_num_seqs: int = 0
 
   def __post_init__(self):
     roles = tuple(self.models)
@@ -40,6 +43,8 @@ class Workload:
                  "mini_batch_size", "ppo_epochs", "micro_batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.max_num_seqs < 0:
+      raise ValueError(f"max_num_seqs must be >= 0 (0: no cap), got {self.max_num_seqs}")
     if self.prompts_per_step % self.mini_batch_size:
       raise ValueError(f"mini_batch_size={self.mini_batch_size} must divide "
                        f"prompts_per_step={self.prompts_per_step}")
