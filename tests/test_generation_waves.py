@@ -96,6 +96,26 @@ def test_bad_caps_name_the_field():
   spec = {"pools": {"p": 1}, "roles": {"actor": {"pool": "p", "max_num_seqs": 2.5}}}
   with pytest.raises(ValueError, match=r"placement.roles.actor.max_num_seqs: must be an integer"):
     build_placement(spec, jax.devices()[:1])
+  spec = {"pools": {"p": 1}, "roles": {"critic": {"pool": "p", "max_num_seqs": 4}}}
+  with pytest.raises(ValueError, match=r"roles.critic.max_num_seqs: only the actor generates"):
+    build_placement(spec, jax.devices()[:1])
+  with pytest.raises(ValueError, match="max_num_seqs must be 0 .* the 4 samples of one prompt"):
+    automap.Workload.ppo(CFG, samples_per_prompt=2, val_samples_per_prompt=4, max_num_seqs=3)
+
+
+def test_a_placement_cap_below_one_prompts_samples_fails_before_any_work(tmp_path):
+  from hflax.launch.trainer import Trainer
+  from tiny_config import get_config
+  c = get_config()  # GRPO, rollout.n=2, the reference on the actor's pool
+  c.trainer.run_dir = str(tmp_path / "run")
+  c.rollout.update(val_n=4, val_temperature=1.0)
+  c.placement.kind = "custom"
+  c.placement.pools = {"all": 2}
+  c.placement.roles = {"actor": {"pool": "all", "max_num_seqs": 3}, "ref": {"pool": "all"}}
+  with pytest.raises(ValueError, match=r"^config.placement.roles.actor.max_num_seqs: 3 is less "
+                     r"than the 4 samples"):
+    Trainer(c, log=lambda *_: None)
+  assert not (tmp_path / "run").exists()
 
 
 def test_the_simulators_waves_are_the_actors():
@@ -117,6 +137,9 @@ def test_the_simulators_waves_are_the_actors():
   assert tight.transient == weights + 4 * kv_seq
   too_tight = sim.generate(mesh, 1, free=weights + 1.5 * kv_seq)
   assert "OOM" in too_tight.reason and "2 samples of a prompt" in too_tight.reason
+  c.rollout.update(val_n=8, val_temperature=1.0)  # validation's 8 samples must fit too
+  validating = automap.Simulator(workload(c, CFG), automap.get_profile("a100-80gb"))
+  assert "8 samples of a prompt" in validating.generate(mesh, 1, weights + 5.5 * kv_seq).reason
   spec = {"pools": {"p": 2}, "roles": {"actor": {
       "pool": "p", "mesh": mesh.as_dict(), "max_num_seqs": tight.max_num_seqs}}}
   actor = workers.ActorRolloutWorker(build_placement(spec, jax.devices()[:2])["actor"],

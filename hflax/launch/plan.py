@@ -35,7 +35,7 @@ def workload(cfg, policy_cfg):
       prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
       mini_batch_size=cfg.actor.ppo_mini_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
       micro_batch_size=micro, reference_in_actor=reference_in_actor(cfg),
-      max_num_seqs=cfg.rollout.max_num_seqs)
+      max_num_seqs=cfg.rollout.max_num_seqs, val_samples_per_prompt=cfg.rollout.val_n)
 
 
 def profile(name: str, devices):

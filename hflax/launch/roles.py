@@ -55,6 +55,17 @@ def check_roles_placed(cfg, placed, roles=None) -> None:
     why = "; ".join(f"{r} for {reasons[r]}" for r in missing)
     raise ValueError(f"config.placement.roles: no pool for {why}; add them to "
                      "placement.roles, or use placement.kind='colocated' or 'standalone'")
+  if "actor" in placed:
+    check_generation_cap(cfg, placed["actor"].max_num_seqs)
+
+
+def check_generation_cap(cfg, cap) -> None:
+  """The placement's max_num_seqs for the actor holds one prompt's samples at least."""
+  samples = max(cfg.rollout.n, cfg.rollout.val_n)
+  if isinstance(cap, int) and 0 < cap < samples:
+    where = "an auto plan's " if cfg.placement.kind == "auto" else "config.placement.roles.actor."
+    raise ValueError(f"{where}max_num_seqs: {cap} is less than the {samples} samples of one "
+                     "prompt (rollout.n / val_n), which are generated together")
 
 
 def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:

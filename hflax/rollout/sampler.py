@@ -132,7 +132,8 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   never keep the decode loop running.
 
   first_row: the index of prompt row 0 in a larger batch generated in waves; rows draw
-  their samples by that index (see _pick), so waves sample what one call would have.
+  their samples by that index (see _pick), so waves draw what one call would have (given
+  the same logits, which a different batch shape can change in the last bits).
 
   mesh (optional): when its "data" axis has more than one device, the rows split over it
   and each device runs its own decode loop on its rows (shard_map), stopping when they

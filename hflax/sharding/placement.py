@@ -116,6 +116,8 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
     cap = rspec.get("max_num_seqs", 0)
     if not isinstance(cap, (int, np.integer)) or isinstance(cap, bool) or cap < 0:
       raise ValueError(f"{field}.max_num_seqs: must be an integer >= 0 (0: no cap), got {cap!r}")
+    if cap and role != "actor":
+      raise ValueError(f"{field}.max_num_seqs: only the actor generates")
     mesh = train_mesh(pool.devices, int(shape.get("data", 1)), int(shape.get("fsdp", 1)),
                       int(shape.get("tensor", 1)))
     placed[role] = RolePlacement(role, pool, mesh, tensor_g,

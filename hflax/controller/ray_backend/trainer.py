@@ -30,7 +30,8 @@ from hflax.controller.ray_backend.group import (HostRole, WorkerDied, WorkerGrou
 from hflax.controller.ray_backend.session import SAFE_ENV, RaySession, check_loopback
 from hflax.controller.ray_backend.transport import to_host
 from hflax.controller.workers import FunctionRewardWorker
-from hflax.launch.roles import needed_roles, placement_spec, reference_in_actor
+from hflax.launch.roles import (check_generation_cap, needed_roles, placement_spec,
+                                reference_in_actor)
 from hflax.launch.trainer import Trainer
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -80,6 +81,7 @@ class RayTrainer(Trainer):
     cfg = self.cfg
     roles = needed_roles(cfg)
     self._spec = placement_spec(cfg, roles, total_devices(cfg))
+    check_generation_cap(cfg, self._spec["roles"].get("actor", {}).get("max_num_seqs", 0))
     self._layouts = pool_layouts(cfg, self._spec, roles)
     if not ray.is_initialized():
       check_loopback(cfg.cluster)

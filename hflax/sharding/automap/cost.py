@@ -269,10 +269,10 @@ class Simulator:
     kv_seq = kv_token * wl.seq_len
     n = wl.samples_per_prompt
     fits = int(max(free - weights, 0) // kv_seq)  # sequences the KV budget holds
-    if fits < n:
+    if fits < wl.samples_per_prompt_most:
       return StageCost(reason=f"OOM: actor generate weights {weights / 1e9:.1f} GB + KV "
-                       f"{kv_seq / 1e9:.2f} GB/seq x {n} samples of a prompt, "
-                       f"{max(free, 0) / 1e9:.1f} GB free")
+                       f"{kv_seq / 1e9:.2f} GB/seq x {wl.samples_per_prompt_most} samples of "
+                       f"a prompt, {max(free, 0) / 1e9:.1f} GB free")
     cap = min(fits, wl.max_num_seqs) if wl.max_num_seqs else fits
     waves, prompts = generation_waves(wl.prompts_per_step, replicas, n, cap)
     batch = prompts * n

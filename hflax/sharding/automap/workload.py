@@ -31,6 +31,9 @@ class Workload:
   # Sequences a generation replica may hold at once (rollout.max_num_seqs; 0: as many as
   # the KV cache fits).
   max_num_seqs: int = 0
+  # Validation's samples per prompt (rollout.val_n): generated together too, so the KV
+  # cache must hold them, though validation is not timed.
+  val_samples_per_prompt: int = 1
 
   def __post_init__(self):
     roles = tuple(self.models)
@@ -43,8 +46,12 @@ class Workload:
                  "mini_batch_size", "ppo_epochs", "micro_batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.max_num_seqs < 0:
-      raise ValueError(f"max_num_seqs must be >= 0 (0: no cap), got {self.max_num_seqs}")
+    if self.val_samples_per_prompt < 1:
+      raise ValueError(f"val_samples_per_prompt must be >= 1, got {self.val_samples_per_prompt}")
+    if self.max_num_seqs < 0 or 0 < self.max_num_seqs < self.samples_per_prompt_most:
+      raise ValueError(f"max_num_seqs must be 0 (no cap) or at least the "
+                       f"{self.samples_per_prompt_most} samples of one prompt, which are "
+                       f"generated together; got {self.max_num_seqs}")
     if self.prompts_per_step % self.mini_batch_size:
       raise ValueError(f"mini_batch_size={self.mini_batch_size} must divide "
                        f"prompts_per_step={self.prompts_per_step}")
@@ -55,6 +62,11 @@ class Workload:
   @property
   def roles(self) -> tuple[str, ...]:
     return tuple(self.models)
+
+  @property
+  def samples_per_prompt_most(self) -> int:
+    """The most samples of one prompt generated together (training or validation)."""
+    return max(self.samples_per_prompt, self.val_samples_per_prompt)
 
   @property
   def sequences(self) -> int:
