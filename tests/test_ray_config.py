@@ -77,3 +77,18 @@ def test_a_local_cluster_starts_only_on_loopback(monkeypatch):
                                        "Ray cluster outside a loopback-only network namespace"):
     RaySession(c.cluster)
   assert not ray.is_initialized()
+
+
+def test_a_generation_cap_below_one_prompts_samples_is_refused_on_the_driver(tmp_path):
+  pytest.importorskip("ray")
+  import ray
+  from hflax.controller.ray_backend.trainer import RayTrainer
+  c = ray_config()
+  c.trainer.run_dir = str(tmp_path / "run")
+  c.rollout.n = 2
+  c.placement.update(kind="custom", pools={"all": 8},
+                     roles={"actor": {"pool": "all", "max_num_seqs": 1}, "critic": {"pool": "all"}})
+  with pytest.raises(ValueError, match=r"config.placement.roles.actor.max_num_seqs: 1 is less "
+                                       r"than the 2 samples"):
+    RayTrainer(c, log=lambda *_: None)
+  assert not ray.is_initialized()

@@ -55,8 +55,6 @@ def check_roles_placed(cfg, placed, roles=None) -> None:
     why = "; ".join(f"{r} for {reasons[r]}" for r in missing)
     raise ValueError(f"config.placement.roles: no pool for {why}; add them to "
                      "placement.roles, or use placement.kind='colocated' or 'standalone'")
-  if "actor" in placed:
-    check_generation_cap(cfg, placed["actor"].max_num_seqs)
 
 
 def check_generation_cap(cfg, cap) -> None:
@@ -220,6 +218,8 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
                            devices)
   wanted = [r for r in roles if only is None or r in only]
   check_roles_placed(cfg, placed, wanted)
+  if "actor" in placed:
+    check_generation_cap(cfg, placed["actor"].max_num_seqs)
   n, seed = cfg.rollout.n, cfg.trainer.seed
   check_micro_batches(cfg, placed, wanted, n)
   home = jax.sharding.SingleDeviceSharding(placed[wanted[0] if wanted else "actor"].pool.devices[0])
