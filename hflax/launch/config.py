@@ -147,10 +147,9 @@ def _check_choices(c, fail):
     _check_int(c, f"rollout.{prefix}top_k", 0, fail, "(0: no top-k filter)")
   _check_int(c, "rollout.val_n", 1, fail, "(samples per held-out prompt)")
   _check_int(c, "rollout.max_num_seqs", 0, fail, "(0: no cap)")
-  samples = max(c.rollout.n, c.rollout.val_n)
-  if 0 < c.rollout.max_num_seqs < samples:
-    fail("rollout.max_num_seqs", f"{c.rollout.max_num_seqs} is less than the {samples} samples "
-         "of one prompt (rollout.n / val_n), which are generated together")
+  problem = generation_cap_problem(c, c.rollout.max_num_seqs)
+  if problem:
+    fail("rollout.max_num_seqs", problem)
   if c.rollout.val_n > 1 and c.rollout.val_temperature == 0:
     fail("rollout.val_n", f"{c.rollout.val_n} samples per prompt with rollout.val_temperature=0 "
          "(greedy) are copies of one response; set val_temperature > 0 (e.g. 1.0)")
@@ -159,6 +158,15 @@ def _check_choices(c, fail):
     if o.schedule == "cosine" and o.total_steps <= o.warmup_steps:
       fail(f"{role}.optim.total_steps", f"a cosine schedule needs total_steps > warmup_steps="
            f"{o.warmup_steps}, got {o.total_steps}")
+
+
+def generation_cap_problem(c, cap) -> str | None:
+  """Why a max_num_seqs (the config's or a placement's) cannot hold one prompt's samples."""
+  samples = max(c.rollout.n, c.rollout.val_n)
+  if isinstance(cap, int) and 0 < cap < samples:
+    return (f"{cap} is less than the {samples} samples of one prompt (rollout.n / val_n), "
+            "which are generated together")
+  return None
 
 
 def tokenizer_spec(c) -> str:

@@ -11,6 +11,7 @@ from hflax.algorithms.drivers.common import actor_loss, critic_loss
 from hflax.controller.training import OptimConfig, UpdateConfig
 from hflax.controller.workers import (ActorRolloutWorker, CriticWorker, FunctionRewardWorker,
                                       ReferenceWorker, RewardModelWorker)
+from hflax.launch.config import generation_cap_problem
 from hflax.models import ModelConfig, create, hf
 from hflax.models.lora import (add_adapters, load_adapter, lora_config, lora_targets,
                                read_adapter_config, split_adapters)
@@ -59,11 +60,19 @@ def check_roles_placed(cfg, placed, roles=None) -> None:
 
 def check_generation_cap(cfg, cap) -> None:
   """The placement's max_num_seqs for the actor holds one prompt's samples at least."""
-  samples = max(cfg.rollout.n, cfg.rollout.val_n)
-  if isinstance(cap, int) and 0 < cap < samples:
+  problem = generation_cap_problem(cfg, cap)
+  if problem:
     where = "an auto plan's " if cfg.placement.kind == "auto" else "config.placement.roles.actor."
-    raise ValueError(f"{where}max_num_seqs: {cap} is less than the {samples} samples of one "
-                     "prompt (rollout.n / val_n), which are generated together")
+    raise ValueError(f"{where}max_num_seqs: {problem}")
+
+
+def check_placed(cfg, placed, roles) -> None:
+  """What a built placement must give the roles that run on it: a pool each, a generation
+  cap that holds one prompt's samples, micro-batches as wide as their data axes."""
+  check_roles_placed(cfg, placed, roles)
+  if "actor" in placed:
+    check_generation_cap(cfg, placed["actor"].max_num_seqs)
+  check_micro_batches(cfg, placed, roles, cfg.rollout.n)
 
 
 def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
@@ -217,11 +226,8 @@ def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,
   placed = build_placement(spec or placement_spec(cfg, roles, len(devices), policy[0], devices),
                            devices)
   wanted = [r for r in roles if only is None or r in only]
-  check_roles_placed(cfg, placed, wanted)
-  if "actor" in placed:
-    check_generation_cap(cfg, placed["actor"].max_num_seqs)
+  check_placed(cfg, placed, wanted)
   n, seed = cfg.rollout.n, cfg.trainer.seed
-  check_micro_batches(cfg, placed, wanted, n)
   home = jax.sharding.SingleDeviceSharding(placed[wanted[0] if wanted else "actor"].pool.devices[0])
   model_cfg, graphdef, state = policy
   actor_graphdef, actor_state = graphdef, state

@@ -15,8 +15,7 @@ from hflax.checkpoint import Checkpointer
 from hflax.controller.batch import Batch
 from hflax.data import PromptLoader, arithmetic_task, load_prompts
 from hflax.launch.config import tokenizer_spec, validate
-from hflax.launch.roles import (actor_config, build_roles, check_generation_cap,
-                                check_micro_batches, check_roles_placed, needed_roles,
+from hflax.launch.roles import (actor_config, build_roles, check_placed, needed_roles,
                                 placement_spec, policy_model, read_model_configs,
                                 reference_in_actor)
 from hflax.launch.sft import sft_warmup, warmup_cache_dir
@@ -152,10 +151,7 @@ class Trainer:
       roles = needed_roles(self.cfg)
       placed = build_placement(placement_spec(self.cfg, roles, len(devices)), devices,
                                where="config.placement")
-      check_roles_placed(self.cfg, placed)
-      if "actor" in placed:
-        check_generation_cap(self.cfg, placed["actor"].max_num_seqs)
-      check_micro_batches(self.cfg, placed, roles, self.cfg.rollout.n)
+      check_placed(self.cfg, placed, roles)
     if reference_in_actor(self.cfg) and "ref" in self.cfg.placement.roles:
       self.log("model.lora_rank: the actor computes the reference log-probs from its frozen "
                "base, so placement.roles.ref is not used (nor a pool only it used)")
