@@ -58,3 +58,14 @@ def test_rejects_impossible_requests():
     arithmetic_task(1, 1, seed=0, ops="/")
   with pytest.raises(ValueError, match="digits"):
     arithmetic_task(1, 1, seed=0, digits=(2, 1))
+
+
+def test_chat_form_for_instruct_models():
+  train, val = arithmetic_task(20, 5, data_source="arithmetic_chat")
+  row = train[0]
+  assert row["data_source"] == "arithmetic_chat"
+  assert row["prompt"][0]["content"].endswith("? Answer with just the number.")
+  assert arithmetic_task(1, 1, data_source="arithmetic_chat", template="Add {a} and {b}.")[0][0][
+      "prompt"][0]["content"].startswith("Add ")
+  with pytest.raises(ValueError, match="data_source must be one of"):
+    arithmetic_task(1, 1, data_source="arith")

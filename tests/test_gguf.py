@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hflax.launch.__main__ import cli
-from hflax.models import gguf, hf, logits_fn
+from hflax.models import convert, gguf, hf, logits_fn
 from hflax.models.tokenizer import load_tokenizer, save_tokenizer
 from hflax.rollout.sampler import SamplingParams, generate, left_pad
 
@@ -166,6 +166,8 @@ def test_bad_gguf_files_give_one_line_errors_naming_them(tmp_path, capsys, monke
     assert code == 2 and len(err.splitlines()) == 1, (name, err)
     assert err.startswith("error: config.model.path") and message in err, (name, err)
     assert not os.path.exists(tmp_path / "run"), name  # refused before any work
+  assert convert.main([str(truncated), str(tmp_path / "out")]) == 2
+  assert f"{truncated}: truncated" in capsys.readouterr().err
   # The shipped model's name without its package installed names the install command.
   monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name: None)
   code = cli(["--config", TINY, f"--config.trainer.run_dir={tmp_path}/run",

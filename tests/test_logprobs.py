@@ -50,6 +50,29 @@ def test_chunked_log_probs_and_entropy_match_reference(pair, chunk, temperature)
   np.testing.assert_allclose(np.asarray(entropy), ref_entropy, atol=2e-5)
 
 
+@pytest.mark.parametrize("last", [1, 7, 18])
+def test_last_columns_equal_the_full_computation(pair, last):
+  # last=width projects only the response columns onto the vocabulary (the actor's update
+  # and log-prob passes): values and gradients must be the full pass's, sliced.
+  _, graphdef, state = pair
+  ids, mask = map(jnp.asarray, _batch())
+  full = sequence_log_probs(graphdef, state, ids, mask, chunk=5)
+  tail = sequence_log_probs(graphdef, state, ids, mask, chunk=5, last=last)
+  for a, b in zip(full, tail):
+    assert b.shape == (3, last)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a[:, -last:]), atol=1e-6)
+
+  def loss(state, last):
+    logp, entropy = sequence_log_probs(graphdef, state, ids, mask, chunk=5, last=last)
+    return logp[:, -last:].sum() + 0.1 * entropy[:, -last:].sum()
+
+  grad_full = jax.grad(lambda s: (lambda lp, en: lp[:, -last:].sum() + 0.1 * en[:, -last:].sum())(
+      *sequence_log_probs(graphdef, s, ids, mask, chunk=5)))(state)
+  grad_tail = jax.grad(loss)(state, last)
+  for a, b in zip(jax.tree.leaves(grad_full), jax.tree.leaves(grad_tail)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
 def test_gradient_does_not_depend_on_chunking(pair):
   _, graphdef, state = pair
   ids, mask = map(jnp.asarray, _batch())

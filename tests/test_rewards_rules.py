@@ -61,7 +61,7 @@ def test_gsm8k_format_score_and_flexible():
 def test_registry_by_data_source():
   assert default_reward_fn("arithmetic") is arithmetic_exact_match
   assert default_reward_fn("openai/gsm8k") is gsm8k and default_reward_fn("gsm8k") is gsm8k
-  with pytest.raises(ValueError, match="'mystery'.*HuggingFaceH4/MATH-500, arithmetic, gsm8k, "):
+  with pytest.raises(ValueError, match="'mystery'.*HuggingFaceH4/MATH-500, arithmetic, arithmetic_chat, gsm8k, "):
     default_reward_fn("mystery")
   with pytest.raises(ValueError, match="already has a reward"):
     register_reward_fn("gsm8k", len)
@@ -74,3 +74,22 @@ def test_register_reward_fn():
     assert "test/always_half" in reward_data_sources()
   finally:
     register_reward_fn("test/always_half", lambda *a: 0.0, override=True)
+
+
+@pytest.mark.parametrize("response, truth, expected", [
+    ("23 + 45 = 68.", "68", 1.0),  # SmolLM2-Instruct's usual form: the result comes last
+    ("66+68 is 134.", "134", 1.0),
+    ("The answer is 68", "68", 1.0),
+    ("68", "68", 1.0),
+    ("97-59 is 38", "38", 1.0),  # the operator's minus is not a sign
+    ("5 - 12 = -7", "-7", 1.0),
+    ("It is 1,234.", "1234", 1.0),
+    ("23 + 45 = 68. Not 69", "68", 0.0),  # the last integer counts, not the first
+    ("23 + 45 = 68.5", "68", 0.0),  # a decimal is not the integer
+    ("sixty-eight", "68", 0.0),
+    ("", "68", 0.0),
+])
+def test_arithmetic_last_integer(response, truth, expected):
+  from hflax.rewards.rules import arithmetic_last_integer
+  assert arithmetic_last_integer(response, truth) == expected
+  assert default_reward_fn("arithmetic_chat")(response, truth, None) == expected

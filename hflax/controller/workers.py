@@ -337,8 +337,9 @@ class ActorRolloutWorker(RoleWorker):
 
     def loss_fn(params, fields):
       logp, entropy = sequence_log_probs(graphdef, params, fields["input_ids"],
-                                         fields["attention_mask"], temperature=temperature)
-      return loss(logp[:, -width:], entropy[:, -width:], fields)
+                                         fields["attention_mask"], temperature=temperature,
+                                         last=width)
+      return loss(logp, entropy, fields)
 
     return self._train("update_actor", loss_fn, rows, batch,
                        getattr(loss, "micro_batch_weight", None))
@@ -396,9 +397,8 @@ class RewardModelWorker(RoleWorker):
 @functools.lru_cache(maxsize=None)
 def _log_probs_fn(graphdef, width: int, temperature: float):
   def fn(params, rows):
-    logp, entropy = sequence_log_probs(graphdef, params, rows["input_ids"], rows["attention_mask"],
-                                       temperature=temperature)
-    return logp[:, -width:], entropy[:, -width:]
+    return sequence_log_probs(graphdef, params, rows["input_ids"], rows["attention_mask"],
+                              temperature=temperature, last=width)
   return fn
 
 

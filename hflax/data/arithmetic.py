@@ -18,6 +18,10 @@ from hflax.data.schema import PromptDataset
 
 OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 DATA_SOURCE = "arithmetic"
+# data_source -> its default question. "arithmetic_chat" is the form a pretrained instruct
+# model is asked in (judged by the last integer of its answer, see hflax.rewards.rules).
+TEMPLATES = {"arithmetic": "What is {a}{op}{b}?",
+             "arithmetic_chat": "What is {a}{op}{b}? Answer with just the number."}
 
 
 def _digit_range(digits: int | tuple[int, int]) -> tuple[int, int]:
@@ -38,12 +42,20 @@ def _question_count(low: int, high: int, ops: str, allow_negative: bool) -> int:
 def arithmetic_task(num_train: int, num_val: int, seed: int = 0,
                     digits: int | tuple[int, int] = (1, 2), ops: str = "+-",
                     allow_negative: bool = False,
-                    template: str = "What is {a}{op}{b}?") -> tuple[PromptDataset, PromptDataset]:
+                    template: str = "", data_source: str = DATA_SOURCE,
+                    ) -> tuple[PromptDataset, PromptDataset]:
   """(train, val) datasets of arithmetic questions in verl's row schema.
+
+  data_source: "arithmetic" (bare answers, judged by their leading integer) or
+  "arithmetic_chat" (sentences, judged by their last integer); template: the question
+  ("" is the data source's own, TEMPLATES).
 
   digits: operand digit count, or an inclusive (min, max) range. ops: any of "+-*".
   allow_negative=False orders subtraction operands so answers are never negative.
   """
+  if data_source not in TEMPLATES:
+    raise ValueError(f"data_source must be one of {sorted(TEMPLATES)}, got {data_source!r}")
+  template = template or TEMPLATES[data_source]
   low, high = _digit_range(digits)
   ops = "".join(dict.fromkeys(ops))
   if not ops or set(ops) - set(OPERATIONS):
@@ -77,7 +89,7 @@ def arithmetic_task(num_train: int, num_val: int, seed: int = 0,
                      f"ask for fewer or widen digits={digits!r} / ops={ops!r}")
 
   def row(split: str, index: int, a: int, op: str, b: int) -> dict:
-    return {"data_source": DATA_SOURCE,
+    return {"data_source": data_source,
             "prompt": [{"role": "user", "content": template.format(a=a, op=op, b=b)}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(OPERATIONS[op](a, b))},

@@ -40,7 +40,10 @@ def base_config() -> ml_collections.ConfigDict:
       # Switches of the tokenizer's chat template (verl's apply_chat_template_kwargs), set
       # in a config file: c.data.chat_template_kwargs = {"enable_thinking": False}.
       chat_template_kwargs={},
-      builtin=dict(num_train=7000, num_val=500, digits=(2, 2), ops="+"))
+      # data_source "arithmetic_chat": the chat form for pretrained instruct models ("...?
+      # Answer with just the number.", judged by the last integer); template "": its own.
+      builtin=dict(num_train=7000, num_val=500, digits=(2, 2), ops="+",
+                   data_source="arithmetic", template=""))
   c.model = dict(
       # tokenizer: "byte", or an HF tokenizer directory; "" is model.path's, or "byte" for
       # the built-in model. dtype: compute (e.g. "bfloat16" with float32 master weights in
@@ -120,10 +123,12 @@ def _check_choices(c, fail):
   """Names and ranges that are otherwise only read deep inside a step."""
   from hflax.algorithms import KL_KINDS
   from hflax.controller.training import SCHEDULES
+  from hflax.data.arithmetic import TEMPLATES
   from hflax.metrics.logger import BACKENDS
   choices = {"algorithm.kl_ctrl.type": ("fixed", "adaptive"),
              "algorithm.kl_penalty": KL_KINDS, "actor.kl_loss_type": KL_KINDS,
-             "actor.optim.schedule": SCHEDULES, "critic.optim.schedule": SCHEDULES}
+             "actor.optim.schedule": SCHEDULES, "critic.optim.schedule": SCHEDULES,
+             "data.builtin.data_source": tuple(TEMPLATES)}
   for field, valid in choices.items():
     if _get(c, field) not in valid:
       fail(field, f"{_get(c, field)!r} is not one of {tuple(valid)}")

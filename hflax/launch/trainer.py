@@ -36,7 +36,7 @@ def load_datasets(cfg):
   if "builtin:arithmetic" in (d.train_files, d.val_files):
     b = d.builtin
     builtin = arithmetic_task(b.num_train, b.num_val, seed=d.seed, digits=tuple(b.digits),
-                              ops=b.ops)
+                              ops=b.ops, data_source=b.data_source, template=b.template)
   def load(spec, which):
     if spec == "builtin:arithmetic":
       return builtin[which]

@@ -51,16 +51,24 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
 
 
 def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: float = 1.0,
-                       chunk: int = 128):
+                       chunk: int = 128, last: int | None = None):
   """Teacher-forced log p(tokens[:, t] | tokens[:, :t]) and entropy at t, shape [B, T].
 
   Column 0 (no context) and masked positions are 0. Response log-probs of a rollout with
-  prompt width P are `log_probs[:, P:]`.
+  prompt width P are `log_probs[:, P:]`, or, cheaper, `last=T - P`: then only the last
+  `last` columns ([B, last]) are projected onto the vocabulary, which a prompt-heavy batch
+  would otherwise spend most of its LM-head matmuls and log-softmax on.
   """
   model, hidden = forward(graphdef, state, tokens_BxT, mask_BxT)
-  logp, ent = hidden_log_probs(model, hidden[:, :-1], tokens_BxT[:, 1:],
+  T = tokens_BxT.shape[1]
+  if last is None or last >= T:
+    logp, ent = hidden_log_probs(model, hidden[:, :-1], tokens_BxT[:, 1:],
+                                 temperature=temperature, chunk=chunk)
+    keep = mask_BxT[:, 1:].astype(bool) & mask_BxT[:, :-1].astype(bool)
+    zero = jnp.zeros_like(logp[:, :1])
+    return (jnp.concatenate([zero, jnp.where(keep, logp, 0.0)], axis=1),
+            jnp.concatenate([zero, jnp.where(keep, ent, 0.0)], axis=1))
+  logp, ent = hidden_log_probs(model, hidden[:, T - last - 1:-1], tokens_BxT[:, T - last:],
                                temperature=temperature, chunk=chunk)
-  keep = mask_BxT[:, 1:].astype(bool) & mask_BxT[:, :-1].astype(bool)
-  zero = jnp.zeros_like(logp[:, :1])
-  return (jnp.concatenate([zero, jnp.where(keep, logp, 0.0)], axis=1),
-          jnp.concatenate([zero, jnp.where(keep, ent, 0.0)], axis=1))
+  keep = mask_BxT[:, T - last:].astype(bool) & mask_BxT[:, T - last - 1:-1].astype(bool)
+  return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)

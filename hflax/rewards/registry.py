@@ -14,12 +14,14 @@ from typing import Callable
 
 from hflax.rewards.competition_math import boxed_answer, math_boxed, math_ground_truth
 from hflax.rewards.rules import (arithmetic_exact_match, arithmetic_ground_truth,
-                                 extract_gsm8k_answer, gsm8k, leading_integer)
+                                 arithmetic_last_integer, extract_gsm8k_answer, gsm8k,
+                                 last_integer, leading_integer)
 
 RewardFn = Callable[[str, object, "dict | None"], float]
 
 _BY_DATA_SOURCE: dict[str, RewardFn] = {
     "arithmetic": arithmetic_exact_match,
+    "arithmetic_chat": arithmetic_last_integer,  # the task's chat form, for instruct models
     "openai/gsm8k": gsm8k,  # the data_source verl's GSM8K preprocessing writes
     "gsm8k": gsm8k,
     # The data_source names verl's MATH preprocessing and MATH-500 evaluation write.
@@ -30,12 +32,13 @@ _BY_DATA_SOURCE: dict[str, RewardFn] = {
 
 # Rules whose ground truth has a required form, checked when the data loads.
 _GROUND_TRUTH_CHECKS: dict[RewardFn, Callable] = {arithmetic_exact_match: arithmetic_ground_truth,
+                                                   arithmetic_last_integer: arithmetic_ground_truth,
                                                    math_boxed: math_ground_truth}
 
 
 # What each rule reads as a response's answer: majority votes in validation count these.
 _PREDICTIONS: dict[RewardFn, Callable[[str], object]] = {
-    arithmetic_exact_match: leading_integer, gsm8k: extract_gsm8k_answer,
+    arithmetic_exact_match: leading_integer, arithmetic_last_integer: last_integer, gsm8k: extract_gsm8k_answer,
     math_boxed: boxed_answer}
 
 

@@ -8,6 +8,10 @@ start with a number scores 0: the task's format is the bare number, and a number
 later in a response is as likely an echoed operand as an answer. "68.5" is a decimal,
 not the integer 68, and scores 0; "1,234" reads as 1234.
 
+arithmetic_last_integer judges the last integer of the response instead: the chat form of
+the task ("What is 23+45? Answer with just the number.") is asked of pretrained instruct
+models, which answer in sentences ("23 + 45 = 68."), where the result comes last.
+
 gsm8k follows verl's rule: the answer is the number after the last "#### " marker, with
 commas removed, compared exactly with the ground truth (also stripped of commas and
 whitespace). Differences: a trailing sentence period is dropped ("#### 72." is 72), and
@@ -20,6 +24,9 @@ import re
 # An optional sign, then digits with optional thousands groups, not continuing into more
 # digits or a decimal part (the lookahead stops "68.5" or "1,23" from matching a prefix).
 _LEADING_INTEGER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?!\d|[.,]\d)")
+# An integer not glued to a word or a decimal point on its left ("97-59" is 97 and 59, and
+# " -5" is -5), nor continuing into a decimal part on its right.
+_ANY_INTEGER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?!\d|[.,]\d)")
 _GSM8K_MARKED = re.compile(r"####\s*(-?[0-9.,]+)")
 _ANY_NUMBER = re.compile(r"-?[0-9.,]+")
 
@@ -28,6 +35,12 @@ def leading_integer(text: str) -> int | None:
   """The integer the stripped text starts with, or None."""
   match = _LEADING_INTEGER.match(text.strip())
   return int(match.group().replace(",", "")) if match else None
+
+
+def last_integer(text: str) -> int | None:
+  """The last integer in the text, or None."""
+  found = _ANY_INTEGER.findall(text)
+  return int(found[-1].replace(",", "")) if found else None
 
 
 def arithmetic_ground_truth(ground_truth) -> int:
@@ -41,6 +54,12 @@ def arithmetic_exact_match(response_text: str, ground_truth: str,
                            extra_info: dict | None = None) -> float:
   """1.0 if the response's leading integer equals the ground truth, else 0.0."""
   return 1.0 if leading_integer(response_text) == arithmetic_ground_truth(ground_truth) else 0.0
+
+
+def arithmetic_last_integer(response_text: str, ground_truth: str,
+                            extra_info: dict | None = None) -> float:
+  """1.0 if the response's last integer equals the ground truth, else 0.0."""
+  return 1.0 if last_integer(response_text) == arithmetic_ground_truth(ground_truth) else 0.0
 
 
 def _clean_number(text: str) -> str:
