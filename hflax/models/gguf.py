@@ -71,7 +71,8 @@ def _open(path: str):
   try:
     reader = gguf.GGUFReader(path)
   except Exception as e:  # the reader raises whatever numpy does on a damaged file
-    raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    raise ValueError(f"{path}: not a readable GGUF file, truncated or damaged "
+                     f"({type(e).__name__}: {e})") from None
   size = os.path.getsize(path)
   for t in reader.tensors:
     if t.data_offset + t.n_bytes > size:
