@@ -189,6 +189,16 @@ def test_bad_gguf_files_give_one_line_errors_naming_them(tmp_path, capsys, monke
     assert not os.path.exists(tmp_path / "run"), name  # refused before any work
   assert convert.main([str(truncated), str(tmp_path / "out")]) == 2
   assert f"{truncated}: not a readable GGUF file, truncated" in capsys.readouterr().err
+  # A .gguf file without the gguf package installed names the package to install.
+  with monkeypatch.context() as patch:
+    def no_gguf():
+      raise gguf.MissingPackage("reading .gguf files needs the gguf package: pip install gguf")
+    patch.setattr(gguf, "_require_gguf", no_gguf)
+    patch.setattr(gguf, "_open", lambda path: gguf._require_gguf())
+    code = cli(["--config", TINY, f"--config.trainer.run_dir={tmp_path}/run",
+                f"--config.model.path={tmp_path / 'gpt2.gguf'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "pip install gguf" in err, err
   # The shipped model's name without its package installed names the install command.
   monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name: None)
   code = cli(["--config", TINY, f"--config.trainer.run_dir={tmp_path}/run",

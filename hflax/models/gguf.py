@@ -55,11 +55,16 @@ def resolve(spec: str) -> str | None:
   return path if path.endswith(".gguf") else None
 
 
+class MissingPackage(ImportError, ValueError):
+  """A package an input needs is not installed (a ValueError too: a user error, one line)."""
+
+
 def _require_gguf():
   try:
     import gguf
   except ImportError:
-    raise ImportError("reading .gguf files needs the gguf package: pip install gguf") from None
+    raise MissingPackage("reading .gguf files needs the gguf package: pip install gguf "
+                         "(or the hflax extra: pip install 'hflax[gguf]')") from None
   return gguf
 
 
