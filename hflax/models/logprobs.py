@@ -61,14 +61,13 @@ def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: fl
   """
   model, hidden = forward(graphdef, state, tokens_BxT, mask_BxT)
   T = tokens_BxT.shape[1]
-  if last is None or last >= T:
-    logp, ent = hidden_log_probs(model, hidden[:, :-1], tokens_BxT[:, 1:],
-                                 temperature=temperature, chunk=chunk)
-    keep = mask_BxT[:, 1:].astype(bool) & mask_BxT[:, :-1].astype(bool)
-    zero = jnp.zeros_like(logp[:, :1])
-    return (jnp.concatenate([zero, jnp.where(keep, logp, 0.0)], axis=1),
-            jnp.concatenate([zero, jnp.where(keep, ent, 0.0)], axis=1))
-  logp, ent = hidden_log_probs(model, hidden[:, T - last - 1:-1], tokens_BxT[:, T - last:],
+  whole = last is None or last >= T
+  start = 1 if whole else T - last  # the first column scored
+  logp, ent = hidden_log_probs(model, hidden[:, start - 1:-1], tokens_BxT[:, start:],
                                temperature=temperature, chunk=chunk)
-  keep = mask_BxT[:, T - last:].astype(bool) & mask_BxT[:, T - last - 1:-1].astype(bool)
-  return jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
+  keep = mask_BxT[:, start:].astype(bool) & mask_BxT[:, start - 1:-1].astype(bool)
+  logp, ent = jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0)
+  if not whole:
+    return logp, ent
+  zero = jnp.zeros_like(logp[:, :1])
+  return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)

@@ -38,8 +38,8 @@ _GROUND_TRUTH_CHECKS: dict[RewardFn, Callable] = {arithmetic_exact_match: arithm
 
 # What each rule reads as a response's answer: majority votes in validation count these.
 _PREDICTIONS: dict[RewardFn, Callable[[str], object]] = {
-    arithmetic_exact_match: leading_integer, arithmetic_last_integer: last_integer, gsm8k: extract_gsm8k_answer,
-    math_boxed: boxed_answer}
+    arithmetic_exact_match: leading_integer, arithmetic_last_integer: last_integer,
+    gsm8k: extract_gsm8k_answer, math_boxed: boxed_answer}
 
 
 def prediction_fn(data_source: str | None) -> Callable[[str], object] | None:
