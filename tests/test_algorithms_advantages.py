@@ -230,3 +230,29 @@ def test_masked_whiten_single_valid_token_is_finite():
   mask[0, 1] = 1
   out = A.masked_whiten(np.arange(6.0).reshape(2, 3), mask) * mask
   assert np.isfinite(np.asarray(out)).all() and float(np.abs(out).max()) == 0.0
+
+
+@pytest.mark.parametrize("value,n", [(0.9, 3), (9.9, 8), (0.1, 5), (-3.3, 2)])
+def test_group_of_equal_scores_not_exact_in_float32_has_zero_advantage(value, n):
+  """Issue 25 point 10: the float32 group mean of equal scores can be one rounding step
+  off the score (0.9 x 3: 0.0556 each with std normalisation; 9.9 x 8: -0.47); by the
+  definition every sample's advantage is 0."""
+  scores = np.full(n, value, np.float32)
+  mask, ids = np.ones((n, 3), np.float32), np.zeros(n, np.int32)
+  for norm_by_std in (True, False):
+    adv, _ = A.grpo_advantage(scores, mask, ids, 1, norm_by_std=norm_by_std)
+    assert np.all(np.asarray(adv) == 0.0), (norm_by_std, np.asarray(adv)[:, 0])
+  adv, _ = A.rloo_advantage(scores, mask, ids, 1)
+  assert np.all(np.asarray(adv) == 0.0), np.asarray(adv)[:, 0]
+  # Beside a group of 0 and 1 the batch's centred values are symmetric around 0, so a
+  # group centred to exactly 0 stays exactly 0 after whitening.
+  mixed = np.concatenate([scores, np.array([0.0, 1.0], np.float32)])
+  ids = np.concatenate([np.zeros(n, np.int32), np.ones(2, np.int32)])
+  mask = np.ones((n + 2, 3), np.float32)
+  adv = np.asarray(A.reinforce_plus_plus_baseline_advantage(mixed, mask, ids, 2)[0])
+  assert np.all(adv[:n] == 0.0), adv[:n, 0]
+  centered = np.array([0.0] * n + [-0.5, 0.5])[:, None] * mask
+  np.testing.assert_allclose(adv, ref_whiten(centered, mask), atol=ATOL)
+  adv = np.asarray(jax.jit(lambda s: A.grpo_advantage(s, mask, ids, 2)[0])(mixed))
+  assert np.all(adv[:n] == 0.0)
+  np.testing.assert_allclose(adv[n:, 0], [-np.sqrt(0.5), np.sqrt(0.5)], rtol=1e-5)  # +-0.5 / std

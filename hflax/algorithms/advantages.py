@@ -14,9 +14,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from hflax.algorithms.masked import f32, group_count, group_mean_std, group_sum, masked_whiten
+from hflax.algorithms.masked import f32, group_count, group_sum, masked_whiten
 
 GRPO_EPS = 1e-6
+
+
+def _group_deviations(scores_B, group_ids_B, num_groups=None):
+  """Per sample: (score - its group mean, unbiased group std, group size), each [B].
+
+  The mean is taken of the scores shifted by the group's largest score, and the deviation
+  is shifted the same way: (s - top) - mean(s - top). The shift changes nothing
+  mathematically, but a group of equal scores then gives deviations of exactly 0, where
+  s - mean(s) would not: three float32 scores of 0.9 sum to a value whose third is one
+  rounding step off 0.9 (and verl's float32 code, which subtracts the plain mean, has
+  that flaw). A group of one sample gets its own score as deviation and std 1 (verl's
+  convention: its score then passes through unchanged).
+  """
+  scores_B = f32(scores_B)
+  G = group_ids_B.shape[0] if num_groups is None else num_groups
+  top_B = jax.ops.segment_max(scores_B, group_ids_B, G)[group_ids_B]
+  shifted_B = scores_B - top_B  # exactly 0 for every member of an all-equal group
+  count_B = group_count(group_ids_B, num_groups)
+  centered_B = shifted_B - group_sum(shifted_B, group_ids_B, num_groups) / count_B
+  sq_B = group_sum(centered_B * centered_B, group_ids_B, num_groups)
+  std_B = jnp.sqrt(sq_B / jnp.maximum(count_B - 1, 1.0))
+  single = count_B < 2
+  return jnp.where(single, scores_B, centered_B), jnp.where(single, 1.0, std_B), count_B
 
 
 def sequence_scores(token_level_rewards_BxT, response_mask_BxT):
@@ -80,9 +103,14 @@ def grpo_advantage(scores_B, response_mask_BxT, group_ids_B, num_groups=None, *,
 
   std is the unbiased sample std. A group of one sample keeps its score (mean 0,
   std 1). norm_by_std=False gives Dr.GRPO (no division by the std).
+
+  A group whose scores are all equal gets advantage exactly 0, also when the score is not
+  representable in float32 (see _group_deviations). verl computes score - mean in
+  float32 and has the flaw this avoids: three scores of 0.9 give about 0.056 each with
+  std normalisation (the rounding error of the mean divided by std + eps, both tiny),
+  eight scores of 9.9 about -0.47, all of one sign, so the group pushes its policy.
   """
-  mean_B, std_B, _ = group_mean_std(scores_B, group_ids_B, num_groups)
-  advantage_B = f32(scores_B) - mean_B
+  advantage_B, std_B, _ = _group_deviations(scores_B, group_ids_B, num_groups)
   if norm_by_std:
     advantage_B = advantage_B / (std_B + eps)
   advantages_BxT = _broadcast(advantage_B, response_mask_BxT)
@@ -92,13 +120,14 @@ def grpo_advantage(scores_B, response_mask_BxT, group_ids_B, num_groups=None, *,
 def rloo_advantage(scores_B, response_mask_BxT, group_ids_B, num_groups=None):
   """RLOO: score minus the mean score of the other samples of its group.
 
-  A group of one sample has no others and keeps its score.
+  A group of one sample has no others and keeps its score. Computed as
+  n / (n - 1) * (score - group mean), with the deviation from the mean taken so that a
+  group of equal scores gets exactly 0 (verl's float32 leave-one-out mean leaves a
+  rounding residue there; see _group_deviations).
   """
-  scores_B = f32(scores_B)
-  count_B = group_count(group_ids_B, num_groups)
-  others_mean_B = (group_sum(scores_B, group_ids_B, num_groups) - scores_B) / jnp.maximum(
-      count_B - 1, 1.0)
-  advantage_B = jnp.where(count_B > 1, scores_B - others_mean_B, scores_B)
+  centered_B, _, count_B = _group_deviations(scores_B, group_ids_B, num_groups)
+  advantage_B = jnp.where(count_B > 1, centered_B * count_B / jnp.maximum(count_B - 1, 1.0),
+                          centered_B)
   advantages_BxT = _broadcast(advantage_B, response_mask_BxT)
   return advantages_BxT, advantages_BxT
 
@@ -120,11 +149,12 @@ def reinforce_plus_plus_baseline_advantage(scores_B, response_mask_BxT, group_id
 
   Whitening runs over all valid tokens of the batch, so longer responses weigh more
   in its mean and variance (as in verl). A group of one keeps its score before
-  whitening.
+  whitening. A group of equal scores is centred to exactly 0 (verl's float32 group mean
+  leaves a rounding residue there; see _group_deviations).
   """
-  mean_B, _, _ = group_mean_std(scores_B, group_ids_B, num_groups)
+  centered_B, _, _ = _group_deviations(scores_B, group_ids_B, num_groups)
   mask_BxT = f32(response_mask_BxT)
-  centered_BxT = _broadcast(f32(scores_B) - mean_B, mask_BxT)
+  centered_BxT = _broadcast(centered_B, mask_BxT)
   advantages_BxT = masked_whiten(centered_BxT, mask_BxT) * mask_BxT
   return advantages_BxT, advantages_BxT
 
