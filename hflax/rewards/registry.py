@@ -1,16 +1,30 @@
 """Which rule reward judges which data_source, and loading a user's reward from a file.
 
-Every reward function has the signature (response_text, ground_truth, extra_info) -> float,
-or -> {"score": float, "pred": the answer it read, ...} as verl's may return; a rule's
-answer for majority votes comes from its extractor in _PREDICTIONS.
+Two calling conventions for a reward function, told apart by its parameter names:
+
+- verl's: `compute_score(data_source, solution_str, ground_truth, extra_info=None)`,
+  called by keyword, as verl's reward managers call it. A function is called this way
+  when it has a parameter named `solution_str` or `data_source`, or takes only
+  `**kwargs`; it gets those of the four arguments it names (all four with `**kwargs`).
+  A required parameter outside the four is refused when the function is loaded: verl
+  would not pass it either.
+- hflax's: `fn(response_text, ground_truth, extra_info)`, called by position: every other
+  function, the built-in rules included.
+
+Either returns a number, or a dict {"score": number, "pred": the answer it read, "acc":
+..., other numbers} as verl's may: "score" is the reward, "pred" feeds majority votes,
+and the other numeric entries are reported per data source in validation (verl's
+`reward_extra_info`). A rule's answer for majority votes comes from its extractor in
+_PREDICTIONS.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 from hflax.rewards.competition_math import boxed_answer, math_boxed, math_ground_truth
 from hflax.rewards.rules import (arithmetic_exact_match, arithmetic_ground_truth,
@@ -113,4 +127,60 @@ def load_reward_function(path: str | os.PathLike, name: str) -> RewardFn:
   fn = getattr(module, name)
   if not callable(fn):
     raise TypeError(f"{path}: {name!r} is not callable (its type is {type(fn).__name__})")
+  reward_caller(fn)  # a signature no convention can call is refused now, not mid-run
   return fn
+
+
+# verl's reward managers pass these, by keyword, to every compute_score.
+VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+               inspect.Parameter.VAR_POSITIONAL)
+
+
+def describe_reward_fn(fn) -> str:
+  """'compute_score (my_reward.py)': how errors name a reward function."""
+  target = getattr(fn, "func", fn)  # a functools.partial names what it wraps
+  name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) \
+      or type(target).__name__
+  code = getattr(target, "__code__", None) or getattr(getattr(target, "__call__", None),
+                                                      "__code__", None)
+  return f"{name} ({os.path.basename(code.co_filename)})" if code is not None else name
+
+
+def uses_verl_signature(fn) -> bool:
+  """Whether `fn` is called verl's way (by keyword): see the module docstring."""
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):  # no signature to read (some builtins): hflax's way
+    return False
+  names = {p.name for p in params if p.kind in _NAMED}
+  if names & {"solution_str", "data_source"}:
+    return True
+  takes_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+  return takes_kwargs and not any(p.kind in _POSITIONAL for p in params)
+
+
+def reward_caller(fn) -> Callable[[str, Any, Any, Any], Any]:
+  """call(response_text, ground_truth, extra_info, data_source) -> fn's result, in fn's
+  convention. Raises ValueError naming fn when verl's convention cannot satisfy it."""
+  if not uses_verl_signature(fn):
+    return lambda text, truth, info, source: fn(text, truth, info)
+  params = inspect.signature(fn).parameters.values()
+  if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+    passed = VERL_ARGUMENTS
+  else:
+    passed = tuple(a for a in VERL_ARGUMENTS if a in {p.name for p in params if p.kind in _NAMED})
+  missing = [p.name for p in params if p.default is inspect.Parameter.empty and (
+      p.kind == inspect.Parameter.POSITIONAL_ONLY
+      or (p.kind in _NAMED and p.name not in VERL_ARGUMENTS))]
+  if missing:
+    raise ValueError(f"reward function {describe_reward_fn(fn)} is called verl's way (by "
+                     f"keyword: {', '.join(VERL_ARGUMENTS)}) but also requires "
+                     f"{', '.join(map(repr, missing))}, which that call does not pass; give "
+                     "it a default")
+
+  def call(text, truth, info, source):
+    given = dict(data_source=source, solution_str=text, ground_truth=truth, extra_info=info)
+    return fn(**{name: given[name] for name in passed})
+  return call

@@ -1,21 +1,75 @@
-"""Scoring a batch of responses with rule rewards."""
+"""Scoring a batch of responses with rule rewards or a user's reward function.
+
+A reward function is called in verl's convention (by keyword: data_source, solution_str,
+ground_truth, extra_info) when its parameter names are verl's, else in hflax's
+(response_text, ground_truth, extra_info) by position: see hflax.rewards.registry.
+
+User code is contained: whatever a reward function does, the scorer either returns
+finite float32 scores or raises a one-line ValueError naming the function (and the row,
+where one row is at fault):
+- a return that is not a number (nor a dict with a numeric "score"), or is nan or inf;
+- SystemExit, KeyboardInterrupt and any other BaseException that is not an Exception
+  (a `sys.exit(0)` in a reward file must not end the run with status 0). Ordinary
+  exceptions propagate unchanged, for the caller to report;
+- with timeout_s, a batch that takes longer: the batch is then scored in a worker
+  thread that the scorer waits on for at most timeout_s seconds. Python cannot stop a
+  thread, so a function that hangs keeps running in the background (a daemon thread,
+  which does not keep the process alive) and its results are discarded. Without
+  timeout_s (the default) scoring runs in the calling thread, with no overhead.
+"""
 from __future__ import annotations
 
+import math
+import numbers
+import threading
 from typing import Any, Sequence
 
 import numpy as np
 
 from hflax.models.tokenizer import Tokenizer
-from hflax.rewards.registry import RewardFn, default_reward_fn, prediction_fn
+from hflax.rewards.registry import (RewardFn, default_reward_fn, describe_reward_fn,
+                                    prediction_fn, reward_caller)
 
 
-def _as_float(result: Any, data_source: str) -> float:
-  # verl-style reward functions may return {"score": ..., other diagnostics}.
-  if isinstance(result, dict):
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (numbers.Real, np.bool_)) and not isinstance(value, str)
+
+
+def _as_float(result: Any, fn, row: int) -> float:
+  """The score in a reward function's result; ValueError naming fn and row otherwise."""
+  value = result
+  if isinstance(result, dict):  # verl-style: {"score": ..., other diagnostics}
     if "score" not in result:
-      raise ValueError(f"reward for {data_source!r} returned a dict without 'score'")
-    result = result["score"]
-  return float(result)
+      raise ValueError(f"reward function {describe_reward_fn(fn)} returned a dict without "
+                       f"'score' for row {row} (keys: {', '.join(map(str, result))})")
+    value = result["score"]
+  if not _is_number(value):
+    raise ValueError(f"reward function {describe_reward_fn(fn)} returned "
+                     f"{_short(value)} ({type(value).__name__}) for row {row}; a reward is a "
+                     "number or a dict with a numeric 'score'")
+  value = float(value)
+  if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+    raise ValueError(f"reward function {describe_reward_fn(fn)} returned {value} for row "
+                     f"{row}; rewards must be finite (in float32, where scores are kept)")
+  return value
+
+
+def _short(value, limit: int = 60, quote: bool = True) -> str:
+  text = (repr(value) if quote else str(value)).replace("\n", " ")
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _extra_info(results: list) -> dict[str, list]:
+  """verl's reward_extra_info: each numeric entry every row's dict result has ("pred"
+  aside: votes read it), as one list over the rows."""
+  if not results or not all(isinstance(r, dict) for r in results):
+    return {}
+  keys = [k for k in results[0] if k != "pred"
+          and all(k in r and _is_number(r[k]) for r in results)]
+  return {k: [float(r[k]) for r in results] for k in keys}
 
 
 def last_token_scores(scores_B: np.ndarray, response_mask_BxT: np.ndarray) -> np.ndarray:
@@ -29,18 +83,44 @@ def last_token_scores(scores_B: np.ndarray, response_mask_BxT: np.ndarray) -> np
   return out
 
 
+def _raised(e: BaseException) -> str:
+  """'SystemExit(0)', 'KeyboardInterrupt()': the exception as it was raised, short."""
+  return f"{type(e).__name__}({_short(', '.join(map(repr, e.args)), quote=False)})"
+
+
 class RuleRewardScorer:
   """Scores responses with `reward_fn`, or with each sample's data_source default.
 
   Call with token ids [B, T] plus response_mask [B, T] (decoded here, special tokens
   skipped), or with a list of strings (response_mask then only shapes the token-level
   output). Returns a dict: scores [B] float32, response_text list, pred list (each
-  response's answer, or None: see _pred), and token_level_scores [B, T] float32 (the score
-  on the last valid response token) whenever a mask is known.
+  response's answer, or None: see _pred), reward_extra_info (the numeric entries of dict
+  results, see _extra_info: what validation reports beside the reward, e.g. "acc"), and
+  token_level_scores [B, T] float32 (the score on the last valid response token) whenever
+  a mask is known.
+
+  timeout_s: a limit in seconds on scoring one batch (None or 0: none); see the module
+  docstring. reward_fn's signature is checked here, so a function no convention can call
+  is refused before any scoring.
   """
 
-  def __init__(self, tokenizer: Tokenizer | None = None, reward_fn: RewardFn | None = None):
+  def __init__(self, tokenizer: Tokenizer | None = None, reward_fn: RewardFn | None = None,
+               timeout_s: float | None = None):
+    if timeout_s is not None and (not _is_number(timeout_s) or not math.isfinite(timeout_s)
+                                  or timeout_s < 0):
+      raise ValueError(f"reward timeout_s must be a finite number of seconds >= 0 (0: no "
+                       f"limit), got {timeout_s!r}")
     self.tokenizer, self.reward_fn = tokenizer, reward_fn
+    self.timeout_s = float(timeout_s) if timeout_s else None
+    self._callers = {}
+    if reward_fn is not None:
+      self._caller(reward_fn)
+
+  def _caller(self, fn):
+    caller = self._callers.get(fn)
+    if caller is None:
+      caller = self._callers[fn] = reward_caller(fn)
+    return caller
 
   def decode(self, response_ids_BxT, response_mask_BxT) -> list[str]:
     if self.tokenizer is None:
@@ -62,6 +142,41 @@ class RuleRewardScorer:
     extract = None if self.reward_fn is not None else prediction_fn(data_source)
     return None if extract is None else extract(text)
 
+  def _score_rows(self, fns, texts, truths, sources, infos) -> list:
+    results = []
+    for row, (fn, text, truth, source, info) in enumerate(
+        zip(fns, texts, truths, sources, infos)):
+      try:
+        results.append(self._caller(fn)(text, truth, info, source))
+      except Exception:
+        raise
+      except BaseException as e:  # sys.exit, KeyboardInterrupt, ... from the user's code
+        raise ValueError(f"reward function {describe_reward_fn(fn)} raised {_raised(e)} on "
+                         f"row {row}") from None
+    return results
+
+  def _run(self, fns, texts, truths, sources, infos) -> list:
+    if self.timeout_s is None:
+      return self._score_rows(fns, texts, truths, sources, infos)
+    outcome = {}
+
+    def work():
+      try:
+        outcome["results"] = self._score_rows(fns, texts, truths, sources, infos)
+      except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+        outcome["error"] = e
+
+    worker = threading.Thread(target=work, name="hflax-reward", daemon=True)
+    worker.start()
+    worker.join(self.timeout_s)
+    if worker.is_alive():
+      names = ", ".join(dict.fromkeys(describe_reward_fn(fn) for fn in fns))
+      raise ValueError(f"reward function {names} took longer than timeout_s="
+                       f"{self.timeout_s:g} s on a batch of {len(texts)} responses")
+    if "error" in outcome:
+      raise outcome["error"]
+    return outcome["results"]
+
   def __call__(self, responses, ground_truth: Sequence, data_source: Sequence[str] | None = None,
                extra_info: Sequence[dict | None] | None = None,
                response_mask=None) -> dict[str, Any]:
@@ -78,12 +193,14 @@ class RuleRewardScorer:
                          ("extra_info", extra_info)):
       if len(values) != size:
         raise ValueError(f"{len(values)} {name} entries for {size} responses")
-    results = [self._fn(source)(text, truth, info) for text, truth, source, info
-               in zip(texts, ground_truth, data_source, extra_info)]
-    scores = np.array([_as_float(r, s) for r, s in zip(results, data_source)], np.float32)
+    fns = [self._fn(source) for source in data_source]
+    results = self._run(fns, texts, ground_truth, data_source, extra_info)
+    scores = np.array([_as_float(r, fn, i) for i, (r, fn) in enumerate(zip(results, fns))],
+                      np.float32)
     out = {"scores": scores, "response_text": texts,
            "pred": [self._pred(r, text, source)
-                    for r, text, source in zip(results, texts, data_source)]}
+                    for r, text, source in zip(results, texts, data_source)],
+           "reward_extra_info": _extra_info(results)}
     if response_mask is not None:
       if np.shape(response_mask)[0] != size:
         raise ValueError(f"response_mask has {np.shape(response_mask)[0]} rows for {size} "
