@@ -36,7 +36,7 @@ class TTY(io.StringIO):
 def _step_metrics(i):
   return {"critic/score/mean": 0.5 + 0.1 * i, "actor/ppo_kl": 0.001 * i,
           "response_length/mean": 100.0 + i, "timing_s/step": 2.0,
-          "actor/pg_loss": -0.1 * i, "val-core/gsm8k/acc/mean@1": 0.25 * i}
+          "actor/pg_loss": -0.1 * i, "val-core/gsm8k/reward/mean@1": 0.25 * i}
 
 
 def _lines(path):
@@ -75,12 +75,12 @@ def test_resume_appends_and_readers_take_the_resumed_history(tmp_path):
       logger.log(i, {"critic/score/mean": float(i)})
   # Crash after step 5 from a checkpoint at step 3; the restart validates at step 3 first.
   with M.MetricsLogger(tmp_path, 10, backends=("jsonl",), start_step=3) as logger:
-    logger.log(3, {"val-core/gsm8k/acc/mean@1": 0.5})
+    logger.log(3, {"val-core/gsm8k/reward/mean@1": 0.5})
     logger.log(4, {"critic/score/mean": 40.0})
   assert len(_lines(tmp_path / "metrics.jsonl")) == 7  # the file is kept, then appended
   assert M.read_jsonl(tmp_path / "metrics.jsonl") == {
       1: {"critic/score/mean": 1.0}, 2: {"critic/score/mean": 2.0},
-      3: {"critic/score/mean": 3.0, "val-core/gsm8k/acc/mean@1": 0.5},
+      3: {"critic/score/mean": 3.0, "val-core/gsm8k/reward/mean@1": 0.5},
       4: {"critic/score/mean": 40.0}}  # the dead run's step 5 is gone
 
 
@@ -284,7 +284,7 @@ def _run(tmp_path, steps=6):
     for i in range(1, steps + 1):
       metrics = _step_metrics(i)
       if i % 3:  # validation every 3 steps only
-        del metrics["val-core/gsm8k/acc/mean@1"]
+        del metrics["val-core/gsm8k/reward/mean@1"]
       logger.log(i, metrics)
   return run_dir
 
@@ -302,6 +302,16 @@ def test_plot_default_panels_and_keys(tmp_path):
                              keys=["actor/pg_loss", "val-core/*"]))
   with pytest.raises(ValueError, match="no data"):
     M.plot_metrics(run_dir / "metrics.jsonl", tmp_path / "none.png", keys=["critic/vf_loss"])
+
+
+def test_validation_panel_takes_verl_names_with_reward_or_acc():
+  """verl names validation metrics .../reward/... unless the reward returns an acc."""
+  from hflax.metrics.plot import _matching
+  patterns = dict((title, names) for title, names, _ in M.DEFAULT_PANELS)["validation"]
+  records = {1: {"val-core/gsm8k/reward/mean@1": 0.5, "val-core/aime24/acc/mean@4": 0.25,
+                 "val-aux/aime24/reward/mean@4": -0.5, "critic/score/mean": 1.0}}
+  assert _matching(records, patterns) == ["val-core/aime24/acc/mean@4",
+                                          "val-core/gsm8k/reward/mean@1"]
 
 
 def test_cli_replots_from_jsonl(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Metrics and logging for the main job: per-step logging, plots, verl-named batch metrics.
 
 Metric names follow verl's (actor/pg_loss, critic/score/mean, timing_s/gen,
-perf/throughput, val-core/<source>/acc/mean@1, ...) so runs compare across the two.
+perf/throughput, val-core/<source>/reward/mean@1 or, when the reward returns an acc,
+val-core/<source>/acc/mean@1, ...) so runs compare across the two.
 
   with MetricsLogger(run_dir, total_steps) as logger:   # console + jsonl + tensorboard
     logger.log(step, {**reduce_batch_metrics(...), **timings})

@@ -17,7 +17,9 @@ import os
 # (title, metric names or globs, (band low, band high) or None): whichever exist are drawn.
 DEFAULT_PANELS = (
     ("score", ("critic/score/mean",), ("critic/score/min", "critic/score/max")),
-    ("val acc", ("val-core/*/acc/*",), None),  # verl: val-core/<source>/acc/mean@N
+    # verl's names: val-core/<source>/acc/... when the reward returns an acc, else
+    # val-core/<source>/reward/... (mean@N, best@N/mean, maj@N/mean).
+    ("validation", ("val-core/*/acc/*", "val-core/*/reward/*"), None),
     ("KL", ("actor/ppo_kl", "actor/kl_loss", "critic/kl"), None),
     ("response length", ("response_length/mean",),
      ("response_length/min", "response_length/max")),

@@ -11,5 +11,6 @@ from hflax.rewards.validation import validation_metrics
 
 __all__ = ["arithmetic_exact_match", "gsm8k", "extract_gsm8k_answer", "leading_integer",
            "math_boxed", "boxed_answer", "math_dapo", "qa_exact_match",
-           "check_rule_available", "math_verifier", "default_reward_fn", "register_reward_fn", "reward_data_sources",
+           "check_rule_available", "math_verifier", "default_reward_fn", "register_reward_fn",
+           "reward_data_sources",
            "load_reward_function", "RuleRewardScorer", "validation_metrics", "last_token_scores"]
