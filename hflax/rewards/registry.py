@@ -39,7 +39,7 @@ RewardFn = Callable[[str, object, "dict | None"], float]
 
 
 def math_answer(response_text: str, ground_truth, extra_info: dict | None = None) -> float:
-  r"""MATH-style sources: math-verify when it is installed, else hflax's oxed{} rule.
+  r"""MATH-style sources: math-verify when it is installed, else hflax's \boxed{} rule.
 
   verl's default for these sources (lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,
   HuggingFaceH4/MATH-500) is its hand-written boxed-answer normaliser, with math-verify
@@ -64,7 +64,7 @@ def math_verifier() -> str:
 
 
 def prime_math(response_text: str, ground_truth, extra_info: dict | None = None) -> float:
-  """The NuminaMath sources: verl judges them with PRIME's sympy grader (an answer after
+  r"""The NuminaMath sources: verl judges them with PRIME's sympy grader (an answer after
   "answer:"/"answer is"/\boxed, compared symbolically, 1 or 0); hflax asks math-verify,
   which extracts and compares answers the same way. Needs the `math` extra."""
   require_math_verify("the NuminaMath data sources' rule reward")
