@@ -101,3 +101,90 @@ def test_parquet_round_trip(tmp_path):
   bare = load_prompts(tmp_path / "bare.jsonl")
   save_prompts(bare, tmp_path / "bare.parquet")
   assert list(load_prompts(tmp_path / "bare.parquet")) == list(bare)
+
+
+def test_lists_of_files_and_directories(tmp_path):
+  """Issue 25 point 2: verl's data.train_files takes lists of files and directories."""
+  shards = tmp_path / "shards"
+  shards.mkdir()
+  save_prompts([good_row(i) for i in range(2, 4)], shards / "b.parquet")
+  write_jsonl(shards / "a.jsonl", [good_row(i) for i in range(0, 2)])
+  (shards / "README.txt").write_text("not a prompt file")  # other files are ignored
+  (shards / "nested").mkdir()  # so are subdirectories
+  save_prompts([good_row(9)], shards / "nested" / "c.parquet")
+  single = write_jsonl(tmp_path / "single.jsonl", [good_row(7)])
+  dataset = load_prompts([single, shards])  # os.PathLike entries, in the order given
+  assert [row["reward_model"]["ground_truth"] for row in dataset] == ["8", "1", "2", "3", "4"]
+  assert dataset.source == f"{single} + {shards / 'a.jsonl'} + {shards / 'b.parquet'}"
+  assert dataset.where(0) == f"{single}: row 0" and dataset.where(4) == f"{shards}/b.parquet: row 1"
+  assert len(load_prompts(str(shards))) == 4 and len(load_prompts([str(single)])) == 1
+  # An error names the file the bad row is in and the row's index there.
+  write_jsonl(shards / "c.jsonl", [good_row(5), {**good_row(6), "prompt": []}])
+  with pytest.raises(ValueError, match=r"shards/c\.jsonl: row 1 \(line 2\): field 'prompt'"):
+    load_prompts([single, shards])
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ValueError, match=r"prompt directory '.*empty' holds no \.jsonl, \.json, "
+                                       r"\.parquet files"):
+    load_prompts([single, tmp_path / "empty"])
+  with pytest.raises(FileNotFoundError, match="'.*missing.parquet' does not exist"):
+    load_prompts([single, tmp_path / "missing.parquet"])
+  with pytest.raises(ValueError, match="no prompt files given"):
+    load_prompts([])
+
+
+def test_rows_of_joined_files_are_named_by_file_in_later_checks(tmp_path):
+  from hflax.models.tokenizer import load_tokenizer
+  from hflax.data import PromptLoader
+  from hflax.rewards.registry import check_rule_rows
+  first = write_jsonl(tmp_path / "first.jsonl", [good_row(0), good_row(1)])
+  long_row = {**good_row(2), "prompt": "x" * 200}
+  second = write_jsonl(tmp_path / "second.jsonl", [good_row(3), long_row])
+  dataset = load_prompts([first, second])
+  with pytest.raises(ValueError, match=r"second\.jsonl: row 1: field 'prompt' is \d+ tokens"):
+    PromptLoader(dataset, load_tokenizer("byte"), 2, max_prompt_length=64)
+  bad_truth = write_jsonl(tmp_path / "third.jsonl", [{**good_row(4), "data_source": "arithmetic",
+                                                      "reward_model": {"ground_truth": "x"}}])
+  with pytest.raises(ValueError, match=r"^train \(.*third\.jsonl\): row 0: arithmetic ground "
+                                       r"truth must be an integer"):
+    check_rule_rows(load_prompts([first, bad_truth]), "train")
+
+
+def test_prompt_key_names_the_messages_column(tmp_path):
+  rows = [{"question": [{"role": "user", "content": f"q{i}"}], "prompt": "ignored",
+           "reward_model": {"ground_truth": str(i)}} for i in range(2)]
+  save_prompts(rows, tmp_path / "q.parquet")
+  write_jsonl(tmp_path / "q.jsonl", rows)
+  for path in (tmp_path / "q.parquet", tmp_path / "q.jsonl", [tmp_path / "q.jsonl"] * 2):
+    dataset = load_prompts(path, prompt_key="question")
+    assert dataset[1]["prompt"] == [{"role": "user", "content": "q1"}]
+    assert dataset[1]["question"] == rows[1]["question"]  # the column itself is kept
+  write_jsonl(tmp_path / "bad.jsonl", [{**rows[0], "question": []}, {"prompt": "only this"}])
+  with pytest.raises(ValueError, match=r"bad\.jsonl: row 0 \(line 1\): field 'question' is an "
+                                       "empty list"):
+    load_prompts(tmp_path / "bad.jsonl", prompt_key="question")
+  write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "only this", "reward_model": {"ground_truth": 1}}])
+  with pytest.raises(ValueError, match=r"row 0 \(line 1\): missing field 'question'"):
+    load_prompts(tmp_path / "bad.jsonl", prompt_key="question")
+
+
+def test_ground_truth_optional_for_a_learned_reward_model(tmp_path):
+  """Rows scored by a reward model need no reward_model.ground_truth when the caller says so."""
+  from hflax.rewards.registry import check_rule_rows
+  rows = [{"data_source": "hh", "prompt": "Be nice."},
+          {"data_source": "hh", "prompt": "Be kind.", "reward_model": {"style": "model"}},
+          {"data_source": "hh", "prompt": "Be fair.", "reward_model": {"ground_truth": "ok"}}]
+  write_jsonl(tmp_path / "rm.jsonl", rows)
+  save_prompts(rows, tmp_path / "rm.parquet")
+  with pytest.raises(ValueError, match=r"row 0 \(line 1\): missing field 'reward_model\.ground_truth'"):
+    load_prompts(tmp_path / "rm.jsonl")  # still required by default
+  for path in (tmp_path / "rm.jsonl", tmp_path / "rm.parquet"):
+    dataset = load_prompts(path, require_ground_truth=False)
+    assert [row["reward_model"] for row in dataset] == [
+        {"style": "model", "ground_truth": None}, {"style": "model", "ground_truth": None},
+        {"style": "rule", "ground_truth": "ok"}]
+  # A rule reward cannot judge a row without one: refused by name before training.
+  with pytest.raises(ValueError, match=r"\(.*rm\.jsonl\): row 0: no reward_model\.ground_truth, "
+                                       r"which the rule reward for data_source 'arithmetic'"):
+    check_rule_rows(PromptDataset([{**r, "data_source": "arithmetic"} for r in rows],
+                                  str(tmp_path / "rm.jsonl"), require_ground_truth=False),
+                    "train")

@@ -69,7 +69,7 @@ class PromptLoader:
       if self.filter_overlong:
         return None
       if not self.truncate:
-        raise ValueError(f"{self.dataset.source}: row {index}: field 'prompt' is {len(ids)} "
+        raise ValueError(f"{self.dataset.where(index)}: field 'prompt' is {len(ids)} "
                          f"tokens, longer than max_prompt_length={self.max_prompt_length} "
                          "(raise data.max_prompt_length, leave such rows out: "
                          "data.filter_overlong_prompts=True, or keep their last tokens: "

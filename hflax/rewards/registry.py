@@ -160,23 +160,33 @@ def check_rule_available(data_source: str) -> str:
 
 def check_rule_rows(dataset, where: str) -> None:
   """Raises naming the file and row when a row's data_source has no rule reward (or its
-  rule needs an extra that is not installed), or its ground truth cannot be judged by
-  that rule: before training, not at the step that samples the row."""
+  rule needs an extra that is not installed), or it has no ground truth, or its ground
+  truth cannot be judged by that rule: before training, not at the step that samples the
+  row."""
   checked = set()
+
+  def fail(i, problem):
+    path, local = dataset.locate(i) if hasattr(dataset, "locate") else (dataset.source, i)
+    raise ValueError(f"{where} ({path}): row {local}: {problem}") from None
+
   for i, row in enumerate(dataset):
     source = row["data_source"]
     if source not in checked:
       try:
         check_rule_available(source)
       except ValueError as e:
-        raise ValueError(f"{where} ({dataset.source}): row {i}: {e}") from None
+        fail(i, e)
       checked.add(source)
+    truth = row["reward_model"]["ground_truth"]
+    if truth is None:
+      fail(i, f"no reward_model.ground_truth, which the rule reward for data_source "
+              f"{source!r} judges by")
     check = _GROUND_TRUTH_CHECKS.get(_lookup(source))
     if check is not None:
       try:
-        check(row["reward_model"]["ground_truth"])
+        check(truth)
       except ValueError as e:
-        raise ValueError(f"{where} ({dataset.source}): row {i}: {e}") from None
+        fail(i, e)
 
 
 def reward_data_sources() -> list[str]:
