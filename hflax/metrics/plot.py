@@ -14,6 +14,9 @@ import json
 import math
 import os
 
+PLOT_EXTRA_MISSING = ("plotting needs matplotlib, which is not installed: pip install "
+                      "'hflax[plot]' (the metrics stay in metrics.jsonl)")
+
 # (title, metric names or globs, (band low, band high) or None): whichever exist are drawn.
 DEFAULT_PANELS = (
     ("score", ("critic/score/mean",), ("critic/score/min", "critic/score/max")),
@@ -63,8 +66,11 @@ def plot_metrics(jsonl_path: str, out_png: str, keys=None) -> str:
   """
   # The object API with the Agg canvas leaves pyplot's global backend alone (a notebook
   # calling this keeps its own) and needs no display.
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
+  try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+  except ImportError:
+    raise ImportError(PLOT_EXTRA_MISSING) from None
 
   records = read_jsonl(jsonl_path)
   specs = DEFAULT_PANELS if keys is None else [(k, (k,), None) for k in keys]
@@ -117,6 +123,6 @@ def main(argv=None) -> int:
     parser.error(f"no metrics file at {jsonl}")
   try:
     print(plot_metrics(jsonl, args.out or os.path.join(run_dir, "metrics.png"), args.keys))
-  except ValueError as e:  # e.g. --keys that match no metric: say so, not a traceback
+  except (ValueError, ImportError) as e:  # --keys that match nothing, no matplotlib: one line
     parser.error(str(e))
   return 0
