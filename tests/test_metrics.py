@@ -466,4 +466,74 @@ def test_optional_dependencies_are_extras():
   assert {"trl", "datasets", "transformers", "torch"} <= _names(extras["bench"])
   assert "torch==2.13.0" in extras["bench"]  # the CPU build the constraints file pins
   # The tests exercise the optional paths, so the test extra carries them.
-  assert {"matplotlib", "math-verify"} <= _names(extras["test"])
+  assert {"matplotlib", "math-verify", "wandb"} <= _names(extras["test"])
+  assert _names(extras["wandb"]) == {"wandb"}
+
+
+class _FakeWandb:
+  """Records wandb.init's arguments (the real package is exercised offline below)."""
+
+  def __init__(self):
+    self.inits = []
+
+  def init(self, **kwargs):
+    self.inits.append(kwargs)
+    return type("Run", (), {"log": lambda *a, **k: None, "finish": lambda *a: None})()
+
+
+def test_wandb_init_arguments(tmp_path, monkeypatch):
+  """Issue 25 point 6: project, run name, config, an id kept in the run directory with
+  resume="allow", and no mode forced (WANDB_MODE decides)."""
+  from hflax.metrics import logger as logger_module
+  fake = _FakeWandb()
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  monkeypatch.setattr(logger_module, "_new_run_id", lambda: "fake01")
+  monkeypatch.delenv("WANDB_DIR", raising=False)
+  config = {"actor": {"lr": 1e-6}}
+  with M.MetricsLogger(tmp_path / "run", 3, backends=("jsonl",), wandb="proj", name="exp-1",
+                       config=config):
+    pass
+  assert fake.inits[-1] == {"project": "proj", "name": "exp-1", "config": config,
+                            "id": "fake01", "resume": "allow", "dir": str(tmp_path / "run")}
+  assert (tmp_path / "run" / "wandb_run_id").read_text() == "fake01\n"
+  # A restart reads the id back (a new one would start a new wandb run); WANDB_DIR is
+  # wandb's to honour; a dict's own arguments win over the defaults.
+  monkeypatch.setattr(logger_module, "_new_run_id", lambda: "other2")
+  monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+  with M.MetricsLogger(tmp_path / "run", 3, backends=("jsonl",),
+                       wandb={"project": "proj", "name": "mine", "tags": ["a"]}, name="exp-1"):
+    pass
+  assert fake.inits[-1] == {"project": "proj", "name": "mine", "tags": ["a"], "id": "fake01",
+                            "resume": "allow"}
+  # Old call sites (no name, no config) still work.
+  with M.MetricsLogger(tmp_path / "old", 3, backends=("jsonl",), wandb="proj"):
+    pass
+  assert fake.inits[-1] == {"project": "proj", "id": "other2", "resume": "allow"}
+
+
+def test_wandb_offline_run_logs_name_and_config_and_resumes_the_same_id(tmp_path, monkeypatch):
+  wandb = pytest.importorskip("wandb", reason="wandb (in the test extra) is not installed")
+  home = tmp_path / "wandb_home"
+  for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(home), "WANDB_SILENT": "true",
+                     "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true"}.items():
+    monkeypatch.setenv(key, value)
+  run_dir = tmp_path / "run"
+  config = {"actor": {"optim": {"lr": 3.5e-6}}, "trainer": {"experiment_name": "verl-port-7"}}
+  ids = []
+  for start, steps in ((0, (0, 1, 2)), (2, (3,))):  # a run, then its restart from step 2
+    with M.MetricsLogger(run_dir, 3, backends=("jsonl",), wandb="hflax-test",
+                         name="verl-port-7", config=config, start_step=start) as logger:
+      run = logger.backends[-1]._run
+      assert run.name == "verl-port-7" and run.config["actor"]["optim"]["lr"] == 3.5e-6
+      ids.append(run.id)
+      for step in steps:
+        logger.log(step, {"critic/score/mean": float(step)})
+  assert ids[0] == ids[1] == (run_dir / "wandb_run_id").read_text().strip()
+  wandb.teardown()  # wandb's service process writes the logs: wait for it to finish
+  # Offline, each start writes a transaction log named by the run id; both hold the name
+  # and the config (protobuf keeps strings as they are).
+  logs = sorted(glob.glob(str(home / "wandb" / "offline-run-*" / f"run-{ids[0]}.wandb")))
+  assert len(logs) == 2, os.listdir(home / "wandb")
+  for log in logs:
+    data = Path(log).read_bytes()
+    assert b"verl-port-7" in data and b"optim" in data and b"lr" in data

@@ -4,7 +4,11 @@
   jsonl        run_dir/metrics.jsonl, one {"step": i, ...} object a line: the record that
                plots and readers use (hflax.metrics.plot.read_jsonl)
   tensorboard  event files in run_dir/tensorboard (hflax.metrics.tb_events; no TensorFlow)
-  wandb        optional; on when `wandb=` names a project; offline unless told otherwise
+  wandb        optional; on when `wandb=` names a project. The run gets the experiment's
+               name and config (hyper-parameters), and an id kept in run_dir/wandb_run_id
+               with resume="allow", so a restarted run continues the same wandb run.
+               WANDB_MODE (online, offline, disabled) and WANDB_DIR are wandb's own
+               settings and are honoured; without WANDB_DIR the files go to run_dir/wandb
 
 Steps are 1-based as in verl (step 0: validation before training); `start_step` is the last
 step completed before a resume.
@@ -13,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import string
 import sys
 import time
 
@@ -102,19 +108,58 @@ class TensorboardBackend:
     self._writer.close()
 
 
+WANDB_RUN_ID_FILE = "wandb_run_id"
+
+
+def _new_run_id() -> str:
+  """8 random lower-case letters and digits, the form of wandb's own run ids."""
+  alphabet = string.ascii_lowercase + string.digits
+  return "".join(secrets.choice(alphabet) for _ in range(8))
+
+
+def wandb_run_id(run_dir: str, new_id) -> str:
+  """The wandb run id kept in run_dir/wandb_run_id, written there (new_id()) the first
+  time: a restart in the same run directory resumes the same wandb run."""
+  path = os.path.join(run_dir, WANDB_RUN_ID_FILE)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      run_id = f.read().strip()
+    if run_id:
+      return run_id
+  run_id = str(new_id())
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(run_id + "\n")
+  os.replace(tmp, path)  # never a half-written id
+  return run_id
+
+
 class WandbBackend:
-  def __init__(self, run_dir: str, config):
+  """wandb.init(project, name, config, id kept in the run directory, resume="allow"); a
+  dict `wandb` passes more wandb.init arguments and wins over these defaults."""
+
+  def __init__(self, run_dir: str, wandb_args, name: str | None = None,
+               config: dict | None = None):
     try:
       import wandb
     except ImportError as e:
       raise ImportError("the 'wandb' metrics backend needs the wandb package "
                         "(pip install wandb)") from e
-    kwargs = {"project": config} if isinstance(config, str) else dict(config or {})
+    kwargs = {"project": wandb_args} if isinstance(wandb_args, str) else dict(wandb_args or {})
     if not kwargs.get("project"):
       raise ValueError("the 'wandb' backend needs a project: wandb='name' or "
                        "wandb={'project': 'name', ...}")
-    kwargs.setdefault("mode", "offline")  # sync later with `wandb sync`; never block on network
-    kwargs.setdefault("dir", run_dir)
+    if name:
+      kwargs.setdefault("name", name)
+    if config is not None:
+      kwargs.setdefault("config", config.to_dict() if hasattr(config, "to_dict") else
+                        dict(config))
+    if "id" not in kwargs:
+      kwargs["id"] = wandb_run_id(run_dir, _new_run_id)
+    kwargs.setdefault("resume", "allow")
+    if not os.environ.get("WANDB_DIR"):
+      kwargs.setdefault("dir", run_dir)
+    # No mode here: wandb reads WANDB_MODE itself (online when unset and logged in).
     self._run = wandb.init(**kwargs)
     self._generation_rows: list[list] = []
 
@@ -140,14 +185,16 @@ class MetricsLogger:
   """Logs one dict of scalar metrics per step to every backend; use as a context manager.
 
   wandb: None (off), a project name, or a dict of wandb.init keyword arguments with a
-  'project'; giving it turns the wandb backend on.
+  'project'; giving it turns the wandb backend on. name (the experiment's name, verl's
+  trainer.experiment_name) and config (the run's whole configuration, a dict or a
+  ConfigDict) are what wandb shows as the run's name and hyper-parameters.
   stream, clock: where the console writes (stderr) and its time source (tests).
   The ETA's clock starts here: create the logger right before the training loop.
   """
 
   def __init__(self, run_dir: str, total_steps: int,
                backends=("console", "jsonl", "tensorboard"), wandb=None, start_step: int = 0,
-               *, stream=None, clock=time.monotonic):
+               *, name: str | None = None, config=None, stream=None, clock=time.monotonic):
     names = {backends} if isinstance(backends, str) else set(backends)
     names |= {"wandb"} if wandb is not None else set()
     unknown = sorted(names - set(BACKENDS))
@@ -158,15 +205,15 @@ class MetricsLogger:
     self.backends = []
     try:
       # jsonl first: it is the record, written even if a later backend fails in log().
-      for name in sorted(names, key=("jsonl", "console", "tensorboard", "wandb").index):
-        if name == "jsonl":
+      for backend in sorted(names, key=("jsonl", "console", "tensorboard", "wandb").index):
+        if backend == "jsonl":
           self.backends.append(JsonlBackend(self.run_dir))
-        elif name == "console":
+        elif backend == "console":
           self.backends.append(ConsoleBackend(total_steps, start_step, stream, clock))
-        elif name == "tensorboard":
+        elif backend == "tensorboard":
           self.backends.append(TensorboardBackend(self.run_dir, start_step))
         else:
-          self.backends.append(WandbBackend(self.run_dir, wandb))
+          self.backends.append(WandbBackend(self.run_dir, wandb, name, config))
     except BaseException:
       self.close()  # release the files of the backends already opened
       raise
