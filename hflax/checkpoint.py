@@ -14,12 +14,36 @@ stale tmp directory is removed when that step is saved again.
 Restore reads every array straight into the caller's target shardings (any mesh, any
 number of devices), then rebuilds the target's own pytree structure, so the result can be
 passed back into jitted functions that were compiled for it.
+
+Integrity: the host item also holds a checksum of every array's value and a digest of the
+host item itself, so both are committed by the same rename as the data they describe. An
+array's checksum is two 32-bit sums, over all its elements, of a hash of the element's bits
+and its position in the array (row-major over the global shape); addition modulo 2**32 is
+exact in any order, so it is computed on the devices that hold the array, in one reduction,
+and does not depend on the sharding: a checkpoint saved on 8 devices verifies when it is
+restored onto 1 or 4, and in a multi-process pool every process takes part in the same
+global reduction (as it takes part in orbax's save and restore), so the whole array is
+covered, not just one process's shards. `restore` recomputes the checksums of what it read
+and raises CorruptCheckpoint, one line naming the step directory and the first bad array;
+any orbax or TensorStore error while reading is summarised in one line the same way.
+Checkpoints written before checksums existed restore unverified.
+
+`restore_latest` tries the newest step, then older ones, warning for each that cannot be
+restored; the steps it skipped are renamed to `<step>.corrupt` once an older one restored,
+so that the run can save those steps again. Old steps are pruned by hflax after each save
+(not by orbax): a failure to delete one is a warning, never a failed save.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import hashlib
 import importlib
+import json
 import os
 import re
+import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +53,126 @@ import orbax.checkpoint as ocp
 _HOST = "host"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _TAGS = ("__array__", "__key__", "__tuple__", "__namedtuple__")
+_SET_ASIDE = ".corrupt"  # a step restore_latest skipped: <step>.corrupt (orbax ignores it)
+_DELETING = ".deleting"  # a pruned step is renamed to this first, then removed
+
+
+class CorruptCheckpoint(ValueError):
+  """A checkpoint step that cannot be restored: a checksum mismatch, or data, an item or
+  metadata that cannot be read. The message is one line naming the step directory."""
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+  """`Type: first line` of the innermost cause (TensorStore's own reason, not orbax's
+  wrapper with the whole spec), without TensorStore's source locations."""
+  seen = {id(e)}
+  while True:
+    inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    if inner is None or id(inner) in seen:
+      break
+    seen.add(id(inner))
+    e = inner
+  text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  text = re.sub(r"\s*\[source locations=.*$", "", text)
+  text = text.split(" See full TensorStore details")[0]
+  text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _quiet_orbax_leftovers():
+  """When one array of an item cannot be read, orbax's reads of the others fail too, and
+  nobody awaits them: at garbage collection each would print "Exception ignored in" with a
+  whole TensorStore spec. The first failure is reported (in one line); those are dropped."""
+  hook = sys.unraisablehook
+
+  def quiet(unraisable):
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is None or "orbax" not in code.co_filename:
+      hook(unraisable)
+  sys.unraisablehook = quiet
+  try:
+    yield
+  finally:
+    sys.unraisablehook = hook
+
+
+# -- checksums of array values, independent of the sharding --------------------------------
+def _fmix(h):
+  """murmur3's 32-bit finaliser: a bijection that spreads every input bit."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _words(x):
+  """The bits of every element as uint32 (8-byte elements: two words, a trailing axis)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return _words(jax.random.key_data(x))
+  dt = jnp.dtype(x.dtype)
+  if dt == jnp.bool_:
+    return x.astype(jnp.uint32)
+  if jnp.issubdtype(dt, jnp.complexfloating):
+    return _words(jnp.stack([x.real, x.imag], axis=-1))
+  bits = jax.dtypes.itemsize_bits(dt) if hasattr(jax.dtypes, "itemsize_bits") else \
+      dt.itemsize * 8
+  if bits < 8:  # int4, float4: widened exactly first
+    x = x.astype(jnp.float32 if jnp.issubdtype(dt, jnp.floating) else jnp.int32)
+    dt = jnp.dtype(x.dtype)
+  size = dt.itemsize
+  if size == 4 or size == 8:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  unsigned = {2: jnp.uint16, 1: jnp.uint8}[size]
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _digest(x):
+  """[2] uint32: sums over elements of hash(bits, flat position), in two independent lanes."""
+  w = _words(x)
+  pos, stride = jnp.zeros(w.shape, jnp.uint32), 1
+  for axis in reversed(range(w.ndim)):  # no reshape: that could reshard a sharded array
+    pos = pos + jax.lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(stride % 2**32)
+    stride *= w.shape[axis]
+  a = _fmix(w ^ _fmix(pos ^ jnp.uint32(0x9E3779B9)))
+  b = _fmix((w + jnp.uint32(0x7F4A7C15)) ^ _fmix(pos + jnp.uint32(0x632BE5AB)))
+  return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
+
+
+_digest_jit = jax.jit(_digest)
+
+
+def _off_device(x) -> bool:
+  return getattr(getattr(x, "sharding", None), "memory_kind", None) not in (None, "device")
+
+
+def _checksums(flat: dict) -> dict:
+  """{key: 16 hex digits} for every leaf of {key: array}: one jitted reduction per leaf,
+  where the leaf lives (every process of a multi-process array takes part), compiled once
+  per shape, dtype and sharding, so repeated layers and repeated saves share it. Each is
+  waited for before the next starts: many collective programs in flight can starve XLA's
+  CPU rendezvous, and a leaf in host memory (an offloaded optimizer state) is copied to
+  the devices alone, its copy freed before the next."""
+  sums = {}
+  for key, x in flat.items():
+    if not isinstance(x, jax.Array):
+      x = jnp.asarray(x)
+    if _off_device(x):
+      x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+    sums[key] = _hex(_digest_jit(x))
+  return sums
+
+
+def _hex(s) -> str:
+  # The result is replicated; in a multi-process pool only this process's copy is readable.
+  lanes = np.asarray(s.addressable_shards[0].data)
+  return "".join(f"{int(v):08x}" for v in lanes)
+
+
+def _host_digest(host: dict) -> str:
+  body = {k: v for k, v in host.items() if k != "digest"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _flatten(tree, what: str) -> tuple[dict, object]:
@@ -101,19 +245,24 @@ class Checkpointer:
   """Keeps the last `keep` checkpoints of a run under `directory`.
 
   save(step, arrays, host_state) writes when step % save_every == 0 (or force=True).
-  restore(step=None, targets=...) -> (arrays, host_state) from the latest complete step.
+  restore(step=None, targets=...) -> (arrays, host_state) from the latest complete step,
+  verified against the checksums written at save (CorruptCheckpoint if they differ).
+  restore_latest(targets) -> (step, arrays, host_state) from the newest step that restores,
+  or None when there is none. `log` takes the one-line warnings (pruning, skipped steps).
   """
 
   def __init__(self, directory, *, keep: int | None = 3, save_every: int = 1,
-               async_save: bool = False):
+               async_save: bool = False, log=print):
     if save_every < 1 or (keep is not None and keep < 1):
       raise ValueError(f"need save_every >= 1 and keep >= 1 (or None), got {save_every}, {keep}")
     # orbax needs an absolute path; a relative run_dir is relative to where the run started.
     self.directory, self.save_every = os.path.abspath(directory), save_every
+    self.keep, self.log, self._async, self._prune_pending = keep, log, async_save, False
     self._manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
-            # The directory appears with the first save, not when a reader opens it.
-            max_to_keep=keep, create=False, enable_async_checkpointing=async_save))
+            # The directory appears with the first save, not when a reader opens it. Old
+            # steps are pruned here (_prune), where a failure to delete is only a warning.
+            max_to_keep=None, create=False, enable_async_checkpointing=async_save))
 
   def all_steps(self) -> list[int]:
     """Complete checkpoints on disk, oldest first (waits for an in-flight async save)."""
@@ -126,37 +275,52 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def save(self, step: int, arrays: dict, host_state: dict | None = None, *,
            force: bool = False) -> bool:
     """Writes `arrays` ({name: pytree of jax.Array}) and `host_state` (JSON-able values,
-    arrays, PRNG keys, tuples, NamedTuples) as checkpoint `step`. Returns whether it wrote."""
+    arrays, PRNG keys, tuples, NamedTuples) as checkpoint `step`, with a checksum of every
+    array, then prunes steps beyond `keep` (warning if one cannot be deleted). Returns
+    whether it wrote."""
     if not force and step % self.save_every:
       return False
     latest = self.latest_step()
     if latest is not None and step <= latest:
       raise ValueError(f"step {step} is not after the latest checkpoint {latest} in "
                        f"{self.directory}; remove the newer checkpoints or use a new directory")
-    items, index = {}, {}
+    items, index, sums = {}, {}, {}
     for name, tree in arrays.items():
       if not _NAME.match(name) or name == _HOST:
         raise ValueError(f"array item name {name!r} must match {_NAME.pattern} and not be "
                          f"{_HOST!r}")
       flat, _ = _flatten(tree, name)
       index[name] = {k: [list(v.shape), jnp.dtype(v.dtype).name] for k, v in flat.items()}
+      sums[name] = _checksums(flat)
       if flat:  # orbax rejects empty items (an optax EmptyState); the index restores them
         items[name] = ocp.args.StandardSave(flat)
-    host = {"host_state": _encode(dict(host_state or {})), "arrays": index}
+    host = {"host_state": _encode(dict(host_state or {})), "arrays": index, "checksums": sums}
+    host["digest"] = _host_digest(host)
+    # The checksums travel in the host item: committed by the same rename as the arrays.
     items[_HOST] = ocp.args.JsonSave(host)
     # force: whether to save was decided above; orbax's own policy would skip steps.
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self._prune_pending = True
+    if not self._async:
+      self._prune()  # the new step is committed; an async one is pruned after it is
     return True
 
-  def restore(self, step: int | None = None, targets: dict | None = None):
+  def restore(self, step: int | None = None, targets: dict | None = None, *,
+              verify: bool = True):
     """(arrays, host_state) of `step` (default: the latest complete one).
 
     targets: {name: pytree of jax.Array or jax.ShapeDtypeStruct with .sharding}; each named
-    item comes back in that pytree structure with those shardings and dtypes (orbax casts).
-    Items not named are not read, so targets=None reads only the host state.
+    item comes back in that pytree structure with those shardings and dtypes (an array is
+    read in its saved dtype, verified, then cast). Items not named are not read, so
+    targets=None reads only the host state (whose own digest is still verified).
+    Raises CorruptCheckpoint (one line) when what was read does not match its checksum or
+    cannot be read; KeyError/ValueError when the targets do not fit the checkpoint.
     """
     if not os.path.isdir(self.directory):
       raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
@@ -167,26 +331,161 @@ class Checkpointer:
     if step not in steps:
       raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
                               f"complete steps: {steps}")
-    host = self._manager.restore(
-        step, args=ocp.args.Composite(**{_HOST: ocp.args.JsonRestore()}))[_HOST]
-    index, args, layouts = host["arrays"], {}, {}
+    where = f"checkpoint {self.step_dir(step)}"
+    try:
+      host = self._manager.restore(
+          step, args=ocp.args.Composite(**{_HOST: ocp.args.JsonRestore()}))[_HOST]
+    except Exception as e:  # noqa: BLE001 - orbax's errors carry whole TensorStore specs
+      raise CorruptCheckpoint(f"{where}: its host item cannot be read ({_one_line(e)})") \
+          from None
+    if not isinstance(host, dict) or not isinstance(host.get("arrays"), dict) or \
+        "host_state" not in host:
+      raise CorruptCheckpoint(f"{where}: its host item is not an hflax checkpoint index")
+    if verify and "digest" in host and host["digest"] != _host_digest(host):
+      raise CorruptCheckpoint(f"{where}: the host item does not match its digest")
+    index, sums, args, layouts, casts = host["arrays"], host.get("checksums", {}), {}, {}, {}
     for name, target in (targets or {}).items():
       if name not in index:
         raise KeyError(f"checkpoint step {step} has no item {name!r}; it has {sorted(index)}")
       flat, treedef = _flatten(target, name)
       _check_matches(name, step, index[name], flat)
       layouts[name] = (list(flat), treedef)  # the target's leaf order and structure
+      abstract = {}
+      for k, v in flat.items():
+        a, saved = _abstract(v), jnp.dtype(index[name][k][1])
+        if verify and a.dtype != saved:  # read the stored bits, cast once verified
+          casts[(name, k)] = a
+          a = jax.ShapeDtypeStruct(a.shape, saved, sharding=a.sharding)
+        abstract[k] = a
       if flat:
-        args[name] = ocp.args.StandardRestore({k: _abstract(v) for k, v in flat.items()})
-    restored = self._manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
+        args[name] = ocp.args.StandardRestore(abstract)
+    with _quiet_orbax_leftovers():
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
+        restored, why = {name: dict(restored[name]) for name in args}, None
+      except Exception as e:  # noqa: BLE001
+        why = _one_line(e)
+      if why is not None:
+        gc.collect()  # the reads orbax started next to the failed one, while they are quiet
+    if why is not None:
+      raise CorruptCheckpoint(f"{where}: cannot be read ({why})")
+    if verify:
+      for name in args:
+        expected = sums.get(name)
+        if not expected:
+          continue  # written before checksums existed
+        got = _checksums(restored[name])
+        bad = [k for k in restored[name] if k in expected and got[k] != expected[k]]
+        if bad:
+          raise CorruptCheckpoint(f"{where}: array {name}/{bad[0]} does not match the checksum "
+                                  f"written at save ({len(bad)} of {len(got)} arrays in "
+                                  f"{name!r} differ)")
+    for (name, k), a in casts.items():
+      restored[name][k] = jax.jit(lambda x, dt=a.dtype: x.astype(dt),
+                                  out_shardings=a.sharding)(restored[name][k])
     arrays = {name: jax.tree_util.tree_unflatten(treedef, [restored[name][k] for k in keys])
               for name, (keys, treedef) in layouts.items()}
-    return arrays, _decode(host["host_state"])
+    try:
+      host_state = _decode(host["host_state"])
+    except Exception as e:  # noqa: BLE001 - a damaged index that still parsed as JSON
+      raise CorruptCheckpoint(f"{where}: its host state cannot be decoded ({_one_line(e)})") \
+          from None
+    return arrays, host_state
+
+  def restore_latest(self, targets: dict | None = None, log=None, *, set_aside: bool = True):
+    """(step, arrays, host_state) from the newest step that restores, or None when there is
+    no checkpoint (nor directory). A step that raises CorruptCheckpoint is skipped with one
+    warning line (to `log`, default the checkpointer's) naming it and why; once an older
+    step restored, the skipped ones are renamed to `<step>.corrupt` (set_aside=True, by
+    process 0 only) so that the run can write those steps again. Raises CorruptCheckpoint
+    (one line) when no step restores, leaving them all in place. Errors that are not about
+    the checkpoint (targets that do not fit it) propagate at once: older steps would not
+    fit either.
+
+    For a single-process caller (the local trainer, the Ray driver's host-only state): in a
+    multi-process pool, every process must reach the same verdict, which holds for
+    checksum mismatches (the sums are global) but not necessarily for read errors that
+    only one process meets, so pools restore an explicit step chosen by the driver.
+    """
+    log = log or self.log
+    if not os.path.isdir(self.directory):
+      return None
+    steps = self.all_steps()
+    if not steps:
+      return None
+    skipped, first = [], None
+    for i, step in enumerate(reversed(steps)):
+      try:
+        arrays, host_state = self.restore(step, targets)
+      except CorruptCheckpoint as e:
+        first = first or e
+        older = steps[-2 - i] if i + 1 < len(steps) else None
+        then = f"trying step {older}" if older is not None else "no older checkpoint to try"
+        log(f"warning: skipping {e}; {then}")
+        skipped.append(step)
+        continue
+      if skipped and set_aside:
+        self._set_aside(skipped, step, log)
+      return step, arrays, host_state
+    raise CorruptCheckpoint(f"no checkpoint in {self.directory} can be restored (steps "
+                            f"{steps}); the latest: {first}")
+
+  def _set_aside(self, steps: list[int], restored: int, log):
+    if jax.process_index() != 0:
+      return
+    moved = []
+    for step in steps:
+      target, n = self.step_dir(step) + _SET_ASIDE, 1
+      while os.path.exists(target):
+        target, n = f"{self.step_dir(step)}{_SET_ASIDE}-{n}", n + 1
+      try:
+        os.rename(self.step_dir(step), target)
+        moved.append(os.path.basename(target))
+      except OSError as e:
+        log(f"warning: could not move unrestorable checkpoint step {step} aside "
+            f"({_one_line(e)}); remove {self.step_dir(step)} before the run saves that step")
+    self._manager.reload()
+    if moved:
+      log(f"warning: restored step {restored}; moved the unrestorable {', '.join(moved)} "
+          f"aside in {self.directory} (remove once inspected)")
+
+  def _prune(self):
+    """Deletes committed steps beyond `keep`, oldest first. Each is first renamed to
+    `<step>.deleting`, out of orbax's sight (a prune killed midway leaves no half-deleted
+    step that looks complete), then removed; leftovers of earlier prunes go too. A failure
+    is one warning line: the new checkpoint is already saved."""
+    self._prune_pending = False
+    if self.keep is None:
+      return
+    self._manager.reload()
+    old = list(self._manager.all_steps())[:-self.keep]
+    if jax.process_index() != 0:  # one process deletes; the others only read
+      return
+    stale = [n for n in os.listdir(self.directory) if re.fullmatch(r"\d+" + _DELETING, n)]
+    for name in stale:
+      shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    for step in old:
+      doomed = self.step_dir(step) + _DELETING
+      try:
+        os.rename(self.step_dir(step), doomed)
+      except OSError as e:
+        self.log(f"warning: could not delete old checkpoint step {step} in {self.directory} "
+                 f"({_one_line(e)}); it stays on disk")
+        continue
+      try:
+        shutil.rmtree(doomed)
+      except OSError as e:
+        self.log(f"warning: could not delete old checkpoint step {step} in {self.directory} "
+                 f"({_one_line(e)}); {os.path.basename(doomed)} is removed at the next prune")
+    self._manager.reload()
 
   def wait_until_finished(self):
     self._manager.wait_until_finished()
+    if self._prune_pending:  # an async save has committed by now
+      self._prune()
 
   def close(self):
+    self.wait_until_finished()
     self._manager.close()
 
   def __enter__(self):

@@ -1,6 +1,10 @@
-"""Checkpoints: bit-identical resume, restore into other layouts, retention, and that a save
-that dies midway leaves the previous checkpoint intact and invisible partial state."""
+"""Checkpoints: bit-identical resume, restore into other layouts, retention, that a save
+that dies midway leaves the previous checkpoint intact and invisible partial state, and
+integrity: damaged data is detected at restore, in one line, and the previous step is used."""
+import glob
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +19,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from hflax.algorithms.kl import adaptive_kl_controller, update_kl_controller
-from hflax.checkpoint import Checkpointer
+from hflax import checkpoint as checkpoint_lib
+from hflax.checkpoint import Checkpointer, CorruptCheckpoint
 from hflax.models import ModelConfig, create
 from hflax.sharding.layouts import TRAIN_RULES, state_shardings, train_mesh
 
@@ -152,7 +157,8 @@ _CHILD = """
 import sys, time
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from hflax.checkpoint import Checkpointer
+from hflax import checkpoint as checkpoint_lib
+from hflax.checkpoint import Checkpointer, CorruptCheckpoint
 temp = ocp.path.atomicity.AtomicRenameTemporaryPath
 rename = temp.finalize
 async def finalize(self):
@@ -256,3 +262,216 @@ def test_optimizer_state_saved_from_host_memory_restores_on_device(tmp_path, run
     assert a.sharding.memory_kind == b.sharding.memory_kind
     assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- integrity ---------------------------------------------------------------------------------
+def _data_files(step_dir):
+  """The array data files of a step (TensorStore's OCDBT `d/` files), largest first."""
+  files = [f for f in glob.glob(os.path.join(step_dir, "**", "d", "*"), recursive=True)
+           if os.path.isfile(f)]
+  return sorted(files, key=os.path.getsize, reverse=True)
+
+
+def _flip(path, size=4096):
+  """Inverts `size` bytes (all of them if fewer) in the middle of a file."""
+  data = bytearray(open(path, "rb").read())
+  start = max(0, len(data) // 2 - size // 2)
+  for i in range(start, min(len(data), start + size)):
+    data[i] ^= 0xFF
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+def _one_line(e, *names):
+  text = str(e.value)
+  assert "\n" not in text and len(text) < 500, text
+  assert "TensorStore(" not in text and "source locations" not in text, text
+  for name in names:
+    assert name in text, (name, text)
+  return text
+
+
+def _big(seed):
+  """192 KiB of random bits: zstd stores them raw, in one chunk on one device, so a 4 KiB
+  flip in the middle of its data file changes values instead of breaking the framing (zstd
+  has no checksum there, and TensorStore reads the damage back without complaint)."""
+  return {"w": jax.random.bits(jax.random.key(seed), (48, 1024), jnp.uint32),
+          "b": jnp.arange(4) + seed}
+
+
+def test_bit_flip_is_detected_and_the_previous_step_restored(tmp_path, run):
+  """Step 2 damaged: restore names it; restore_latest warns, uses step 1, and a run that
+  goes on from there reaches the parameters of the uninterrupted run."""
+  params, opt_state, step = run
+  ckpt = Checkpointer(tmp_path, keep=3)
+  ckpt.save(1, {"params": params, "opt": opt_state, "big": _big(1)}, {"step": 1})
+  params2, opt2 = step(params, opt_state)
+  ckpt.save(2, {"params": params2, "opt": opt2, "big": _big(2)}, {"step": 2})
+  targets = {"params": params, "opt": opt_state, "big": _big(0)}
+
+  _flip(_data_files(tmp_path / "2")[0])
+  with pytest.raises(CorruptCheckpoint) as e:
+    ckpt.restore(2, targets)
+  _one_line(e, f"{tmp_path}/2:", "big/w", "does not match the checksum")
+  assert isinstance(e.value, ValueError)
+
+  lines = []
+  step_no, arrays, host = Checkpointer(tmp_path, log=lines.append).restore_latest(targets)
+  assert step_no == 1 and host == {"step": 1}
+  _assert_same_arrays(arrays, {"params": params, "opt": opt_state, "big": _big(1)})
+  for x, y in zip(jax.tree.leaves(arrays), jax.tree.leaves(targets)):
+    assert x.sharding == y.sharding
+  assert len(lines) == 2 and all("\n" not in line for line in lines)
+  assert lines[0].startswith(f"warning: skipping checkpoint {tmp_path}/2: array big/w")
+  assert lines[0].endswith("trying step 1")
+  assert "2.corrupt" in lines[1]
+  # The damaged step is set aside, so the resumed run can write step 2 again.
+  assert sorted(os.listdir(tmp_path)) == ["1", "2.corrupt"]
+  resumed = step(arrays["params"], arrays["opt"])
+  _assert_same_arrays(resumed, (params2, opt2))
+  ckpt.save(2, {"params": resumed[0], "opt": resumed[1], "big": _big(2)}, {"step": 2})
+  assert ckpt.latest_step() == 2
+  _assert_same_arrays(ckpt.restore(2, targets)[0]["params"], params2)
+
+
+def test_unreadable_data_is_one_line(tmp_path):
+  ckpt = Checkpointer(tmp_path, keep=None)
+  for s in (1, 2, 3):
+    ckpt.save(s, {"big": _big(s)}, {"step": s})
+  os.remove(_data_files(tmp_path / "3")[0])  # TensorStore's error carries its whole spec
+  with pytest.raises(CorruptCheckpoint) as e:
+    ckpt.restore(3, {"big": _big(0)})
+  _one_line(e, f"{tmp_path}/3:", "cannot be read")
+  shutil.rmtree(tmp_path / "2" / "big")  # an item the index lists but the disk lacks
+  with pytest.raises(CorruptCheckpoint) as e:
+    ckpt.restore(2, {"big": _big(0)})
+  _one_line(e, f"{tmp_path}/2:")
+
+  lines = []
+  got = ckpt.restore_latest({"big": _big(0)}, log=lines.append)
+  assert got[0] == 1 and len(lines) == 3
+  _assert_same_arrays(got[1]["big"], _big(1))
+  assert lines[0].startswith(f"warning: skipping checkpoint {tmp_path}/3: cannot be read")
+  assert lines[1].startswith(f"warning: skipping checkpoint {tmp_path}/2: cannot be read")
+  assert sorted(os.listdir(tmp_path)) == ["1", "2.corrupt", "3.corrupt"]
+
+
+def test_damaged_host_item(tmp_path):
+  """The host state alone (what the Ray driver restores) is verified too."""
+  ckpt = Checkpointer(tmp_path)
+  ckpt.save(1, {"a": _tiny(1)}, {"step": 1, "loader": {"position": 384}})
+  ckpt.save(2, {"a": _tiny(2)}, {"step": 2, "loader": {"position": 768}})
+  meta = tmp_path / "2" / "host" / "metadata"
+  host = json.loads(meta.read_text())
+  host["host_state"]["loader"]["position"] = 769  # still valid JSON, another value
+  meta.write_text(json.dumps(host))
+  with pytest.raises(CorruptCheckpoint) as e:
+    ckpt.restore(2)
+  _one_line(e, f"{tmp_path}/2:", "digest")
+  lines = []
+  assert ckpt.restore_latest(log=lines.append) == (1, {}, {"step": 1,
+                                                          "loader": {"position": 384}})
+  assert "host item does not match its digest" in lines[0]
+
+  ckpt.save(2, {"a": _tiny(2)}, {"step": 2})
+  (tmp_path / "2" / "host" / "metadata").write_text('{"host_state": {"st')
+  with pytest.raises(CorruptCheckpoint) as e:
+    ckpt.restore(2, {})
+  _one_line(e, f"{tmp_path}/2:", "host item cannot be read")
+
+
+def test_restore_latest_edges(tmp_path):
+  assert Checkpointer(tmp_path / "nowhere").restore_latest() is None
+  assert not (tmp_path / "nowhere").exists()
+  ckpt = Checkpointer(tmp_path / "run")
+  (tmp_path / "run").mkdir()
+  assert ckpt.restore_latest({"a": _tiny(0)}) is None
+  ckpt.save(1, {"a": _tiny(1)}, {"step": 1})
+  ckpt.save(2, {"a": _tiny(2)}, {"step": 2})
+  assert ckpt.restore_latest({"a": _tiny(0)})[0] == 2
+
+  # Targets that do not fit are the caller's mistake: no fallback, nothing moved.
+  with pytest.raises(KeyError, match="no item 'critic'"):
+    ckpt.restore_latest({"critic": _tiny(0)})
+  with pytest.raises(ValueError, match="has shape") as e:
+    ckpt.restore_latest({"a": {**_tiny(0), "w": jnp.zeros((2, 4))}})
+  assert not isinstance(e.value, CorruptCheckpoint)
+
+  # Every step damaged: one line naming the latest reason, all left in place.
+  for s in (1, 2):
+    os.remove(tmp_path / "run" / str(s) / "host" / "metadata")
+  lines = []
+  with pytest.raises(CorruptCheckpoint) as e:
+    ckpt.restore_latest({"a": _tiny(0)}, log=lines.append)
+  _one_line(e, f"no checkpoint in {tmp_path}/run can be restored (steps [1, 2])",
+            f"{tmp_path}/run/2:")
+  assert len(lines) == 2 and lines[1].endswith("no older checkpoint to try")
+  assert sorted(os.listdir(tmp_path / "run")) == ["1", "2"]
+
+
+@pytest.mark.parametrize("fails", ["rename", "rmtree"])
+def test_pruning_failure_warns_and_the_save_stands(tmp_path, monkeypatch, fails):
+  lines = []
+  ckpt = Checkpointer(tmp_path, keep=1, log=lines.append)
+  ckpt.save(1, {"a": _tiny(1)}, {"step": 1})
+  real = {"rename": os.rename, "rmtree": shutil.rmtree}[fails]
+
+  def refuse(*args, **kwargs):
+    if str(args[-1 if fails == "rename" else 0]).endswith(".deleting"):
+      raise PermissionError(13, "Permission denied", str(args[0]))
+    return real(*args, **kwargs)
+  monkeypatch.setattr(checkpoint_lib.os if fails == "rename" else checkpoint_lib.shutil,
+                      fails, refuse)
+  assert ckpt.save(2, {"a": _tiny(2)}, {"step": 2})  # no exception: step 2 is saved
+  monkeypatch.undo()
+  assert len(lines) == 1 and "\n" not in lines[0]
+  assert lines[0].startswith(f"warning: could not delete old checkpoint step 1 in {tmp_path}")
+  assert "PermissionError" in lines[0]
+  assert ckpt.latest_step() == 2
+  _assert_same_arrays(ckpt.restore(targets={"a": _tiny(0)})[0]["a"], _tiny(2))
+  if fails == "rename":
+    assert ckpt.all_steps() == [1, 2]
+  else:  # renamed out of the step list, removed by the next prune
+    assert ckpt.all_steps() == [2] and sorted(os.listdir(tmp_path)) == ["1.deleting", "2"]
+  ckpt.save(3, {"a": _tiny(3)}, {"step": 3})
+  assert sorted(os.listdir(tmp_path)) == ["3"] and len(lines) == 1
+
+
+def test_async_save_prunes_once_committed(tmp_path):
+  ckpt = Checkpointer(tmp_path, keep=1, async_save=True)
+  for s in (1, 2, 3):
+    ckpt.save(s, {"a": _tiny(s)}, {"step": s})
+  ckpt.wait_until_finished()
+  assert sorted(os.listdir(tmp_path)) == ["3"]
+  _assert_same_arrays(ckpt.restore(targets={"a": _tiny(0)})[0]["a"], _tiny(3))
+  ckpt.close()
+
+
+def test_checksums_do_not_depend_on_the_layout(tmp_path, run):
+  """A value has one checksum on 8 devices, 4, 1 or in host memory; checkpoints saved
+  sharded verify when restored into other layouts (test_restore_into_other_layouts reads
+  them), and a single changed element changes the checksum."""
+  params = run[0]
+  flat, _ = checkpoint_lib._flatten(params, "params")  # noqa: SLF001
+  mesh4 = train_mesh(jax.devices()[4:], fsdp=2, tensor=2)
+  layouts = [
+      lambda x: x,
+      lambda x: jax.device_put(x, SingleDeviceSharding(jax.devices()[5])),
+      lambda x: jax.device_put(x, NamedSharding(mesh4, P(None, "tensor") if x.ndim > 1 and
+                                                x.shape[1] % 2 == 0 else P())),
+      lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")),
+      np.asarray,
+  ]
+  sums = [checkpoint_lib._checksums({k: place(v) for k, v in flat.items()})  # noqa: SLF001
+          for place in layouts]
+  assert all(s == sums[0] for s in sums[1:])
+  key = next(k for k, v in flat.items() if v.ndim == 2)
+  changed = checkpoint_lib._checksums({key: flat[key].at[1, 1].add(1e-3)})  # noqa: SLF001
+  assert changed[key] != sums[0][key]
+  swapped = checkpoint_lib._checksums({key: flat[key][::-1]})  # noqa: SLF001
+  assert swapped[key] != sums[0][key]
+
+  ckpt = Checkpointer(tmp_path)
+  ckpt.save(1, {"params": params}, {})
+  host = json.loads((tmp_path / "1" / "host" / "metadata").read_text())
+  assert host["checksums"]["params"] == sums[0]
