@@ -193,7 +193,9 @@ class RuleRewardScorer:
                          ("extra_info", extra_info)):
       if len(values) != size:
         raise ValueError(f"{len(values)} {name} entries for {size} responses")
-    fns = [self._fn(source) for source in data_source]
+    by_source = {}  # one registry look-up per distinct source, not per row
+    fns = [by_source[source] if source in by_source else by_source.setdefault(
+        source, self._fn(source)) for source in data_source]
     results = self._run(fns, texts, ground_truth, data_source, extra_info)
     scores = np.array([_as_float(r, fn, i) for i, (r, fn) in enumerate(zip(results, fns))],
                       np.float32)
