@@ -12,6 +12,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from hflax.algorithms import LOSS_AGG_MODES, advantage_estimator_names, policy_loss_names
+from hflax.launch.ranges import check_numbers
 from hflax.models.lora import lora_targets
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp", "dapo", "safe_rlhf")
@@ -185,6 +186,7 @@ def validate(c) -> None:
   def fail(field, why):
     raise ValueError(f"config.{field}: {why}")
 
+  check_numbers(c, fail)  # every float finite, numeric fields in range (hflax.launch.ranges)
   if c.algorithm.name not in ALGORITHMS:
     fail("algorithm.name", f"{c.algorithm.name!r} is not one of {ALGORITHMS}")
   if c.algorithm.adv_estimator not in advantage_estimator_names():
