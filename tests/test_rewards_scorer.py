@@ -205,3 +205,15 @@ def test_reward_timeout_per_batch(tmp_path):
     with pytest.raises(ValueError, match="timeout_s must be a finite number"):
       RuleRewardScorer(timeout_s=bad)
   assert RuleRewardScorer(timeout_s=0).timeout_s is None  # 0: no limit
+
+
+def test_unhashable_callable_reward():
+  class Scorer:  # defines __eq__ only: instances are not hashable
+    def __eq__(self, other):
+      return False
+
+    def __call__(self, solution_str, ground_truth):
+      return float(solution_str == ground_truth)
+
+  out = RuleRewardScorer(reward_fn=Scorer())(["a", "b"], ["a", "a"])
+  np.testing.assert_array_equal(out["scores"], [1.0, 0.0])

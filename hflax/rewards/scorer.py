@@ -117,10 +117,12 @@ class RuleRewardScorer:
       self._caller(reward_fn)
 
   def _caller(self, fn):
-    caller = self._callers.get(fn)
-    if caller is None:
-      caller = self._callers[fn] = reward_caller(fn)
-    return caller
+    # By id, kept with the function (so the id stays its own): a callable object need
+    # not be hashable.
+    entry = self._callers.get(id(fn))
+    if entry is None:
+      entry = self._callers[id(fn)] = (fn, reward_caller(fn))
+    return entry[1]
 
   def decode(self, response_ids_BxT, response_mask_BxT) -> list[str]:
     if self.tokenizer is None:
