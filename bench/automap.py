@@ -30,15 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hflax.algorithms.drivers import DRIVERS, init_state  # noqa: E402
+from hflax.algorithms.drivers import get_algorithm, init_state  # noqa: E402
 from hflax.controller.batch import Batch  # noqa: E402
 from hflax.launch.config import base_config  # noqa: E402
 from hflax.launch.plan import ranked_plans  # noqa: E402
-from hflax.launch.roles import build_roles, policy_model  # noqa: E402
+from hflax.launch.roles import build_roles, policy_model, step_config  # noqa: E402
 from hflax.models.tokenizer import ByteTokenizer  # noqa: E402
 from hflax.rollout import left_pad  # noqa: E402
 from hflax.sharding.automap import calibrate  # noqa: E402
 from hflax.sharding.automap.calibration import default_cache_path  # noqa: E402
+
+PPO = get_algorithm("ppo").step
 
 
 def config():
@@ -108,7 +110,7 @@ def main():
                         devices=devices)
     state = init_state(cfg_i.algorithm)
     for _ in range(2):  # compile, then one more: a plan's first steps run slower
-      jax.block_until_ready(DRIVERS["ppo"](roles, batch, cfg_i, state).arrays)
+      jax.block_until_ready(PPO(roles, batch, step_config(cfg_i), state).arrays)
     runs[i] = (roles, cfg_i, state, [])
   time_steps(runs, list(runs), args.steps, batch)
   predicted = np.array([plans[i].step_time for i in chosen])
@@ -145,7 +147,7 @@ def time_steps(runs, order, steps, batch):
     for i in order[step % len(order):] + order[:step % len(order)]:
       roles, cfg_i, state, times = runs[i]
       began = time.perf_counter()
-      out = DRIVERS["ppo"](roles, batch, cfg_i, state)
+      out = PPO(roles, batch, step_config(cfg_i), state)
       jax.block_until_ready((out.arrays, out.meta["metrics"]))
       times.append(time.perf_counter() - began)
 

@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
-from hflax.algorithms.drivers import DRIVERS  # noqa: E402
+from hflax.algorithms.drivers import get_algorithm  # noqa: E402
 from hflax.algorithms.drivers.common import step_metrics, timed_roles  # noqa: E402
+from hflax.launch.roles import step_config  # noqa: E402
 from hflax.launch.config import base_config  # noqa: E402
 
 
@@ -47,14 +48,15 @@ class Runner:
   def __init__(self, name, trainer):
     self.name, self.trainer, self.times, self.stages, self.noop = name, trainer, [], [], []
     self.prompts = trainer.prompt_batches()
-    self.driver = DRIVERS[trainer.cfg.algorithm.name]
+    self.driver = get_algorithm(trainer.cfg.algorithm.name).step
 
   def step(self, record: bool):
     """One training step (stages timed as the trainer times them), then one no-op call
     (actor.old_log_probs hands back the rollout's log-probs): transport alone."""
     t, stages = self.trainer, {}
     start = time.perf_counter()
-    batch = self.driver(timed_roles(t.roles, stages), next(self.prompts), t.cfg, t.state)
+    batch = self.driver(timed_roles(t.roles, stages), next(self.prompts), step_config(t.cfg),
+                        t.state)
     # Everything the step computed, updates' metrics included (local dispatch is async).
     jax.block_until_ready((step_metrics(batch, t.cfg.data.max_response_length), batch.meta))
     elapsed = time.perf_counter() - start
@@ -76,7 +78,6 @@ def main():
   reason = loopback_only_reason()
   if reason:
     sys.exit(f"run this under shared/bin/netless: {reason}")
-  from hflax.controller.ray_backend.trainer import RayTrainer
   from hflax.launch.trainer import Trainer
   quiet = lambda *_: None  # noqa: E731
   tmp = tempfile.mkdtemp(prefix="hflax-bench-")
@@ -84,7 +85,7 @@ def main():
   ray_trainers = []
   try:
     for procs in (1, 2):
-      trainer = RayTrainer(tiny(f"{tmp}/r{procs}", "ray", procs), quiet)
+      trainer = Trainer(tiny(f"{tmp}/r{procs}", "ray", procs), quiet)
       ray_trainers.append(trainer)
       runners.append(Runner(f"ray ({procs} process{'es' if procs > 1 else ''} x "
                             f"{2 // procs} device{'s' if procs == 1 else ''})", trainer))

@@ -188,23 +188,24 @@ class HflaxRunner:
 
   def __init__(self, cfg):
     import dataclasses
-    from hflax.algorithms.drivers import DRIVERS
+    from hflax.algorithms.drivers import get_algorithm
     from hflax.launch.trainer import Trainer
     self.cfg = cfg
     self.trainer = Trainer(cfg, log=lambda *a, **k: None)
     self.roles = dataclasses.replace(self.trainer.roles,
                                      actor=_BlockingActor(self.trainer.roles.actor))
-    self.driver = DRIVERS["grpo"]
+    self.driver = get_algorithm("grpo").step
     self.prompts = self.trainer.prompt_batches()
 
   def step(self) -> dict:
     import jax
     import numpy as np
     from hflax.algorithms.drivers.common import step_metrics, timed_roles
+    from hflax.launch.roles import step_config
     metrics: dict = {}
     roles = timed_roles(self.roles, metrics, block=self.cfg.trainer.stage_timing)
     began = time.perf_counter()
-    batch = self.driver(roles, next(self.prompts), self.cfg, self.trainer.state)
+    batch = self.driver(roles, next(self.prompts), step_config(self.cfg), self.trainer.state)
     metrics.update(batch.meta.get("metrics", {}))
     metrics.update(step_metrics(batch, self.cfg.data.max_response_length))
     jax.block_until_ready(metrics)
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
   args.steps_per_round = args.steps_per_round or (1 if q else 2)
   trl_warmup, hflax_warmup = 1, 2
 
-  from hflax.launch.xla_env import configure_cpu, keep_freed_memory
+  from hflax.xla_env import configure_cpu, keep_freed_memory
   configure_cpu(devices=1)  # hflax runs on one device here
   import jax
   print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")

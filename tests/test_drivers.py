@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from hflax.algorithms.drivers import DRIVERS, TAKES_PROMPT_ITERATOR, init_state
+from hflax.algorithms.drivers import get_algorithm, init_state
 from hflax.algorithms.drivers.common import step_metrics, timed_roles
 from hflax.launch.config import base_config, validate
-from hflax.launch.roles import build_roles, policy_model
+from hflax.launch.roles import build_roles, policy_model, step_config
 from hflax.models.tokenizer import ByteTokenizer
 from ppo_step import prompts_batch
 
@@ -72,8 +72,9 @@ def run(name, steps=2, reward_fn=parity_reward, cost_fn=None, **overrides):
   prompts = (prompts_batch(c.data.train_batch_size, seed=s) for s in itertools.count())
   history = []
   for _ in range(steps):
-    arg = prompts if name in TAKES_PROMPT_ITERATOR else next(prompts)
-    batch = DRIVERS[name](roles, arg, c, state)
+    algorithm = get_algorithm(name)
+    arg = prompts if algorithm.takes_prompt_iterator else next(prompts)
+    batch = algorithm.step(roles, arg, step_config(c), state)
     # The trainer's batch statistics too (critic/advantages/mean, critic/vf_explained_var).
     step = {**batch.meta["metrics"], **step_metrics(batch, c.data.max_response_length)}
     history.append({**{k: float(v) for k, v in step.items()}, **metrics})
@@ -145,7 +146,7 @@ def test_bfloat16_compute_recomputes_old_log_probs_and_stays_on_policy():
 
 
 def test_entropy_bonus_is_aggregated_like_the_policy_loss():
-  from hflax.algorithms.drivers.common import actor_loss
+  from hflax.algorithms.objectives import actor_loss
   mask = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
   entropy = np.array([[1, 1, 0], [4, 0, 0]], np.float32)
   zeros = np.zeros_like(mask)

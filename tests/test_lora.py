@@ -236,12 +236,13 @@ def test_critic_lora_trains_its_adapters_and_value_head_only():
   from ppo_step import critic_loss
   from hflax.controller.workers import CriticWorker
   from hflax.launch.config import base_config
-  from hflax.launch.roles import _value_model
+  from hflax.controller.build import value_model
+  from hflax.launch.roles import lora_plan
   c = base_config()
   c.critic.update(lora_rank=4, lora_alpha=8.0, target_modules="q_proj,down_proj")
   policy = (CFG, *create(CFG, seed=0))
-  plain = _value_model("", policy, seed=1)
-  graphdef, state = _value_model("", policy, seed=1, lora=c.critic)
+  plain = value_model("", policy, seed=1)
+  graphdef, state = value_model("", policy, seed=1, lora=lora_plan(c.critic))
   placed = build_placement(colocated(["critic"], 2))
   critic = CriticWorker(placed["critic"], graphdef, state, loss_fn=critic_loss,
                         optim=OptimConfig(lr=1e-2), update=UpdateConfig(mini_batch_size=8))

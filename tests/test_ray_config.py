@@ -41,7 +41,7 @@ def test_ray_needs_a_device_count_and_no_auto_placement():
 
 def _layouts(c):
   roles = needed_roles(c)
-  return pool_layouts(c, placement_spec(c, roles, 8), roles)
+  return pool_layouts(c.cluster, placement_spec(c, roles, 8), roles)
 
 
 def test_pools_map_onto_processes():
@@ -82,7 +82,7 @@ def test_a_local_cluster_starts_only_on_loopback(monkeypatch):
 def test_a_generation_cap_below_one_prompts_samples_is_refused_on_the_driver(tmp_path):
   pytest.importorskip("ray")
   import ray
-  from hflax.controller.ray_backend.trainer import RayTrainer
+  from hflax.launch.trainer import Trainer
   c = ray_config()
   c.trainer.run_dir = str(tmp_path / "run")
   c.rollout.n = 2
@@ -90,5 +90,5 @@ def test_a_generation_cap_below_one_prompts_samples_is_refused_on_the_driver(tmp
                      roles={"actor": {"pool": "all", "max_num_seqs": 1}, "critic": {"pool": "all"}})
   with pytest.raises(ValueError, match=r"config.placement.roles.actor.max_num_seqs: 1 is less "
                                        r"than the 2 samples"):
-    RayTrainer(c, log=lambda *_: None)
+    Trainer(c, log=lambda *_: None)
   assert not ray.is_initialized()

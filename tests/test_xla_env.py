@@ -1,4 +1,4 @@
-"""hflax.launch.xla_env: process settings made before JAX starts."""
+"""hflax.xla_env: process settings made before JAX starts."""
 import os
 import pathlib
 import platform
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hflax.launch import xla_env
+from hflax import xla_env
 
 _GLIBC = platform.libc_ver()[0] == "glibc"
 _THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -16,7 +16,7 @@ _HUGE_PAGES_ALWAYS = _THP.exists() and "[always]" in _THP.read_text()
 _FAULTS = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from hflax.launch.xla_env import keep_freed_memory
+from hflax.xla_env import keep_freed_memory
 print(keep_freed_memory())
 import ctypes, threading
 libc = ctypes.CDLL("libc.so.6")
@@ -41,7 +41,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def _faults(env_extra: dict) -> tuple[str, int]:
   """(whether keep_freed_memory applied, page faults of the second churn) in a fresh
   process, since malloc settings are process-wide."""
-  repo = str(pathlib.Path(xla_env.__file__).resolve().parents[2])
+  repo = str(pathlib.Path(xla_env.__file__).resolve().parents[1])
   env = {k: v for k, v in os.environ.items()
          if k not in xla_env._MALLOC_VARIABLES + ("HFLAX_CPU_MALLOC",)}
   env.update(env_extra)

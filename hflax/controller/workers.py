@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from hflax.controller.batch import Batch
-from hflax.controller.protocol import LIVE_ROWS, Protocol, first_rows, replicated, transfer
+from hflax.controller.protocol import LIVE_ROWS, Protocol, replicated, transfer
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
                                        make_train_step, mini_batch_order,
                                        train_compiler_options, trained_part)
@@ -26,7 +26,7 @@ from hflax.models.lora import (base_config, merged_kernels, split_adapters, spli
 from hflax.models.logprobs import sequence_log_probs
 from hflax.models.transformer import create_abstract, forward
 from hflax.rewards.scorer import last_token_scores
-from hflax.rollout.sampler import SamplingParams, _generate, decode_segments
+from hflax.rollout.sampler import SamplingParams, generate_over_rows
 from hflax.rollout.waves import generation_waves
 from hflax.sharding.hybrid_engine import HybridEngine
 from hflax.sharding.layouts import (TRAIN_RULES, batch_sharding, data_parallel_size,
@@ -56,6 +56,8 @@ class RoleWorker:
     self.update_cfg, self.seed, self.updates, self.optimizer_steps = update, seed, 0, 0
     # With LoRA adapters only they are trained (and have optimizer state).
     self.trainable = trainable_filter(self.cfg, model.head)
+    self.opt_state = None  # roles that train get one below
+    self.calls = 0  # sampling calls so far (the actor's): a resumed run draws the same keys
     if optim is not None:
       if update is None:
         raise ValueError(f"{placement.role}: an optimizer needs an UpdateConfig")
@@ -81,7 +83,7 @@ class RoleWorker:
     call count (so a resumed run draws what the uninterrupted one would) and the frozen
     base's checksum."""
     return {"updates": self.updates, "optimizer_steps": self.optimizer_steps,
-            "calls": getattr(self, "_calls", 0), "frozen_checksum": self.frozen_checksum()}
+            "calls": self.calls, "frozen_checksum": self.frozen_checksum()}
 
   def frozen_checksum(self) -> float | None:
     """Sum of |w| over the frozen weights (None: every weight trains): a resumed run checks
@@ -103,8 +105,7 @@ class RoleWorker:
     self.params = arrays["params"] if frozen is None else nnx.merge_state(frozen, arrays["params"])
     self.opt_state = arrays["opt_state"]
     self.updates, self.optimizer_steps = counters["updates"], counters["optimizer_steps"]
-    if hasattr(self, "_calls"):
-      self._calls = counters["calls"]
+    self.calls = counters["calls"]
 
   # -- plumbing -----------------------------------------------------------------------------
   def input_sharding(self, protocol: Protocol):
@@ -206,7 +207,7 @@ class ActorRolloutWorker(RoleWorker):
     self.max_num_seqs = min((c for c in (max_num_seqs, placement.max_num_seqs) if c), default=0)
     # Optimizer state in host memory from generation until the next update, so the KV
     # cache and the generation copy of the weights have the accelerator to themselves.
-    self.optimizer_offload = optimizer_offload and hasattr(self, "opt_state")
+    self.optimizer_offload = optimizer_offload and self.opt_state is not None
     self._opt_on_device = None  # the device shardings while the state is offloaded
     # In float32 the sampler's log-probs are the trainer's to float precision. Generation
     # in another dtype, or low-precision compute (where the KV-cache decode and the
@@ -230,7 +231,6 @@ class ActorRolloutWorker(RoleWorker):
                                generate_dtype, placement.generate_strided)
     self.temperature = sampling.temperature or 1.0
     self._rng = jax.random.key(self.seed)
-    self._calls = 0
 
   def generate_sequences(self, prompts: Batch, sampling: SamplingParams | None = None,
                          rng=None) -> Batch:
@@ -244,39 +244,24 @@ class ActorRolloutWorker(RoleWorker):
       if key not in prompts:
         raise KeyError(f"actor.generate_sequences needs field {key!r}; batch has {prompts.keys()}")
     count = len(prompts)
-    # Generation replicas split the prompts, in waves of `size` when max_num_seqs caps
-    # them: pad with repeats (born finished), drop their samples after.
+    # Generation replicas split the prompts, in waves when max_num_seqs caps them.
     replicas = self.engine.mesh.shape["data"]
-    size = replicas * generation_waves(count, replicas, params.n, self.max_num_seqs)[1]
-    prompts, pad = prompts.pad_to_divisor(size)
+    wave = replicas * generation_waves(count, replicas, params.n, self.max_num_seqs)[1]
     gen_state, metrics = self.engine.to_generate(self._generation_weights())
     if self.optimizer_offload:
       metrics.update(self._offload_optimizer())
-    rows = jax.sharding.NamedSharding(self.engine.mesh, jax.sharding.PartitionSpec("data"))
-    live = np.arange(len(prompts)) < count
     if rng is None:
-      rng = jax.random.fold_in(self._rng, self._calls)
-      self._calls += 1
-    waves = []
-    for start in range(0, len(prompts), size):
-      wave = prompts.slice(start, start + size)
-      tokens, mask, live_B = jax.device_put(
-          (wave["prompts"], wave["prompt_mask"], live[start:start + size]), rows)
-      # Each wave's KV cache is freed when its program ends; its rows go home as they come.
-      waves.append(jax.device_put(_generate(
-          self.base_graphdef, gen_state, tokens, mask, rng, params=params,
-          segments=decode_segments(params.max_new_tokens), live_B=live_B,
-          mesh=self.engine.mesh, first_row=start), self.home))
+      rng = jax.random.fold_in(self._rng, self.calls)
+      self.calls += 1
+    out = generate_over_rows(self.base_graphdef, gen_state, prompts["prompts"],
+                             prompts["prompt_mask"], rng, params, self.engine.mesh,
+                             wave_rows=wave, collect=lambda x: jax.device_put(x, self.home))
     del gen_state  # the generation copy is freed once the programs have consumed it
-    out = {k: jnp.concatenate([w[k] for w in waves]) if len(waves) > 1 else waves[0][k]
-           for k in waves[0]}
-    metrics["rollout/waves"] = float(len(waves))
-    out["group_ids"] = jnp.repeat(jnp.arange(len(prompts), dtype=jnp.int32), params.n)
-    rows = count * params.n  # samples of prompt i are rows i*n .. i*n + n - 1
-    result = Batch({k: first_rows(jax.device_put(v, self.home), rows, pad)
-                    for k, v in out.items()}, meta={"metrics": metrics})
-    objects = prompts.unpad(pad).repeat(params.n).objects
-    return Batch(result.arrays, objects, result.meta)
+    metrics["rollout/waves"] = float(-(-count // wave))
+    # samples of prompt i are rows i*n .. i*n + n - 1
+    out["group_ids"] = jax.device_put(
+        jnp.repeat(jnp.arange(count, dtype=jnp.int32), params.n), self.home)
+    return Batch(out, prompts.repeat(params.n).objects, {"metrics": metrics})
 
   def old_log_probs(self, batch: Batch) -> Batch:
     """The behaviour policy's log-probs: the rollout's own, or recomputed when they differ."""

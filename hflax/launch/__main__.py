@@ -3,105 +3,14 @@
 A bare config name resolves to the project's configs/ directory; a path works too.
 On CPU, HFLAX_CPU_DEVICES (default 2) simulated devices give each role its own mesh.
 """
-import os
 import sys
 
-from hflax.launch.xla_env import configure_cpu
+from hflax.xla_env import configure_cpu
 
 configure_cpu()  # before JAX starts: simulated CPU devices for per-model meshes
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
-
-
-class UsageError(Exception):
-  """A bad command line or config: reported as one line, exit status 2."""
-
-
-def resolve_config_arg(argv: list[str]) -> list[str]:
-  """--config NAME[:arg] -> the file under configs/ when NAME is not a path that exists."""
-  out = list(argv)
-  for i, arg in enumerate(out):
-    if arg == "--config" and i + 1 < len(out):
-      out[i + 1] = _resolve(out[i + 1])
-    elif arg.startswith("--config="):
-      out[i] = "--config=" + _resolve(arg.split("=", 1)[1])
-  return out
-
-
-def _resolve(spec: str) -> str:
-  path, _, extra = spec.partition(":")
-  if not os.path.exists(path):
-    candidate = os.path.join(CONFIG_DIR, path if path.endswith(".py") else path + ".py")
-    if not os.path.exists(candidate):
-      known = sorted(os.listdir(CONFIG_DIR)) if os.path.isdir(CONFIG_DIR) else []
-      raise UsageError(f"--config: {spec!r} is neither a file nor one of {known} in {CONFIG_DIR}")
-    path = candidate
-  return path + (":" + extra if extra else "")
-
-
-def print_help(argv: list[str]) -> None:
-  """The usage, then every field of the chosen config (default ppo.py) with its value."""
-  import importlib.util
-  print(__doc__.strip())
-  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-  if path is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
-    path = argv[argv.index("--config") + 1]
-  path = (path or os.path.join(CONFIG_DIR, "ppo.py")).partition(":")[0]
-  spec = importlib.util.spec_from_file_location("hflax_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  print(f"\nconfigs in {CONFIG_DIR}: {', '.join(sorted(os.listdir(CONFIG_DIR)))}")
-  print(f"\noptions of {path} (override with --config.<field>=<value>):")
-
-  def walk(node, prefix):
-    for key, value in node.items():
-      if hasattr(value, "items") and len(value):
-        walk(value, f"{prefix}{key}.")
-      else:  # an empty ConfigDict's repr ends in a newline
-        print(f"  --config.{prefix}{key}=" + ("{}" if hasattr(value, "items") else repr(value)))
-  walk(module.get_config(), "")
-
-
-def load_config(argv: list[str]):
-  """Parses --config and its --config.* overrides (a fresh flag set, so it can run twice)."""
-  from absl import flags
-  from ml_collections import config_flags
-  fv = flags.FlagValues()
-  args = ["hflax.launch", *resolve_config_arg(argv)]
-  # config_flags learns which --config.* overrides exist from the argv it is given.
-  holder = config_flags.DEFINE_config_file(
-      "config", None, "config file", flag_values=fv, lock_config=True, sys_argv=args)
-  try:
-    rest = fv(args)
-  except flags.Error as e:
-    raise UsageError(" ".join(str(e).split())) from None
-  except (AttributeError, KeyError) as e:  # an override of a field the config lacks
-    # ml_collections' message: "'lrr'", maybe followed by a line 'Did you mean "lr" ...?'.
-    text = e.args[0] if e.args else e
-    while isinstance(text, KeyError) and text.args:  # AttributeError(KeyError(...)) too
-      text = text.args[0]
-    text = str(text)
-    missing, _, hint = text.partition("\n")
-    missing = missing.strip("'\"")
-    field = next((a.split("=")[0] for a in argv if a.startswith("--config.")
-                  and missing in a.split("=")[0].split(".")), "a --config.* override")
-    hint = f"; {hint.strip()}" if hint.strip() else ""
-    raise UsageError(f"{field}: no such config field {missing!r}{hint}") from None
-  if len(rest) > 1:
-    raise UsageError(f"unexpected arguments {rest[1:]}; options are --config and --config.*")
-  if holder.value is None:
-    raise UsageError("--config is required, e.g. --config ppo.py")
-  return holder.value
-
-
-# What bad input raises (config fields, data rows, files, model paths): one line, exit 2.
-BAD_INPUT = (UsageError, ValueError, FileNotFoundError, KeyError, TypeError, ImportError, OSError)
-
-
-def one_line(e: Exception) -> str:
-  message = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-  return " ".join(message.split())
+from hflax.launch.cli import BAD_INPUT, UsageError, load_config, one_line, print_help, \
+    resolve_config_arg  # noqa: E402  (after configure_cpu)
 
 
 def cli(argv: list[str], stderr=None) -> int:
@@ -109,7 +18,7 @@ def cli(argv: list[str], stderr=None) -> int:
   stderr = stderr or sys.stderr
   if any(a in ("-h", "--help", "--helpshort") for a in argv):
     try:
-      print_help(resolve_config_arg(argv))
+      print_help(resolve_config_arg(argv), __doc__)
     except UsageError as e:
       print(f"error: {e}", file=stderr)
       return 2

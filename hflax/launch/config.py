@@ -12,10 +12,10 @@ import ml_collections
 from ml_collections import config_dict
 
 from hflax.algorithms import LOSS_AGG_MODES, advantage_estimator_names, policy_loss_names
+from hflax.algorithms.drivers import algorithm_names, get_algorithm
 from hflax.launch.ranges import check_numbers
 from hflax.models.lora import lora_targets
 
-ALGORITHMS = ("ppo", "grpo", "rloo", "remax", "reinforce_pp", "dapo", "safe_rlhf")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -187,8 +187,9 @@ def validate(c) -> None:
     raise ValueError(f"config.{field}: {why}")
 
   check_numbers(c, fail)  # every float finite, numeric fields in range (hflax.launch.ranges)
-  if c.algorithm.name not in ALGORITHMS:
-    fail("algorithm.name", f"{c.algorithm.name!r} is not one of {ALGORITHMS}")
+  if c.algorithm.name not in algorithm_names():
+    fail("algorithm.name", f"{c.algorithm.name!r} is not one of {tuple(algorithm_names())}")
+  algorithm = get_algorithm(c.algorithm.name)
   if c.algorithm.adv_estimator not in advantage_estimator_names():
     fail("algorithm.adv_estimator", f"{c.algorithm.adv_estimator!r} is not one of "
          f"{advantage_estimator_names()}")
@@ -201,7 +202,7 @@ def validate(c) -> None:
   for role in ("actor", "critic"):
     if c[role].loss_agg_mode not in LOSS_AGG_MODES:
       fail(f"{role}.loss_agg_mode", f"{c[role].loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
-  with_critic = c.algorithm.name in ("ppo", "safe_rlhf")
+  with_critic = algorithm.uses_critic
   if not 0 < c.algorithm.lambda_init <= c.algorithm.lambda_max:
     fail("algorithm.lambda_max", f"need 0 < lambda_init={c.algorithm.lambda_init} <= "
          f"lambda_max={c.algorithm.lambda_max}")
@@ -230,10 +231,9 @@ def validate(c) -> None:
     if micro and (mini * c.rollout.n) % micro:
       fail(f"{role}.ppo_micro_batch_size", f"{micro} rows do not divide the mini-batch of "
            f"{mini} prompts x rollout.n={c.rollout.n} = {mini * c.rollout.n} rows")
-  if c.algorithm.name in ("grpo", "rloo", "dapo", "reinforce_pp") and c.rollout.n < 2 and \
-      c.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
-    fail("rollout.n", f"{c.algorithm.adv_estimator} compares samples of one prompt: use n >= 2")
-  if c.algorithm.adv_estimator == "gae" and c.algorithm.name not in ("ppo", "safe_rlhf"):
+  if algorithm.check is not None:
+    algorithm.check(c, fail)
+  if c.algorithm.adv_estimator == "gae" and not algorithm.uses_critic:
     fail("algorithm.adv_estimator", f"'gae' needs a critic, which {c.algorithm.name} has not")
   sft = c.trainer.sft_warmup
   if not isinstance(sft.steps, int) or sft.steps < 0:
@@ -288,5 +288,5 @@ def validate(c) -> None:
   if c.placement.kind == "custom" and not (c.placement.pools and c.placement.roles):
     fail("placement", "kind='custom' needs placement.pools and placement.roles")
   if "cluster" in c:
-    from hflax.controller.ray_backend.config import validate_cluster
-    validate_cluster(c, fail)
+    from hflax.launch.cluster import validate_cluster
+    validate_cluster(c, fail, _check_int)

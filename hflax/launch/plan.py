@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hflax.launch.xla_env import configure_cpu
+from hflax.xla_env import configure_cpu
 
 configure_cpu()  # before JAX starts
 
@@ -18,7 +18,7 @@ configure_cpu()  # before JAX starts
 def workload(cfg, policy_cfg):
   """The auto-mapper's Workload for a config (every model has the policy's shape unless a
   checkpoint says otherwise)."""
-  from hflax.launch.roles import actor_config, needed_roles, reference_in_actor, with_lora
+  from hflax.launch.models import actor_config, needed_roles, reference_in_actor, with_lora
   from hflax.models import hf
   from hflax.sharding import automap
   models = {}
@@ -68,7 +68,7 @@ def main(argv=None):
   parser.add_argument("--infeasible", action="store_true",
                       help="also list each placement that cannot run, with the reason")
   args, overrides = parser.parse_known_args(argv)
-  from hflax.launch.__main__ import BAD_INPUT, one_line
+  from hflax.launch.cli import BAD_INPUT, one_line
   try:
     return show_plans(args, overrides)
   except BAD_INPUT as e:
@@ -79,9 +79,9 @@ def main(argv=None):
 def show_plans(args, overrides) -> int:
   import jax
 
-  from hflax.launch.__main__ import load_config
+  from hflax.launch.cli import load_config
   from hflax.launch.config import tokenizer_spec
-  from hflax.launch.roles import builtin_config
+  from hflax.launch.models import builtin_config
   from hflax.models.tokenizer import load_tokenizer
   from hflax.sharding import automap
   cfg = load_config(["--config", args.config, *overrides])

@@ -1,5 +1,11 @@
-"""The main job: data, rewards, roles, the algorithm's step loop, validation, checkpoints,
-metrics and the final export. `run(cfg)` is what `python -m hflax.launch` calls."""
+"""The main job: one training loop for every backend. `run(cfg)` is what
+`python -m hflax.launch` calls.
+
+Trainer(cfg) checks the config, reads the data and the policy, runs the warm-up, turns
+the config into a plan and has the backend build the roles. `fit` steps the algorithm's
+driver and runs the side jobs as hooks (see hflax.launch.hooks); `add_hook(fn, every=N)`
+adds one.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -9,127 +15,56 @@ import time
 import jax
 import numpy as np
 
-from hflax.algorithms.drivers import DRIVERS, TAKES_PROMPT_ITERATOR, init_state
+from hflax.algorithms.drivers import get_algorithm, init_state
 from hflax.algorithms.drivers.common import step_metrics, timed_roles
 from hflax.checkpoint import Checkpointer
+from hflax.controller.backend import WorkerFailure
 from hflax.controller.batch import Batch
-from hflax.data import PromptLoader, arithmetic_task, load_prompts
+from hflax.data import PromptLoader
+from hflax.launch import hooks as side_jobs
+from hflax.launch.backends import make_backend
 from hflax.launch.config import tokenizer_spec, validate
-from hflax.launch.roles import (actor_config, build_roles, check_placed, needed_roles,
-                                placement_spec, policy_model, read_model_configs,
-                                reference_in_actor)
+from hflax.launch.hooks import Hooks, StepInfo
+from hflax.launch.inputs import (check_rule_rows, check_vocab, cost_function, load_datasets,
+                                 make_loaders, make_reward_fn)
+from hflax.launch.roles import (make_plan, needed_roles, placement_spec, policy_model,
+                                read_model_configs, step_config)
 from hflax.launch.sft import sft_warmup, warmup_cache_dir
-from hflax.metrics import MetricsLogger, plot_metrics, throughput
+from hflax.metrics import MetricsLogger, throughput
 from hflax.metrics.generations import generation_rows, write_generations
-from hflax.models import hf
-from hflax.models.lora import export_adapter, merge_adapters
-from hflax.models.tokenizer import load_tokenizer, save_tokenizer
-from hflax.rewards import RuleRewardScorer, load_reward_function, validation_metrics
-from hflax.rewards.registry import check_rule_rows
-from hflax.sharding.placement import build_placement
-
-
-def load_datasets(cfg):
-  """(train, val) datasets: files in verl's schema, or "builtin:arithmetic"."""
-  d = cfg.data
-  builtin = None
-  if "builtin:arithmetic" in (d.train_files, d.val_files):
-    b = d.builtin
-    builtin = arithmetic_task(b.num_train, b.num_val, seed=d.seed, digits=tuple(b.digits),
-                              ops=b.ops, data_source=b.data_source, template=b.template)
-  def load(spec, which):
-    if spec == "builtin:arithmetic":
-      return builtin[which]
-    if not os.path.exists(spec):
-      raise FileNotFoundError(f"config.data.{'train' if which == 0 else 'val'}_files: "
-                              f"{spec!r} does not exist")
-    return load_prompts(spec)
-  return load(d.train_files, 0), load(d.val_files, 1)
-
-
-def make_reward_fn(section, tokenizer, field: str = "reward"):
-  """score_fn(host batch) -> [B] scores from a rule (per data source) or a user function
-  (details=True: the scorer's whole output, answers included)."""
-  custom = None
-  if section.custom_fn.path:
-    where = f"config.{field}.custom_fn ({section.custom_fn.path})"
-    try:
-      custom = load_reward_function(section.custom_fn.path, section.custom_fn.name)
-    except (FileNotFoundError, ValueError, TypeError) as e:
-      raise ValueError(f"{where}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - the user's file failed while importing
-      raise ValueError(f"{where}: importing it raised {type(e).__name__}: {e}") from None
-  scorer = RuleRewardScorer(tokenizer, custom)
-
-  def score(batch: Batch, details: bool = False):
-    try:
-      out = scorer(batch["responses"], list(batch["ground_truth"]), list(batch["data_source"]),
-                   list(batch["extra_info"]), response_mask=batch["response_mask"])
-      return out if details else out["scores"]
-    except ValueError:
-      raise
-    except Exception as e:  # noqa: BLE001 - name the user's function, not our call stack
-      name = section.custom_fn.name or "the rule reward"
-      raise ValueError(f"config.{field}: {name} raised {type(e).__name__}: {e}") from None
-  return score
-
-
-def _check_rule_rows(cfg, train, val):
-  """Rows a rule reward will judge: each data_source has a rule, each ground truth suits it."""
-  sections = [("reward", cfg.reward)]
-  if cfg.algorithm.name == "safe_rlhf":
-    sections.append(("cost", cfg.cost))
-  for name, section in sections:
-    if section.kind == "rule" and not section.custom_fn.path:
-      for which, rows in (("train_files", train), ("val_files", val)):
-        check_rule_rows(rows, f"config.data.{which} under config.{name}.kind='rule'")
-
-
-def _check_vocab(cfg, model_cfg, tokenizer):
-  if tokenizer.vocab_size > model_cfg.vocab_size:
-    raise ValueError(
-        f"config.model.tokenizer: {tokenizer_spec(cfg)!r} has {tokenizer.vocab_size} token ids "
-        f"but the model at config.model.path={cfg.model.path!r} embeds {model_cfg.vocab_size}; "
-        "set model.tokenizer to the checkpoint's tokenizer (empty: model.path's)")
+from hflax.models.tokenizer import load_tokenizer
+from hflax.rewards import validation_metrics
 
 
 class Trainer:
   def __init__(self, cfg, log=print):
     validate(cfg)
     self.cfg, self.log = cfg, log
-    self.ckpt = Checkpointer(os.path.join(cfg.trainer.run_dir, "checkpoints"),
-                             keep=cfg.trainer.keep, save_every=cfg.trainer.save_every)
+    self.algorithm = get_algorithm(cfg.algorithm.name)
+    t = cfg.trainer
+    self.ckpt = Checkpointer(os.path.join(t.run_dir, "checkpoints"), keep=t.keep,
+                             save_every=t.save_every)
     self._check_run_dir()
-    devices = jax.devices()
-    if cfg.cluster.backend == "local" and cfg.trainer.devices > len(devices):
-      raise ValueError(f"config.trainer.devices: {cfg.trainer.devices} asked for, "
-                       f"{len(devices)} {devices[0].platform} device(s) here")
-    devices = devices[:cfg.trainer.devices] if cfg.trainer.devices else devices
-    self.check_placement(devices)
-    # An unsupported architecture or vocabulary, a missing checkpoint: before anything runs.
+    # Placement and process layouts, an unsupported architecture or vocabulary, a missing
+    # checkpoint, bad data rows: all before anything runs.
+    self.backend, spec = make_backend(cfg, log)
+    try:
+      self._setup(spec)
+    except BaseException:
+      self.backend.close()
+      raise
+
+  def _setup(self, spec):
+    cfg, log = self.cfg, self.log
     checkpoint = read_model_configs(cfg, driver_only=cfg.cluster.backend == "ray")
     self.tokenizer = load_tokenizer(tokenizer_spec(cfg))
     if checkpoint is not None:
-      _check_vocab(cfg, checkpoint, self.tokenizer)
+      check_vocab(cfg, checkpoint, self.tokenizer)
     train, val = load_datasets(cfg)
-    _check_rule_rows(cfg, train, val)
-    template = cfg.data.chat_template_kwargs.to_dict()
-    long_prompts = dict(truncate=cfg.data.truncate_prompts,
-                        filter_overlong=cfg.data.filter_overlong_prompts)
-    self.loader = PromptLoader(train, self.tokenizer, cfg.data.train_batch_size,
-                               cfg.data.max_prompt_length, seed=cfg.data.seed,
-                               shuffle=cfg.data.shuffle, chat_template_kwargs=template,
-                               **long_prompts)
-    # Batch size 1: validation takes val_batch_size rows at a time, the last batch short.
-    self.val_loader = PromptLoader(val, self.tokenizer, 1, cfg.data.max_prompt_length,
-                                   shuffle=False, chat_template_kwargs=template, **long_prompts)
-    for which, loader in (("train_files", self.loader), ("val_files", self.val_loader)):
-      if loader.dropped:
-        log(f"data.{which}: left out {loader.dropped} of {len(loader.dataset)} rows longer "
-            f"than max_prompt_length={cfg.data.max_prompt_length} (data.filter_overlong_prompts)")
+    check_rule_rows(cfg, train, val)
+    self.loader, self.val_loader = make_loaders(cfg, self.tokenizer, train, val, log)
     self.reward_fn = make_reward_fn(cfg.reward, self.tokenizer)
-    self.cost_fn = make_reward_fn(cfg.cost, self.tokenizer, "cost") if \
-        cfg.algorithm.name == "safe_rlhf" and cfg.cost.kind == "rule" else None
+    self.cost_fn = cost_function(cfg, self.tokenizer)
     policy = policy_model(cfg, self.tokenizer.vocab_size, self.tokenizer)
     # What LoRA adapters sit on: model.path, or the warm-up's cached checkpoint.
     self.base_path = cfg.model.path
@@ -138,43 +73,34 @@ class Trainer:
       policy = sft_warmup(cfg, policy, self.tokenizer, [train[i] for i in self.loader.kept],
                           log=log)
     self.model_cfg = policy[0]
-    self.roles = self.make_roles(policy, devices)
-    self.devices = len(devices)
+    if spec is None:  # local devices: an auto plan is made for the policy's shape
+      devices = self.backend.device_list
+      spec = placement_spec(cfg, needed_roles(cfg), len(devices), policy[0], devices)
+    self.plan = make_plan(cfg, spec, self.tokenizer)
+    self.roles = self.backend.build(self.plan, policy, reward_fn=self.reward_fn,
+                                    cost_fn=self.cost_fn)
+    self.devices = self.backend.devices
     self.state = init_state(cfg.algorithm)
-    self.state.lagrange_lambda = cfg.algorithm.lambda_init
+    self._initial_loader = self.loader.state_dict()
     self.val_generations: list[dict] = []  # trainer.log_val_generations of the last validation
+    self.hooks = Hooks()
+    self.logger: MetricsLogger | None = None
+    self.first_val = self.last_val = None
 
-  def check_placement(self, devices):
-    """Placement errors surface before any work is done (an auto plan needs the policy's
-    shape, so it is checked when it is made)."""
-    if self.cfg.placement.kind != "auto":
-      roles = needed_roles(self.cfg)
-      placed = build_placement(placement_spec(self.cfg, roles, len(devices)), devices,
-                               where="config.placement")
-      check_placed(self.cfg, placed, roles)
-    if reference_in_actor(self.cfg) and "ref" in self.cfg.placement.roles:
-      self.log("model.lora_rank: the actor computes the reference log-probs from its frozen "
-               "base, so placement.roles.ref is not used (nor a pool only it used)")
+  def add_hook(self, fn, every: int = 1, **kw):
+    """fn(StepInfo) after every `every`-th step (see hflax.launch.hooks)."""
+    return self.hooks.add_hook(fn, every, **kw)
 
-  def make_roles(self, policy, devices):
-    """The role workers on this process's devices (the Ray backend overrides this)."""
-    return build_roles(self.cfg, policy, tokenizer=self.tokenizer, reward_fn=self.reward_fn,
-                       cost_fn=self.cost_fn, devices=devices)
+  def close(self):
+    self.backend.close()
 
   # -- checkpoints --------------------------------------------------------------------------
-  def _trained(self):
-    return {name: w for name, w in (("actor", self.roles.actor), ("critic", self.roles.critic))
-            if w is not None}
-
-  def save(self, step: int, force: bool = False):
+  def save(self, step: int):
     if self.ckpt.latest_step() == step:
       return
-    arrays = {f"{name}_{k}": v for name, w in self._trained().items()
-              for k, v in w.checkpoint_arrays().items()}
     host = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.state.kl_ctrl,
-            "lagrange_lambda": self.state.lagrange_lambda,
-            "workers": {name: w.checkpoint_counters() for name, w in self._trained().items()}}
-    self.ckpt.save(step, arrays, host, force=force)
+            "lagrange_lambda": self.state.lagrange_lambda}
+    self.backend.save(self.ckpt, step, host)
 
   def _latest_checkpoint(self):
     return self.ckpt.latest_step() if os.path.isdir(self.ckpt.directory) else None
@@ -197,17 +123,14 @@ class Trainer:
     step = self._latest_checkpoint()
     if step is None:
       return 0
-    targets = {f"{name}_{k}": v for name, w in self._trained().items()
-               for k, v in w.checkpoint_arrays().items()}
     try:
-      arrays, host = self.ckpt.restore(step, targets)
+      host = self.backend.restore(self.ckpt, step)
+    except WorkerFailure:
+      raise
     except Exception as e:  # noqa: BLE001 - say which checkpoint, and what to do
       raise ValueError(f"config.trainer.run_dir: checkpoint step {step} in "
                        f"{self.ckpt.directory} cannot be restored ({type(e).__name__}: {e}); "
                        "remove it or set --config.trainer.resume=False") from None
-    for name, w in self._trained().items():
-      w.restore_checkpoint({k: arrays[f"{name}_{k}"] for k in ("params", "opt_state")},
-                           host["workers"][name], step)
     self.loader.load_state_dict(host["loader"])
     self.state.step, self.state.kl_ctrl = host["step"], host["kl_ctrl"]
     self.state.lagrange_lambda = host["lagrange_lambda"]
@@ -249,103 +172,123 @@ class Trainer:
                               for j in sorted(pick[:t.log_val_generations])]
     return validation_metrics(np.concatenate(scores), sources, r.val_n, preds)
 
-  def _log_validation(self, logger: MetricsLogger, step: int, metrics: dict):
-    logger.log(step, metrics)
+  def _log_validation(self, step: int, metrics: dict):
+    self.logger.log(step, metrics)
     if self.val_generations:
-      logger.log_generations(step, self.val_generations)
+      self.logger.log_generations(step, self.val_generations)
 
   def validate_only(self, step: int) -> dict:
     """trainer.val_only: validates the policy as it stands (the run's latest checkpoint,
     else the start) and logs the metrics at its step; nothing trains, saves or exports."""
     metrics = self.validate(step)
     t = self.cfg.trainer
-    logger = MetricsLogger(t.run_dir, step, backends=tuple(b for b in t.log if b != "console"),
-                           wandb=t.wandb_project or None, start_step=step)
-    self._log_validation(logger, step, metrics)
-    logger.close()
+    self.logger = MetricsLogger(t.run_dir, step, backends=tuple(b for b in t.log if b != "console"),
+                                wandb=t.wandb_project or None, start_step=step)
+    self._log_validation(step, metrics)
+    self.logger.close()
     self.log(f"held-out accuracy at step {step}: " + _fmt(metrics))
     return {"before": metrics, "after": None}
 
   # -- the loop -----------------------------------------------------------------------------
+  def _add_side_jobs(self):
+    """The built-in hooks, in the order they run after a step."""
+    t, hooks = self.cfg.trainer, Hooks()
+    if t.profile_steps:
+      side_jobs.add_profiler(hooks, t.profile_steps, os.path.join(t.run_dir, "profile"))
+    if t.rollout_data_dir:
+      hooks.add_hook(side_jobs.rollout_dump(t.rollout_data_dir, self.tokenizer))
+    if t.val_every:
+      hooks.add_hook(self._validation_hook, every=t.val_every, final=True)
+    hooks.add_hook(self._log_hook)
+    hooks.add_hook(lambda info: self.save(info.step), every=t.save_every)
+    hooks.add_hook(lambda info: self.save(info.total), at_end=True)
+    hooks.add_hook(lambda info: self.logger.close(), at_end=True)
+    hooks.add_hook(self._report_hook, at_end=True)
+    if t.export_hf:
+      hooks.add_hook(side_jobs.export_actor(self), at_end=True)
+    hooks.add_hook(side_jobs.plot(t.run_dir, self.log), at_end=True)
+    hooks.extend(self.hooks)  # hooks a caller added run after the built-in ones
+    return hooks
+
+  def _validation_hook(self, info: StepInfo):
+    self.last_val = self.validate(info.step)
+    info.metrics.update(self.last_val)
+
+  def _log_hook(self, info: StepInfo):
+    self.logger.log(info.step, info.metrics)
+    if self.last_val is not None and any(k in info.metrics for k in self.last_val) \
+        and self.val_generations:
+      self.logger.log_generations(info.step, self.val_generations)
+
+  def _report_hook(self, info: StepInfo):
+    if self.first_val is not None and self.last_val is not None:
+      self.log("held-out accuracy before RL: " + _fmt(self.first_val))
+      self.log("held-out accuracy after RL:  " + _fmt(self.last_val))
+
   def prompt_batches(self):
     while True:
       yield Batch.from_dict(self.loader.next_batch())
 
-  def fit(self) -> dict:
-    cfg = self.cfg
-    start = self.resume()
-    if cfg.trainer.val_only:
-      return self.validate_only(start)
-    total = cfg.trainer.total_steps
-    logger = MetricsLogger(cfg.trainer.run_dir, total, backends=tuple(cfg.trainer.log),
-                           wandb=cfg.trainer.wandb_project or None, start_step=start)
-    first_val = last_val = None
-    if cfg.trainer.val_before_train and start == 0:
-      first_val = self.validate(0)
-      self.log("held-out accuracy before RL: " + _fmt(first_val))
-      # step 0, as verl logs it: the curves start from the baseline
-      self._log_validation(logger, 0, first_val)
-    driver, prompts = DRIVERS[cfg.algorithm.name], self.prompt_batches()
-    profile = set(cfg.trainer.profile_steps)
-    for step in range(start + 1, total + 1):
-      metrics: dict = {}
-      roles = timed_roles(self.roles, metrics, block=cfg.trainer.stage_timing)
-      if step in profile:
-        jax.profiler.start_trace(os.path.join(cfg.trainer.run_dir, "profile", f"step{step}"))
-      began = time.perf_counter()
-      batch = driver(roles, prompts if cfg.algorithm.name in TAKES_PROMPT_ITERATOR else next(prompts),
-                     cfg, self.state)
-      metrics.update(batch.meta.get("metrics", {}))
-      metrics.update(step_metrics(batch, cfg.data.max_response_length,
-                                  cfg.data.max_prompt_length))
-      jax.block_until_ready(metrics)
-      elapsed = time.perf_counter() - began
-      if step in profile:
-        jax.profiler.stop_trace()
-      if cfg.trainer.rollout_data_dir:
-        host = batch.to_host()
-        write_generations(cfg.trainer.rollout_data_dir, step, generation_rows(
-            self.tokenizer, host, host["token_level_scores"].sum(axis=1), step))
-      tokens = float(np.asarray(batch["attention_mask"]).sum())
-      metrics.update({"timing_s/step": elapsed,
-                      "perf/throughput": throughput(tokens, elapsed, self.devices),
-                      "perf/total_num_tokens": tokens})
-      self.state.step = step
-      validated = cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total)
-      if validated:
-        last_val = self.validate(step)
-        metrics.update(last_val)
-      logger.log(step, metrics)
-      if validated and self.val_generations:
-        logger.log_generations(step, self.val_generations)
-      self.save(step)
-    self.save(total, force=True)
-    logger.close()
-    if first_val is not None and last_val is not None:
-      self.log("held-out accuracy before RL: " + _fmt(first_val))
-      self.log("held-out accuracy after RL:  " + _fmt(last_val))
-    if cfg.trainer.export_hf:
-      out = os.path.join(cfg.trainer.run_dir, "hf_actor")
-      params = self.roles.actor.params
-      if cfg.model.lora_rank:  # the adapters in PEFT's format, and merged into hf_actor
-        adapter = os.path.join(cfg.trainer.run_dir, "lora_adapter")
-        lora_cfg = actor_config(cfg, self.model_cfg)
-        export_adapter(adapter, lora_cfg, params, base_model=self.base_path)
-        params = merge_adapters(lora_cfg, params)
-        self.log(f"exported the LoRA adapters to {adapter}")
-      hf.export_checkpoint(out, self.model_cfg, params)
-      save_tokenizer(self.tokenizer, out)
-      self.log(f"exported the actor to {out}")
-    self._plot()
-    return {"before": first_val, "after": last_val}
+  def run_step(self, prompts) -> tuple[Batch, dict]:
+    """One step of the algorithm's driver: its rollouts and metrics (per-stage times,
+    verl's batch statistics, throughput)."""
+    cfg, metrics = self.cfg, {}
+    roles = timed_roles(self.roles, metrics, block=cfg.trainer.stage_timing)
+    began = time.perf_counter()
+    feed = prompts if self.algorithm.takes_prompt_iterator else next(prompts)
+    batch = self.algorithm.step(roles, feed, step_config(cfg), self.state)
+    metrics.update(batch.meta.get("metrics", {}))
+    metrics.update(step_metrics(batch, cfg.data.max_response_length,
+                                cfg.data.max_prompt_length))
+    jax.block_until_ready(metrics)
+    elapsed = time.perf_counter() - began
+    tokens = float(np.asarray(batch["attention_mask"]).sum())
+    metrics.update({"timing_s/step": elapsed,
+                    "perf/throughput": throughput(tokens, elapsed, self.devices),
+                    "perf/total_num_tokens": tokens})
+    return batch, metrics
 
-  def _plot(self):
-    path = os.path.join(self.cfg.trainer.run_dir, "metrics.jsonl")
-    if os.path.exists(path):
+  def fit(self) -> dict:
+    """Trains to trainer.total_steps; after a WorkerFailure the backend starts the roles
+    afresh and the run resumes from its latest checkpoint (cluster.max_restarts times)."""
+    restarts = 0
+    while True:
       try:
-        plot_metrics(path, os.path.join(self.cfg.trainer.run_dir, "metrics.png"))
-      except ImportError as e:  # matplotlib missing: the JSONL is still there to re-plot
-        self.log(f"no plot: {e}")
+        return self._fit()
+      except WorkerFailure as e:
+        self.log(f"ray: {e}")
+        if restarts >= self.backend.max_restarts:
+          raise
+        restarts += 1
+        self.log(f"ray: restart {restarts} of {self.backend.max_restarts}: new worker groups, "
+                 "resuming from the latest checkpoint")
+        self.roles = self.backend.restart()
+        self.loader.load_state_dict(self._initial_loader)
+        self.state = init_state(self.cfg.algorithm)
+
+  def _fit(self) -> dict:
+    cfg, t = self.cfg, self.cfg.trainer
+    start = self.resume()
+    if t.val_only:
+      return self.validate_only(start)
+    total = t.total_steps
+    hooks = self._add_side_jobs()
+    self.logger = MetricsLogger(t.run_dir, total, backends=tuple(t.log),
+                                wandb=t.wandb_project or None, start_step=start)
+    self.first_val = self.last_val = None
+    if t.val_before_train and start == 0:
+      self.first_val = self.validate(0)
+      self.log("held-out accuracy before RL: " + _fmt(self.first_val))
+      # step 0, as verl logs it: the curves start from the baseline
+      self._log_validation(0, self.first_val)
+    prompts = self.prompt_batches()
+    for step in range(start + 1, total + 1):
+      hooks.before_step(step)
+      batch, metrics = self.run_step(prompts)
+      self.state.step = step
+      hooks.after_step(StepInfo(step, total, batch, metrics))
+    hooks.at_end(StepInfo(total, total, None, {}))
+    return {"before": self.first_val, "after": self.last_val}
 
 
 _VALIDATION_TAG = 0x76616C  # "val"
@@ -364,7 +307,13 @@ def _fmt(metrics: dict) -> str:
 
 
 def run(cfg, log=print) -> dict:
-  if cfg.cluster.backend == "ray":  # the driver here, role workers in Ray actor processes
-    from hflax.controller.ray_backend.trainer import run as run_on_ray
-    return run_on_ray(cfg, log=log)
-  return Trainer(cfg, log=log).fit()
+  if cfg.cluster.backend == "ray":
+    try:  # the driver holds no devices: never let it claim an accelerator the workers need
+      jax.config.update("jax_platforms", "cpu")
+    except Exception:  # noqa: BLE001 - backend already up (e.g. inside tests): nothing to do
+      pass
+  trainer = Trainer(cfg, log=log)
+  try:
+    return trainer.fit()
+  finally:
+    trainer.close()

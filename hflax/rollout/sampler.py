@@ -262,22 +262,46 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
     if not params.greedy:
       raise ValueError("sampling with temperature > 0 needs an rng key")
     rng = jax.random.key(0)
-  segments = decode_segments(params.max_new_tokens)
   if devices is None or len(devices) == 1:
     if devices:
       state, tokens, mask = jax.device_put((state, tokens, mask), devices[0])
     return _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool),
-                     rng, params=params, segments=segments)
+                     rng, params=params, segments=decode_segments(params.max_new_tokens))
   mesh = _rows_mesh(devices)
-  tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
-  count = tokens.shape[0]
-  pad = -count % len(devices)
+  return generate_over_rows(graphdef, replicate(state, devices), np.asarray(tokens, np.int32),
+                            np.asarray(mask, bool), rng, params, mesh)
+
+
+def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: SamplingParams,
+                       mesh: Mesh, wave_rows: int = 0, collect=None) -> dict:
+  """Generation split over the rows of `mesh`'s "data" axis (state already placed on it),
+  in waves of `wave_rows` prompt rows (0: one wave of all of them).
+
+  The prompts are padded to a whole number of waves, each a multiple of the data width,
+  with finished copies of real rows (never empty, so no NaN); each wave's KV cache is
+  freed when its program ends, and `collect` (e.g. a device_put to the controller's
+  home) takes its rows as they come. Rows draw by their index in the whole batch, so the
+  waves draw what one call would have. Returns B * n rows, the padding's dropped.
+  """
+  count = tokens_BxP.shape[0]
+  size = wave_rows or count
+  size += -size % mesh.shape["data"]
+  pad = -count % size
+  take = np.arange(count + pad) % count  # padding rows repeat real ones
   live = np.arange(count + pad) < count
-  take = np.arange(count + pad) % count  # padding rows repeat real ones (never empty)
   rows = NamedSharding(mesh, PartitionSpec("data"))
-  tokens, mask, live = jax.device_put((tokens[take], mask[take], live), rows)
-  out = _generate(graphdef, replicate(state, devices), tokens, mask, rng, params=params,
-                  segments=segments, live_B=live, mesh=mesh)
+  segments = decode_segments(params.max_new_tokens)
+  collect = collect or (lambda x: x)
+  waves = []
+  for start in range(0, count + pad, size):
+    pick = take[start:start + size]
+    tokens, mask, live_B = jax.device_put(
+        (tokens_BxP[pick], mask_BxP[pick], live[start:start + size]), rows)
+    waves.append(collect(_generate(graphdef, state, tokens, mask, rng, params=params,
+                                   segments=segments, live_B=live_B, mesh=mesh,
+                                   first_row=start)))
+  out = {k: jnp.concatenate([w[k] for w in waves]) if len(waves) > 1 else waves[0][k]
+         for k in waves[0]}
   return {k: v[:count * params.n] for k, v in out.items()} if pad else out
 
 

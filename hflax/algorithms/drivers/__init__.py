@@ -1,15 +1,15 @@
-"""One short driver per algorithm: step(roles, prompts, cfg, state) -> Batch.
+"""One short driver per algorithm: step(roles, prompts, cfg: StepConfig, state) -> Batch.
 
 Drivers talk to role handles only (local workers or remote groups alike); the math is
-in hflax.algorithms. DAPO's step takes an iterator of prompt batches (dynamic sampling
-draws as many as it needs); the others take one prompt batch.
+in hflax.algorithms. Each driver module registers its `Algorithm` description; importing
+this package registers the built-in ones.
 """
-from hflax.algorithms.drivers import dapo, grpo, ppo, reinforce_pp, remax, rloo, safe_rlhf
-from hflax.algorithms.drivers.common import Roles, StepState, init_state
+# Importing a driver module registers its algorithm.
+from hflax.algorithms.drivers import (dapo, grpo, ppo, reinforce_pp, remax, rloo,  # noqa: F401
+                                      safe_rlhf)
+from hflax.algorithms.drivers.common import StepConfig, StepState, init_state
+from hflax.algorithms.drivers.registry import (Algorithm, algorithm_names, get_algorithm,
+                                               register_algorithm, unregister_algorithm)
 
-DRIVERS = {"ppo": ppo.step, "grpo": grpo.step, "rloo": rloo.step, "remax": remax.step,
-           "reinforce_pp": reinforce_pp.step, "dapo": dapo.step, "safe_rlhf": safe_rlhf.step}
-NEEDS_CRITIC = {"ppo", "safe_rlhf"}
-TAKES_PROMPT_ITERATOR = {"dapo"}
-
-__all__ = ["DRIVERS", "NEEDS_CRITIC", "TAKES_PROMPT_ITERATOR", "Roles", "StepState", "init_state"]
+__all__ = ["Algorithm", "StepConfig", "StepState", "algorithm_names", "get_algorithm",
+           "init_state", "register_algorithm", "unregister_algorithm"]

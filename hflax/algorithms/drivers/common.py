@@ -1,12 +1,9 @@
-"""What every driver shares: the roles, the step state, losses built from a config, the
-advantage step, and per-stage timing.
+"""What every driver shares: its config, the step state, the advantage step and per-stage
+timing.
 
-Config fields read here (ml_collections / dict-like, see configs/*.py):
-  algorithm: adv_estimator, gamma, lam, norm_adv_by_std_in_grpo, use_kl_in_reward,
-             kl_penalty, kl_ctrl {type, kl_coef, target_kl, horizon}
-  actor:     policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-             loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type
-  critic:    cliprange_value, loss_agg_mode
+Algorithm settings read here (see hflax/launch/config.py): adv_estimator, gamma, lam,
+norm_adv_by_std_in_grpo, use_kl_in_reward, kl_penalty, kl_ctrl {type, kl_coef, target_kl,
+horizon}, lambda_init.
 """
 from __future__ import annotations
 
@@ -18,6 +15,7 @@ import jax
 
 from hflax import algorithms as alg
 from hflax.controller.batch import Batch
+from hflax.controller.roles import Roles
 from hflax.metrics import reduce_batch_metrics
 
 STAGE_NAMES = {"generate_sequences": "gen", "compute_reward": "reward",
@@ -27,14 +25,14 @@ STAGE_NAMES = {"generate_sequences": "gen", "compute_reward": "reward",
                "update_actor": "update_actor"}
 
 
-@dataclasses.dataclass
-class Roles:
-  actor: Any
-  ref: Any = None
-  critic: Any = None
-  reward: Any = None
-  cost: Any = None
-  cost_critic: Any = None
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig:
+  """What a driver's step reads: the algorithm section and the few batch facts it needs
+  (not the whole run's config)."""
+  algorithm: Any  # the algorithm section, read-only (attribute and .get access)
+  train_batch_size: int  # prompts per step (DAPO fills its batch up to this)
+  max_response_length: int
+  critic_warmup: int = 0  # steps that train only the critic
 
 
 @dataclasses.dataclass
@@ -79,54 +77,8 @@ def timed_roles(roles: Roles, metrics: dict, block: bool = True) -> Roles:
                   for f in dataclasses.fields(roles)})
 
 
-def actor_loss(cfg):
-  """loss(log_probs, entropy, fields) -> (scalar, metrics) for ActorRolloutWorker."""
-  policy_loss = alg.get_policy_loss(cfg.get("policy_loss", "vanilla"))
-  mode = cfg.get("loss_agg_mode", "token-mean")
-  entropy_coeff = cfg.get("entropy_coeff", 0.0)
-  use_kl_loss, kl_coef = cfg.get("use_kl_loss", False), cfg.get("kl_loss_coef", 0.001)
-  kl_type = cfg.get("kl_loss_type", "low_var_kl")
-
-  def loss(log_probs, entropy, f):
-    mask = f["response_mask"]
-    per_token, metrics = policy_loss(
-        {"log_probs": log_probs, "old_log_probs": f["old_log_probs"],
-         "advantages": f["advantages"], "response_mask": mask}, cfg)
-    pg_loss = alg.aggregate_loss(per_token, mask, mode)
-    # The entropy bonus is aggregated like the policy loss (verl's agg_loss on both).
-    metrics = {**metrics, "pg_loss": pg_loss, "entropy": alg.entropy_loss(entropy, mask, mode)}
-    total = pg_loss - entropy_coeff * metrics["entropy"]
-    if use_kl_loss:
-      metrics["kl_loss"] = alg.kl_loss(log_probs, f["ref_log_prob"], mask, kl_type, mode)
-      total = total + kl_coef * metrics["kl_loss"]
-    return total, metrics
-
-  loss.micro_batch_weight = _weight(mode)
-  return loss
-
-
-def _weight(mode):
-  """For the update's micro-batch accumulation (controller.training.make_train_step)."""
-  return lambda f: alg.aggregation_weight(f["response_mask"], mode)
-
-
-def critic_loss(cfg):
-  """loss(values, fields) -> (scalar, metrics) for CriticWorker."""
-  clip, mode = cfg.get("cliprange_value", 0.5), cfg.get("loss_agg_mode", "token-mean")
-
-  def loss(values, f):
-    mask = f["response_mask"]
-    per_token, metrics = alg.value_loss(values, f["values"], f["returns"], mask,
-                                        cliprange_value=clip)
-    vf_loss = alg.aggregate_loss(per_token, mask, mode)
-    return vf_loss, {**metrics, "vf_loss": vf_loss}
-
-  loss.micro_batch_weight = _weight(mode)
-  return loss
-
-
 def init_state(algo_cfg) -> StepState:
-  state = StepState()
+  state = StepState(lagrange_lambda=float(algo_cfg.get("lambda_init", 1.0)))
   if algo_cfg.get("use_kl_in_reward", False):
     kl = algo_cfg.kl_ctrl
     state.kl_ctrl = (alg.adaptive_kl_controller(kl.kl_coef, kl.target_kl, kl.horizon)

@@ -6,12 +6,15 @@ a group that is all wrong stays dropped even when its lengths differ."""
 import numpy as np
 
 from hflax import algorithms as alg
-from hflax.algorithms.drivers.common import Roles, StepState, compute_advantage
+from hflax.algorithms.drivers.common import StepConfig, StepState, compute_advantage
+from hflax.algorithms.drivers.registry import (Algorithm, needs_samples_per_group,
+                                               register_algorithm)
+from hflax.controller.roles import Roles
 from hflax.controller.batch import Batch
 
 
-def step(roles: Roles, prompt_batches, cfg, state: StepState):
-  actor, n, want = roles.actor, roles.actor.sampling.n, cfg.data.train_batch_size
+def step(roles: Roles, prompt_batches, cfg: StepConfig, state: StepState):
+  actor, n, want = roles.actor, roles.actor.sampling.n, cfg.train_batch_size
   kept, groups, rounds = [], 0, 0
   while groups < want:
     rounds += 1
@@ -36,11 +39,16 @@ def step(roles: Roles, prompt_batches, cfg, state: StepState):
   return batch.union(actor.update_actor(batch))
 
 
+ALGORITHM = register_algorithm(Algorithm(
+    name="dapo", step=step, takes_prompt_iterator=True,
+    check=needs_samples_per_group(("grpo", "rloo", "reinforce_plus_plus_baseline"))))
+
+
 def _overlong_shaping(batch: Batch, cfg) -> Batch:
   shaping = cfg.algorithm.get("overlong_buffer_len", 0)
   if not shaping:
     return batch
-  penalty = alg.overlong_penalty(batch["response_length"], cfg.data.max_response_length,
+  penalty = alg.overlong_penalty(batch["response_length"], cfg.max_response_length,
                                  shaping, cfg.algorithm.get("overlong_penalty_factor", 1.0))
   last = batch["response_mask"].sum(axis=1).astype(np.int32) - 1
   onehot = np.arange(batch["response_mask"].shape[1])[None, :] == np.asarray(last)[:, None]

@@ -2,10 +2,13 @@
 
 RLOO and REINFORCE++ are this loop with another advantage estimator (see their modules).
 """
-from hflax.algorithms.drivers.common import Roles, StepState, compute_advantage
+from hflax.algorithms.drivers.common import StepConfig, StepState, compute_advantage
+from hflax.algorithms.drivers.registry import (Algorithm, needs_samples_per_group,
+                                               register_algorithm)
+from hflax.controller.roles import Roles
 
 
-def step(roles: Roles, prompts, cfg, state: StepState):
+def step(roles: Roles, prompts, cfg: StepConfig, state: StepState):
   actor = roles.actor
   batch = actor.generate_sequences(prompts)
   batch = batch.union(roles.reward.compute_reward(batch))
@@ -14,3 +17,8 @@ def step(roles: Roles, prompts, cfg, state: StepState):
     batch = batch.union(roles.ref.compute_ref_log_prob(batch))
   batch = compute_advantage(batch, cfg.algorithm, state, len(batch))
   return batch.union(actor.update_actor(batch))
+
+
+ALGORITHM = register_algorithm(Algorithm(
+    name="grpo", step=step,
+    check=needs_samples_per_group(("grpo", "rloo", "reinforce_plus_plus_baseline"))))

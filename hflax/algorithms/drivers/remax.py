@@ -3,11 +3,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from hflax.algorithms.drivers.common import Roles, StepState, compute_advantage
+from hflax.algorithms.drivers.common import StepConfig, StepState, compute_advantage
+from hflax.algorithms.drivers.registry import Algorithm, register_algorithm
+from hflax.controller.roles import Roles
 from hflax.controller.batch import Batch
 
 
-def step(roles: Roles, prompts, cfg, state: StepState):
+def step(roles: Roles, prompts, cfg: StepConfig, state: StepState):
   actor = roles.actor
   batch = actor.generate_sequences(prompts)
   greedy = dataclasses.replace(actor.sampling, temperature=0.0, n=1)
@@ -20,3 +22,6 @@ def step(roles: Roles, prompts, cfg, state: StepState):
     batch = batch.union(roles.ref.compute_ref_log_prob(batch))
   batch = compute_advantage(batch, cfg.algorithm, state, len(batch))
   return batch.union(actor.update_actor(batch))
+
+
+ALGORITHM = register_algorithm(Algorithm(name="remax", step=step))

@@ -3,11 +3,13 @@ while the mean cost exceeds its limit. Reward advantages come from the critic (G
 cost advantages are whitened cost returns (REINFORCE++), so no second critic is needed."""
 
 from hflax import algorithms as alg
-from hflax.algorithms.drivers.common import Roles, StepState, compute_advantage
+from hflax.algorithms.drivers.common import StepConfig, StepState, compute_advantage
+from hflax.algorithms.drivers.registry import Algorithm, register_algorithm
+from hflax.controller.roles import Roles
 from hflax.controller.batch import Batch
 
 
-def step(roles: Roles, prompts, cfg, state: StepState):
+def step(roles: Roles, prompts, cfg: StepConfig, state: StepState):
   actor, critic = roles.actor, roles.critic
   batch = actor.generate_sequences(prompts)
   batch = batch.union(roles.reward.compute_reward(batch))
@@ -29,3 +31,7 @@ def step(roles: Roles, prompts, cfg, state: StepState):
                                            "safe/lambda": state.lagrange_lambda}})
   batch = batch.union(critic.update_critic(batch))
   return batch.union(actor.update_actor(batch))
+
+
+ALGORITHM = register_algorithm(Algorithm(name="safe_rlhf", step=step, uses_critic=True,
+                                           uses_cost=True))

@@ -1,7 +1,7 @@
-"""The `cluster` config section: validation, and how each placement pool maps onto processes.
+"""The `cluster` settings, and how each placement pool maps onto processes.
 
-Imports nothing heavy (no Ray, no JAX device work): `hflax.launch.config.validate` calls
-`validate_cluster` before anything runs.
+Imports nothing heavy (no Ray, no JAX device work), so the launcher reads it before
+anything runs.
 """
 from __future__ import annotations
 
@@ -12,34 +12,26 @@ PLATFORMS = ("cpu", "gpu")
 STRATEGIES = ("", "PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
-def validate_cluster(c, fail) -> None:
-  """Checks c.cluster; `fail(field, why)` raises naming config.<field>."""
-  from hflax.launch.config import _check_int  # late: launch.config imports this module
-  k = c.cluster
-  if k.backend not in BACKENDS:
-    fail("cluster.backend", f"{k.backend!r} is not one of {BACKENDS}")
-  for field in ("processes_per_pool", "devices_per_process", "max_restarts"):
-    _check_int(c, f"cluster.{field}", 0, fail)
-  if k.platform not in PLATFORMS:
-    fail("cluster.platform", f"{k.platform!r} is not one of {PLATFORMS}")
-  for field in ("cpus_per_process", "gpus_per_process"):
-    if k[field] < 0:
-      fail(f"cluster.{field}", f"must be >= 0, got {k[field]!r}")
-  if k.strategy not in STRATEGIES:
-    fail("cluster.strategy", f"{k.strategy!r} is not one of {STRATEGIES}")
-  if k.strategy and k.cpus_per_process <= 0 and k.gpus_per_process <= 0:
-    fail("cluster.strategy", "a placement-group strategy needs cluster.cpus_per_process or "
-         "cluster.gpus_per_process > 0 (Ray bundles cannot be empty)")
-  if k.init_timeout_s <= 0:
-    fail("cluster.init_timeout_s", f"must be > 0, got {k.init_timeout_s!r}")
-  if k.backend == "ray":
-    if c.placement.kind == "auto":
-      fail("placement.kind", "'auto' measures the local devices; with cluster.backend='ray' "
-           "use 'colocated', 'standalone' or 'custom' (python -m hflax.launch.plan prints "
-           "the custom placement of the best plan)")
-    if c.placement.kind in ("colocated", "standalone") and not c.trainer.devices:
-      fail("trainer.devices", f"placement.kind={c.placement.kind!r} with cluster.backend='ray' "
-           "needs the number of devices the cluster provides for the run")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterSettings:
+  """The `cluster` config section, typed (checked by hflax.launch.cluster first)."""
+  backend: str = "local"
+  address: str = ""  # join this Ray cluster; empty: start a local one
+  processes_per_pool: int = 0
+  devices_per_process: int = 0
+  platform: str = "cpu"
+  cpus_per_process: float = 0.0
+  gpus_per_process: float = 0.0
+  strategy: str = ""
+  max_restarts: int = 0
+  require_loopback: bool = True
+  temp_dir: str = ""
+  init_timeout_s: int = 120
+  log_to_driver: bool = False
+
+  @classmethod
+  def from_section(cls, section) -> "ClusterSettings":
+    return cls(**dict(section))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +43,12 @@ class PoolLayout:
   roles: tuple[str, ...]  # roles built on this pool
 
 
-def pool_layouts(cfg, spec: dict, roles: list[str]) -> list[PoolLayout]:
-  """Processes and devices per process of every pool that hosts a needed role.
+def pool_layouts(cluster, spec: dict, roles: list[str]) -> list[PoolLayout]:
+  """Processes and devices per process of every pool that hosts one of `roles`.
 
   Errors name the config field (cluster.processes_per_pool / devices_per_process).
   """
-  k = cfg.cluster
+  k = cluster
   out = []
   for name, size in spec["pools"].items():
     size = int(size)
@@ -80,6 +72,4 @@ def pool_layouts(cfg, spec: dict, roles: list[str]) -> list[PoolLayout]:
       raise ValueError(f"config.cluster: processes_per_pool={procs} x devices_per_process={per} "
                        f"is {procs * per}, but pool {name!r} has {size} devices")
     out.append(PoolLayout(name, size, procs, per, hosted))
-  from hflax.launch.roles import check_roles_placed  # late: launch imports this module
-  check_roles_placed(cfg, {r for p in out for r in p.roles}, roles)
   return out

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import functools
 import time
-import types
 
+from hflax.controller.backend import WorkerFailure
 from hflax.controller.ray_backend.member import PoolMember
 from hflax.controller.ray_backend.transport import to_wire
 
 
-class WorkerDied(ChildProcessError):
+class WorkerDied(WorkerFailure):
   """A worker process of a pool died (the message says which, and what it was running)."""
 
 
@@ -46,7 +46,7 @@ class WorkerGroup:
     self.infos: list[dict] = [{} for _ in range(processes)]
     self.placement_group = None
     # No Ray-level restarts: a jax.distributed job cannot take back a restarted member, so
-    # the whole group is restarted instead (see RayTrainer.fit).
+    # the whole group is restarted instead (see RayBackend.restart).
     options = dict(num_cpus=cpus, num_gpus=gpus, max_restarts=0, max_task_retries=0,
                    runtime_env={"env_vars": dict(env)} if env else None)
     if strategy:
@@ -182,30 +182,27 @@ class RoleHandle:
   """A role on a worker group, with the methods (and a few settings) of the worker."""
 
   def __init__(self, group: WorkerGroup, role: str, description: dict):
-    self._group, self._role, self._methods = group, role, set(description["methods"])
+    self.group, self._role, self._methods = group, role, set(description["methods"])
     self.pool, self.worker_type = group.name, description["type"]
-    if "sampling" in description:
-      self.sampling = description["sampling"]
-    if "generate_mesh_shape" in description:  # the trainer reads engine.mesh.shape["data"]
-      self.engine = types.SimpleNamespace(
-          mesh=types.SimpleNamespace(shape=description["generate_mesh_shape"]))
-    if "mesh_shape" in description:
-      self.mesh_shape = description["mesh_shape"]
+    # What the worker is, as the member described it (None where the role has no such part).
+    self.sampling = description.get("sampling")
+    self.mesh_shape = description.get("mesh_shape")
+    self.generate_mesh_shape = description.get("generate_mesh_shape")
 
   def __getattr__(self, name):
     if name.startswith("_") or name not in self.__dict__.get("_methods", ()):
       raise AttributeError(f"{type(self).__name__} for role {self.__dict__.get('_role')!r} has "
                            f"no attribute {name!r}")
-    return functools.partial(self._group.call, self._role, name)
+    return functools.partial(self.group.call, self._role, name)
 
   @property
   def params(self):
     """The parameters as host arrays (gathered from the group)."""
-    return self._group.get(self._role, "params")
+    return self.group.get(self._role, "params")
 
   @property
   def opt_state(self):
-    return self._group.get(self._role, "opt_state")
+    return self.group.get(self._role, "opt_state")
 
   def __repr__(self):
     return f"RoleHandle({self._role!r} on pool {self.pool!r}, {self.worker_type})"

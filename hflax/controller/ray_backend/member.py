@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import socket
 
-from hflax.launch.xla_env import keep_freed_memory
+from hflax.xla_env import keep_freed_memory
 
 _FORCE_DEVICES = "--xla_force_host_platform_device_count"
 

@@ -1,0 +1,60 @@
+"""The actor's and critic's training objectives, built from their config sections: what a
+role worker's update minimises (policy loss, entropy bonus, KL loss; clipped value loss).
+
+Sections are read with .get, so any mapping works:
+  actor:  policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
+          loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type
+  critic: cliprange_value, loss_agg_mode
+"""
+from __future__ import annotations
+
+from hflax.algorithms.aggregation import aggregate_loss, aggregation_weight
+from hflax.algorithms.kl import kl_loss
+from hflax.algorithms.losses import entropy_loss, value_loss
+from hflax.algorithms.registry import get_policy_loss
+
+
+def actor_loss(cfg):
+  """loss(log_probs, entropy, fields) -> (scalar, metrics) for ActorRolloutWorker."""
+  policy_loss = get_policy_loss(cfg.get("policy_loss", "vanilla"))
+  mode = cfg.get("loss_agg_mode", "token-mean")
+  entropy_coeff = cfg.get("entropy_coeff", 0.0)
+  use_kl_loss, kl_coef = cfg.get("use_kl_loss", False), cfg.get("kl_loss_coef", 0.001)
+  kl_type = cfg.get("kl_loss_type", "low_var_kl")
+
+  def loss(log_probs, entropy, f):
+    mask = f["response_mask"]
+    per_token, metrics = policy_loss(
+        {"log_probs": log_probs, "old_log_probs": f["old_log_probs"],
+         "advantages": f["advantages"], "response_mask": mask}, cfg)
+    pg_loss = aggregate_loss(per_token, mask, mode)
+    # The entropy bonus is aggregated like the policy loss (verl's agg_loss on both).
+    metrics = {**metrics, "pg_loss": pg_loss, "entropy": entropy_loss(entropy, mask, mode)}
+    total = pg_loss - entropy_coeff * metrics["entropy"]
+    if use_kl_loss:
+      metrics["kl_loss"] = kl_loss(log_probs, f["ref_log_prob"], mask, kl_type, mode)
+      total = total + kl_coef * metrics["kl_loss"]
+    return total, metrics
+
+  loss.micro_batch_weight = _weight(mode)
+  return loss
+
+
+def _weight(mode):
+  """For the update's micro-batch accumulation (controller.training.make_train_step)."""
+  return lambda f: aggregation_weight(f["response_mask"], mode)
+
+
+def critic_loss(cfg):
+  """loss(values, fields) -> (scalar, metrics) for CriticWorker."""
+  clip, mode = cfg.get("cliprange_value", 0.5), cfg.get("loss_agg_mode", "token-mean")
+
+  def loss(values, f):
+    mask = f["response_mask"]
+    per_token, metrics = value_loss(values, f["values"], f["returns"], mask,
+                                        cliprange_value=clip)
+    vf_loss = aggregate_loss(per_token, mask, mode)
+    return vf_loss, {**metrics, "vf_loss": vf_loss}
+
+  loss.micro_batch_weight = _weight(mode)
+  return loss

@@ -1,0 +1,150 @@
+"""The Ray backend: each placement pool is a WorkerGroup of Ray actor processes forming one
+jax.distributed job, and the loop drives RoleHandles to them.
+
+- roles: every member of a pool builds the pool's roles from the plan (the local
+  backend's build_roles, on the pool's global devices). Rule/function rewards run on the
+  driver (they are host Python).
+- checkpoints: every process of a pool saves its roles' arrays with orbax to
+  <checkpoints>/pools/<pool>/<step> (a multi-process save), then the driver saves the
+  host state (with the workers' counters) to the run's checkpoint directory. A step is
+  resumable once the driver's part exists; pool steps newer than that (a save cut short)
+  are dropped when the pool next saves or restores.
+- failures: a dead worker process raises WorkerDied (a WorkerFailure) naming the pool,
+  process, pid and roles; `restart` kills the groups and starts them afresh, and the loop
+  resumes from the latest checkpoint (up to cluster.max_restarts times).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from hflax.controller.build import build_roles
+from hflax.controller.ray_backend.config import ClusterSettings, PoolLayout
+from hflax.controller.ray_backend.group import (HostRole, WorkerGroup, build_groups,
+                                                start_groups, wait_all)
+from hflax.controller.ray_backend.session import SAFE_ENV, RaySession
+from hflax.controller.ray_backend.transport import to_host
+from hflax.controller.roles import Role, Roles
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+
+def build_pool_roles(devices, plan, policy) -> dict:
+  """Runs in every member of a pool: the pool's roles on its global devices."""
+  built = build_roles(plan, policy, devices=devices)
+  return {role.value: built.get(role) for role in plan.placed_roles}
+
+
+def worker_env() -> dict:
+  """Environment of the member processes: this checkout importable, Ray's quiet settings."""
+  path = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
+  return {"PYTHONPATH": path, **SAFE_ENV}
+
+
+def require_ray() -> None:
+  try:
+    import ray  # noqa: F401
+  except ImportError:
+    raise ImportError("config.cluster.backend='ray' needs Ray: pip install 'ray[default]' "
+                      "(or pip install -e '.[ray]')") from None
+
+
+class RayBackend:
+  def __init__(self, cluster: ClusterSettings, layouts: list[PoolLayout], *, keep: int | None,
+               log=print):
+    require_ray()
+    self.cluster, self.layouts, self.keep, self.log = cluster, list(layouts), keep, log
+    self.max_restarts = cluster.max_restarts
+    self.devices = sum(p.size for p in self.layouts)
+    self.session, self.groups, self.roles = None, [], None
+
+  # -- roles on worker groups -----------------------------------------------------------------
+  def build(self, plan, policy, *, reward_fn=None, cost_fn=None) -> Roles:
+    model_cfg, graphdef, state = policy
+    self._plan, self._policy = plan, (model_cfg, graphdef, to_host(state))
+    self._host_fns = {Role.REWARD: reward_fn, Role.COST: cost_fn}
+    self.session = RaySession(self.cluster)
+    self.roles = self._start_groups()
+    return self.roles
+
+  def _start_groups(self) -> Roles:
+    import ray
+    k, plan = self.cluster, self._plan
+    policy_ref = ray.put(self._policy)  # one copy in the object store for every member
+    env = worker_env()
+    self.groups = [WorkerGroup(p.name, p.processes, p.devices_per_process, roles=p.roles,
+                               platform=k.platform, cpus=k.cpus_per_process,
+                               gpus=k.gpus_per_process or (p.devices_per_process if
+                                                           k.platform == "gpu" else 0),
+                               strategy=k.strategy, env=env,
+                               init_timeout_s=k.init_timeout_s) for p in self.layouts]
+    start_groups(self.groups)
+    for g in self.groups:
+      self.log(f"ray: pool {g.name!r} ({', '.join(g.roles)}): {g.processes} process(es) x "
+               f"{g.devices_per_process} {k.platform} device(s): " +
+               ", ".join(f"process {i} pid {info['pid']} on {info['node']}"
+                         for i, info in enumerate(g.infos)))
+    builders = {}
+    for p in self.layouts:
+      spec = {"pools": {p.name: p.size},
+              "roles": {r: plan.placement["roles"][r] for r in p.roles}}
+      builders[p.name] = (build_pool_roles, (plan.only(p.roles, spec), policy_ref))
+    started = time.perf_counter()
+    handles = build_groups(self.groups, builders)
+    self.log(f"ray: roles {', '.join(handles)} built in {time.perf_counter() - started:.1f} s")
+    out = Roles(**{r.value: handles.get(r.value) for r in Role})
+    if plan.reference_in_actor:
+      out.ref = out.actor
+    for role, scorer in ((Role.REWARD, plan.reward), (Role.COST, plan.cost)):
+      fn = self._host_fns[role]
+      if scorer is not None and out.get(role) is None and fn is not None:
+        from hflax.controller.workers import FunctionRewardWorker
+        setattr(out, role.value, HostRole(FunctionRewardWorker(fn, output=scorer.output)))
+    return out
+
+  def restart(self) -> Roles:
+    self._stop_groups()
+    self.roles = self._start_groups()
+    return self.roles
+
+  def _stop_groups(self):
+    for g in self.groups:
+      g.kill()
+    self.groups = []
+
+  def close(self):
+    """Kills every worker process and shuts down the Ray cluster this run started."""
+    self._stop_groups()
+    if self.session is not None:
+      self.session.close()
+      self.session = None
+
+  # -- checkpoints: arrays from the pools (every process), host state from the driver ----------
+  def _trained_by_group(self) -> dict:
+    out: dict = {}
+    for role in self.roles.trained():
+      out.setdefault(self.roles.get(role).group, []).append(role.value)
+    return out
+
+  @staticmethod
+  def _pool_dir(ckpt, pool: str) -> str:
+    return os.path.join(ckpt.directory, "pools", pool)
+
+  def save(self, ckpt, step, host):
+    groups = self._trained_by_group()
+    calls = [(g, i, m.save.remote(self._pool_dir(ckpt, g.name), self.keep, step, roles))
+             for g, roles in groups.items() for i, m in enumerate(g.members)]
+    results, counters, k = wait_all(calls, f"saving checkpoint {step}"), {}, 0
+    for g in groups:
+      counters.update(results[k])  # process 0's counters (every process has the same)
+      k += g.processes
+    ckpt.save(step, {}, {**host, "workers": counters}, force=True)
+
+  def restore(self, ckpt, step):
+    _, host = ckpt.restore(step)
+    calls = [(g, i, m.restore.remote(self._pool_dir(ckpt, g.name), self.keep, step, roles,
+                                     host["workers"]))
+             for g, roles in self._trained_by_group().items() for i, m in enumerate(g.members)]
+    wait_all(calls, f"restoring checkpoint {step}")
+    return host

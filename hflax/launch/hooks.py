@@ -1,0 +1,135 @@
+"""The training loop's side jobs as hooks with a period: `trainer.add_hook(fn, every=N)`.
+
+A hook fn(info) runs after every step whose number is a multiple of `every` (and after
+the last step too with final=True), in the order hooks were added; `info.metrics` is the
+step's metrics, which a hook may extend before the logging hook writes them. Hooks added
+with `at_end=True` run once after the loop. The built-in ones: profiling, rollout dumps,
+validation, metrics logging, checkpoints, and at the end the last checkpoint, the
+export and the plot.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+
+from hflax.controller.batch import Batch
+from hflax.metrics import plot_metrics
+from hflax.metrics.generations import generation_rows, write_generations
+from hflax.models import hf
+from hflax.models.lora import export_adapter, merge_adapters
+from hflax.models.tokenizer import save_tokenizer
+
+
+@dataclasses.dataclass
+class StepInfo:
+  step: int
+  total: int  # the run's last step
+  batch: Batch | None  # None in end-of-run hooks
+  metrics: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hook:
+  fn: Callable[[StepInfo], None]
+  every: int
+  final: bool
+
+  def due(self, step: int, total: int) -> bool:
+    return step % self.every == 0 or (self.final and step == total)
+
+
+class Hooks:
+  def __init__(self):
+    self._before: list[Callable[[int], None]] = []
+    self._after: list[_Hook] = []
+    self._end: list[Callable[[StepInfo], None]] = []
+
+  def add_hook(self, fn: Callable[[StepInfo], None], every: int = 1, *, final: bool = False,
+               at_end: bool = False):
+    if at_end:
+      self._end.append(fn)
+    else:
+      if not isinstance(every, int) or every < 1:
+        raise ValueError(f"add_hook: every must be an integer >= 1, got {every!r}")
+      self._after.append(_Hook(fn, every, final))
+    return fn
+
+  def add_before_step(self, fn: Callable[[int], None]):
+    """fn(step) before the step's work starts (e.g. to start a profiler trace)."""
+    self._before.append(fn)
+    return fn
+
+  def extend(self, other: "Hooks"):
+    """Appends other's hooks after these, kind by kind."""
+    self._before += other._before
+    self._after += other._after
+    self._end += other._end
+
+  def before_step(self, step: int):
+    for fn in self._before:
+      fn(step)
+
+  def after_step(self, info: StepInfo):
+    for hook in self._after:
+      if hook.due(info.step, info.total):
+        hook.fn(info)
+
+  def at_end(self, info: StepInfo):
+    for fn in self._end:
+      fn(info)
+
+
+# -- the built-in side jobs ------------------------------------------------------------------
+def add_profiler(hooks: Hooks, steps, directory: str):
+  """A jax.profiler trace of each step in `steps`, to directory/step<N>."""
+  steps = set(steps)
+  hooks.add_before_step(lambda step: step in steps and jax.profiler.start_trace(
+      os.path.join(directory, f"step{step}")))
+  hooks.add_hook(lambda info: info.step in steps and jax.profiler.stop_trace())
+
+
+def rollout_dump(directory: str, tokenizer):
+  """Each step's samples (prompt, response, score) to directory/<step>.jsonl."""
+
+  def dump(info: StepInfo):
+    host = info.batch.to_host()
+    write_generations(directory, info.step, generation_rows(
+        tokenizer, host, host["token_level_scores"].sum(axis=1), info.step))
+  return dump
+
+
+def export_actor(trainer):
+  """The trained actor as an HF checkpoint in run_dir/hf_actor (with LoRA: the adapters in
+  PEFT's format in run_dir/lora_adapter, and merged into hf_actor)."""
+
+  def export(info: StepInfo):
+    from hflax.launch.roles import actor_config
+    cfg = trainer.cfg
+    out = os.path.join(cfg.trainer.run_dir, "hf_actor")
+    params = trainer.roles.actor.params
+    if cfg.model.lora_rank:
+      adapter = os.path.join(cfg.trainer.run_dir, "lora_adapter")
+      lora_cfg = actor_config(cfg, trainer.model_cfg)
+      export_adapter(adapter, lora_cfg, params, base_model=trainer.base_path)
+      params = merge_adapters(lora_cfg, params)
+      trainer.log(f"exported the LoRA adapters to {adapter}")
+    hf.export_checkpoint(out, trainer.model_cfg, params)
+    save_tokenizer(trainer.tokenizer, out)
+    trainer.log(f"exported the actor to {out}")
+  return export
+
+
+def plot(run_dir: str, log=print):
+  """run_dir/metrics.png from run_dir/metrics.jsonl (skipped, said, without matplotlib)."""
+
+  def draw(info: StepInfo):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+      try:
+        plot_metrics(path, os.path.join(run_dir, "metrics.png"))
+      except ImportError as e:  # matplotlib missing: the JSONL is still there to re-plot
+        log(f"no plot: {e}")
+  return draw

@@ -1,0 +1,117 @@
+"""What a config asks for before any placement: the roles its algorithm needs (and why),
+and the models they start from (checkpoints, the built-in model, LoRA adapters)."""
+from __future__ import annotations
+
+from hflax.algorithms.drivers import get_algorithm
+from hflax.controller import build
+from hflax.controller.plan import LoraPlan
+from hflax.models import ModelConfig, create, hf
+from hflax.models.lora import lora_targets, read_adapter_config
+
+
+def uses_reference(cfg) -> bool:
+  return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def reference_in_actor(cfg) -> bool:
+  """With LoRA the actor serves the reference log-probs from its frozen base weights (verl's
+  ref_in_actor), so no reference role, pool or weight copy exists."""
+  return uses_reference(cfg) and cfg.model.lora_rank > 0
+
+
+def role_reasons(cfg) -> dict[str, str]:
+  """The roles this config runs, each with the setting that calls for it."""
+  roles = {"actor": "every algorithm"}
+  if uses_reference(cfg) and not reference_in_actor(cfg):
+    roles["ref"] = "actor.use_kl_loss or algorithm.use_kl_in_reward"
+  algorithm = get_algorithm(cfg.algorithm.name)
+  if algorithm.uses_critic:
+    roles["critic"] = f"algorithm.name={cfg.algorithm.name!r}"
+  if cfg.reward.kind == "model":
+    roles["reward"] = "reward.kind='model'"
+  if algorithm.uses_cost and cfg.cost.kind == "model":
+    roles["cost"] = "cost.kind='model'"
+  return roles
+
+
+def needed_roles(cfg) -> list[str]:
+  return list(role_reasons(cfg))
+
+
+def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
+  """Reads the model config of every checkpoint directory the config names (no weights),
+  each error naming its field; returns the policy's (None: the built-in model).
+  driver_only: the policy's alone, as Ray workers read the value models' on their hosts."""
+  reasons = {} if driver_only else role_reasons(cfg)
+  fields = [("model.path", cfg.model.path),
+            ("critic.model_path", cfg.critic.model_path if "critic" in reasons else ""),
+            ("reward.model_path", cfg.reward.model_path if "reward" in reasons else ""),
+            ("cost.model_path", cfg.cost.model_path if "cost" in reasons else "")]
+  read = {}
+  for field, path in fields:
+    if path:
+      try:
+        read[field] = hf.read_config(path)
+      except (OSError, ValueError) as e:
+        raise ValueError(f"config.{field}: {e}") from None
+  if cfg.model.lora_adapter_path:
+    check_adapter(cfg)
+  return read.get("model.path")
+
+
+def check_adapter(cfg) -> None:
+  """model.lora_adapter_path holds adapters of the rank, alpha and targets configured."""
+  m = cfg.model
+  try:
+    found = read_adapter_config(m.lora_adapter_path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.model.lora_adapter_path: {e}") from None
+  wanted = {"rank": m.lora_rank, "alpha": float(m.lora_alpha),
+            "targets": set(lora_targets(m.target_modules))}
+  found["targets"] = set(found["targets"])
+  if found != wanted:
+    raise ValueError(
+        f"config.model.lora_adapter_path: {m.lora_adapter_path} has r={found['rank']}, "
+        f"lora_alpha={found['alpha']:g}, target_modules {sorted(found['targets'])}; set "
+        f"model.lora_rank={found['rank']} model.lora_alpha={found['alpha']:g} "
+        f"model.target_modules={','.join(sorted(found['targets']))}")
+
+
+def policy_model(cfg, vocab_size: int, tokenizer=None):
+  """(model config, graphdef, state) of the initial policy: a checkpoint or the built-in."""
+  if cfg.model.path:
+    return hf.load_checkpoint(cfg.model.path, param_dtype=cfg.model.param_dtype,
+                              dtype=cfg.model.dtype, remat=cfg.model.remat)
+  model_cfg = builtin_config(cfg, vocab_size, tokenizer)
+  return (model_cfg, *create(model_cfg, seed=cfg.trainer.seed))
+
+
+def builtin_config(cfg, vocab_size: int, tokenizer=None) -> ModelConfig:
+  """The shape of config.model.builtin (no parameters are built)."""
+  b = cfg.model.builtin
+  return ModelConfig(
+      vocab_size=vocab_size, hidden_size=b.hidden_size, intermediate_size=b.intermediate_size,
+      num_layers=b.num_layers, num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
+      rope_theta=b.rope_theta, tie_word_embeddings=True, dtype=cfg.model.dtype,
+      param_dtype=cfg.model.param_dtype, remat=cfg.model.remat,
+      eos_token_id=tuple(tokenizer.eos_ids) if tokenizer else None,
+      pad_token_id=tokenizer.pad_id if tokenizer else None)
+
+
+def lora_plan(section) -> LoraPlan | None:
+  """The adapters a config section (model, critic) asks for; None: no LoRA."""
+  if not section.lora_rank:
+    return None
+  return LoraPlan(rank=section.lora_rank, alpha=float(section.lora_alpha),
+                  target_modules=section.target_modules,
+                  adapter_path=section.get("lora_adapter_path", ""))
+
+
+def with_lora(model_cfg: ModelConfig, section) -> ModelConfig:
+  """model_cfg with the adapters a config section (model, critic) asks for, if any."""
+  return build.with_lora(model_cfg, lora_plan(section))
+
+
+def actor_config(cfg, model_cfg: ModelConfig) -> ModelConfig:
+  """The policy's model config as the actor trains it: with LoRA adapters if asked."""
+  return with_lora(model_cfg, cfg.model)
