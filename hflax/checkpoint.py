@@ -35,7 +35,6 @@ so that the run can save those steps again. Old steps are pruned by hflax after 
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import importlib
@@ -79,22 +78,28 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-@contextlib.contextmanager
+_quiet = False
+
+
 def _quiet_orbax_leftovers():
-  """When one array of an item cannot be read, orbax's reads of the others fail too, and
-  nobody awaits them: at garbage collection each would print "Exception ignored in" with a
-  whole TensorStore spec. The first failure is reported (in one line); those are dropped."""
-  hook = sys.unraisablehook
+  """When one array of an item cannot be read, orbax's reads of the others fail too and
+  nobody awaits them: when each coroutine is finalised (at some later garbage collection)
+  Python would print "Exception ignored in" with a whole TensorStore spec. The first
+  failure is reported in one line; from then on (installed at the first failed read, so a
+  run that never meets one keeps the hook as it was) those leftovers are dropped. Every
+  other unraisable exception goes to the hook that was there."""
+  global _quiet
+  if _quiet:
+    return
+  previous = sys.unraisablehook
 
   def quiet(unraisable):
     code = getattr(unraisable.object, "cr_code", None)
-    if code is None or "orbax" not in code.co_filename:
-      hook(unraisable)
-  sys.unraisablehook = quiet
-  try:
-    yield
-  finally:
-    sys.unraisablehook = hook
+    if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename and \
+        isinstance(unraisable.exc_value, Exception):
+      return
+    previous(unraisable)
+  sys.unraisablehook, _quiet = quiet, True
 
 
 # -- checksums of array values, independent of the sharding --------------------------------
@@ -359,15 +364,14 @@ class Checkpointer:
         abstract[k] = a
       if flat:
         args[name] = ocp.args.StandardRestore(abstract)
-    with _quiet_orbax_leftovers():
-      try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
-        restored, why = {name: dict(restored[name]) for name in args}, None
-      except Exception as e:  # noqa: BLE001
-        why = _one_line(e)
-      if why is not None:
-        gc.collect()  # the reads orbax started next to the failed one, while they are quiet
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**args)) if args else {}
+      restored, why = {name: dict(restored[name]) for name in args}, None
+    except Exception as e:  # noqa: BLE001
+      why = _one_line(e)
+      _quiet_orbax_leftovers()
     if why is not None:
+      gc.collect()  # the reads orbax started beside the failed one end now, quietly
       raise CorruptCheckpoint(f"{where}: cannot be read ({why})")
     if verify:
       for name in args:
