@@ -49,6 +49,8 @@ setup(
         # bench/rl_step.py's peer, TRL's GRPOTrainer, on torch's CPU build (pinned as in the
         # test extra; install with -c constraints.txt, see bench/README.md).
         "bench": ["trl>=1.16", "datasets", "transformers>=4.50", "torch==2.13.0"],
-        "gpu": ["jax[cuda12]", "jax-triton"],  # the fused log-prob kernel uses Pallas on CUDA
+        # CUDA for JAX. The fused log-prob kernel is written with Pallas, whose Triton lowering
+        # ships inside jax (jax.experimental.pallas.triton): nothing else is needed for it.
+        "gpu": ["jax[cuda12]"],
     },
 )

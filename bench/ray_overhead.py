@@ -40,7 +40,8 @@ def tiny(run_dir, backend: str, processes: int = 0):
   c.model.builtin.update(hidden_size=64, intermediate_size=192, num_layers=2)
   c.trainer.update(total_steps=1000, val_every=0, val_before_train=False, devices=2,
                    log=(), export_hf=False, run_dir=run_dir, save_every=1000)
-  c.cluster.update(backend=backend, processes_per_pool=processes)
+  c.cluster.update(backend=backend, processes_per_pool=processes, require_loopback=True,
+                   log_to_driver=False)
   return c
 
 

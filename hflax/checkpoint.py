@@ -429,12 +429,14 @@ class Checkpointer:
         skipped.append(step)
         continue
       if skipped and set_aside:
-        self._set_aside(skipped, step, log)
+        self.set_aside(skipped, step, log)
       return step, arrays, host_state
     raise CorruptCheckpoint(f"no checkpoint in {self.directory} can be restored (steps "
                             f"{steps}); the latest: {first}")
 
-  def _set_aside(self, steps: list[int], restored: int, log):
+  def set_aside(self, steps: list[int], restored: int, log):
+    """Renames `steps` (which failed to restore; `restored` did) to <step>.corrupt, out of
+    orbax's sight, so the run can write those steps again."""
     if jax.process_index() != 0:
       return
     moved = []

@@ -75,8 +75,9 @@ CASES = {
     "reward file that raises": (["--config.reward.custom_fn.path={tmp}/raises.py",
                                  "--config.reward.custom_fn.name=score"],
                                 "importing it raised RuntimeError: broken on import"),
-    "reward function missing": (["--config.reward.custom_fn.path={tmp}/raises.py"],
-                                "config.reward.custom_fn: set both path and name"),
+    "reward function without its file": (["--config.reward.custom_fn.name=score"],
+                                         "config.reward.custom_fn.path: custom_fn.name='score' "
+                                         "needs the Python file"),
     "unsupported architecture": (["--config.model.path={tmp}/gpt2"],
                                  "unsupported architecture ['GPT2LMHeadModel']"),
     "checkpoint without weights": (["--config.model.path={tmp}/noweights",
@@ -84,7 +85,8 @@ CASES = {
                                    "has neither model.safetensors nor"),
     "missing tokenizer": (["--config.model.tokenizer={tmp}/no_such_tokenizer"], "no_such_tokenizer"),
     "corrupt trainer checkpoint": (["--config.trainer.run_dir={tmp}/corrupt_run"],
-                                   "checkpoint step 2 in"),
+                                   "no checkpoint in {tmp}/corrupt_run/checkpoints can be "
+                                   "restored (steps [2])"),
     "existing run without resume": (["--config.trainer.run_dir={tmp}/corrupt_run",
                                      "--config.trainer.resume=False"],
                                     "already holds checkpoints up to step 2"),

@@ -15,12 +15,12 @@ from hflax.launch.config import base_config, validate
 from hflax.launch.ranges import RANGES, Range, check_numbers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "hflax", "configs", "[!_]*.py")))
 NAN, INF = float("nan"), float("inf")
 
 
 def _grpo():
-  return runpy.run_path(os.path.join(ROOT, "configs", "grpo.py"))["get_config"]()
+  return runpy.run_path(os.path.join(ROOT, "hflax", "configs", "grpo.py"))["get_config"]()
 
 
 def _set(c, field, value):

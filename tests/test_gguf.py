@@ -213,7 +213,7 @@ def test_real_model_recipes_pass_the_launchers_checks(name):
   import importlib.util
   from hflax.launch.config import validate
   from hflax.launch.roles import read_model_configs
-  spec = importlib.util.spec_from_file_location(name[:-3], os.path.join(ROOT, "configs", name))
+  spec = importlib.util.spec_from_file_location(name[:-3], os.path.join(ROOT, "hflax", "configs", name))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config()

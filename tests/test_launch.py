@@ -152,7 +152,7 @@ def test_validation_with_several_samples_per_prompt(tmp_path):
   assert len(set(prompts)) == 12
   scores = np.concatenate([out["scores"] for out in seen])
   assert m == validation_metrics(scores, ["arithmetic"] * 48, 4, [t[:1] or None for t in texts])
-  core, aux = "val-core/arithmetic/acc", "val-aux/arithmetic/acc"
+  core, aux = "val-core/arithmetic/reward", "val-aux/arithmetic/reward"
   assert m[f"{core}/best@4/mean"] > m[f"{aux}/best@2/mean"] > m[f"{core}/mean@4"] > \
       m[f"{aux}/worst@2/mean"] > m[f"{aux}/worst@4/mean"]
   assert f"{core}/maj@4/mean" in m and m[f"{aux}/std@4"] > 0
@@ -193,8 +193,8 @@ def test_end_to_end_run_artifacts_and_exact_resume(tmp_path):
               "timing_s/gen", "timing_s/step", "perf/throughput", "reshard/bytes_moved",
               "prompt_length/clip_ratio"):
     assert key in rows[1], key
-  assert "val-core/arithmetic/acc/mean@1" in rows[2]
-  assert 0 <= result["before"]["val-core/arithmetic/acc/mean@1"] <= 1
+  assert "val-core/arithmetic/reward/mean@1" in rows[2]
+  assert 0 <= result["before"]["val-core/arithmetic/reward/mean@1"] <= 1
   assert os.listdir(run_dir / "tensorboard")
   assert (run_dir / "metrics.png").read_bytes()[:4] == b"\x89PNG"
   import transformers
@@ -357,7 +357,7 @@ def test_generation_dumps_and_validating_a_finished_run(tmp_path, monkeypatch):
   assert sorted(os.listdir(tmp_path / "val")) == ["0.jsonl", "2.jsonl"]
   val = _read_lines(tmp_path / "val" / "2.jsonl")
   assert len(val) == 8 and "advantage" not in val[0]
-  assert np.mean([r["score"] for r in val]) == result["after"]["val-core/arithmetic/acc/mean@1"]
+  assert np.mean([r["score"] for r in val]) == result["after"]["val-core/arithmetic/reward/mean@1"]
   # val_only: the finished run's latest checkpoint, validated again without training
   # (total_steps need not reach the checkpoint's step).
   c.trainer.update(val_only=True, rollout_data_dir="", total_steps=1)
@@ -370,7 +370,7 @@ def test_generation_dumps_and_validating_a_finished_run(tmp_path, monkeypatch):
   assert again["before"] == result["after"]  # greedy: the same policy answers alike
   c.rollout.update(val_n=2, val_temperature=1.0)
   Trainer(c, log=lambda *_: None).fit()
-  assert "val-core/arithmetic/acc/best@2/mean" in _read_jsonl(tmp_path / "run" / "metrics.jsonl")[2]
+  assert "val-core/arithmetic/reward/best@2/mean" in _read_jsonl(tmp_path / "run" / "metrics.jsonl")[2]
 
 
 def _read_lines(path):

@@ -25,6 +25,7 @@ ALLOWED = {
                                             "hflax.xla_env"},
     "hflax.algorithms.drivers": CORE | {"hflax.algorithms", "hflax.controller", "hflax.metrics"},
     "hflax.launch": None,  # the top: anything
+    "hflax.configs": None,  # config files, read by path
 }
 SUBPACKAGES = ("hflax.algorithms.drivers", "hflax.controller.ray_backend")
 

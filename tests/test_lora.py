@@ -221,7 +221,7 @@ def test_an_adapter_peft_saved_loads_and_runs_as_peft_runs_it(tmp_path):
 def test_with_lora_a_pool_only_the_reference_used_is_not_built():
   import importlib.util
   from hflax.launch.roles import needed_roles, placement_spec
-  spec = importlib.util.spec_from_file_location("grpo_cfg", "configs/grpo.py")
+  spec = importlib.util.spec_from_file_location("grpo_cfg", "hflax/configs/grpo.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config()  # actor and reference on pools of their own

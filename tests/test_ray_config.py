@@ -72,7 +72,7 @@ def test_a_local_cluster_starts_only_on_loopback(monkeypatch):
   from hflax.controller.ray_backend.session import RaySession
   if ray.is_initialized():
     pytest.skip("a Ray session is already open in this process")
-  c = ray_config()
+  c = ray_config(require_loopback=True)  # the tests' setting; users get Ray's defaults
   with pytest.raises(ValueError, match="config.cluster.require_loopback: not starting a local "
                                        "Ray cluster outside a loopback-only network namespace"):
     RaySession(c.cluster)

@@ -48,6 +48,10 @@ def get_config():
 '''
 
 
+# This project's test setting (users get Ray's defaults): a private loopback cluster.
+TEST_CLUSTER = ("--config.cluster.require_loopback=True", "--config.cluster.log_to_driver=False")
+
+
 class Job:
   """The CLI in a subprocess; every process it starts carries a tag in its environment."""
 
@@ -61,7 +65,7 @@ class Job:
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "hflax.launch", "--config", str(tmp_path / "tiny_grpo.py"),
-         f"--config.trainer.run_dir={self.run_dir}", *overrides],
+         f"--config.trainer.run_dir={self.run_dir}", *TEST_CLUSTER, *overrides],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.lines: list[str] = []
     self._reader = threading.Thread(target=self._read, daemon=True)

@@ -1,6 +1,6 @@
 """python -m hflax.launch --config ppo.py [--config.actor.optim.lr=1e-5 ...]
 
-A bare config name resolves to the project's configs/ directory; a path works too.
+A bare config name resolves to the configs shipped in hflax/configs; a path works too.
 On CPU, HFLAX_CPU_DEVICES (default 2) simulated devices give each role its own mesh.
 """
 import sys

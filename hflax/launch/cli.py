@@ -4,9 +4,9 @@ file and its overrides, the help, and how bad input is reported (one line, exit 
 Imports nothing that starts JAX: the entry modules configure the process first.
 """
 import os
+import sys
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 class UsageError(Exception):
@@ -14,7 +14,7 @@ class UsageError(Exception):
 
 
 def resolve_config_arg(argv: list[str]) -> list[str]:
-  """--config NAME[:arg] -> the file under configs/ when NAME is not a path that exists."""
+  """--config NAME[:arg] -> the file in hflax/configs when NAME is not a path that exists."""
   out = list(argv)
   for i, arg in enumerate(out):
     if arg == "--config" and i + 1 < len(out):
@@ -24,12 +24,16 @@ def resolve_config_arg(argv: list[str]) -> list[str]:
   return out
 
 
+def _shipped() -> list[str]:
+  return sorted(f for f in os.listdir(CONFIG_DIR) if f.endswith(".py") and not f.startswith("_"))
+
+
 def _resolve(spec: str) -> str:
   path, _, extra = spec.partition(":")
   if not os.path.exists(path):
     candidate = os.path.join(CONFIG_DIR, path if path.endswith(".py") else path + ".py")
     if not os.path.exists(candidate):
-      known = sorted(os.listdir(CONFIG_DIR)) if os.path.isdir(CONFIG_DIR) else []
+      known = _shipped()
       raise UsageError(f"--config: {spec!r} is neither a file nor one of {known} in {CONFIG_DIR}")
     path = candidate
   return path + (":" + extra if extra else "")
@@ -46,7 +50,7 @@ def print_help(argv: list[str], usage: str) -> None:
   spec = importlib.util.spec_from_file_location("hflax_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  print(f"\nconfigs in {CONFIG_DIR}: {', '.join(sorted(os.listdir(CONFIG_DIR)))}")
+  print(f"\nconfigs in {CONFIG_DIR}: {', '.join(_shipped())}")
   print(f"\noptions of {path} (override with --config.<field>=<value>):")
 
   def walk(node, prefix):
@@ -59,10 +63,13 @@ def print_help(argv: list[str], usage: str) -> None:
 
 
 def load_config(argv: list[str]):
-  """Parses --config and its --config.* overrides (a fresh flag set, so it can run twice)."""
+  """Parses --config and its overrides, --config.<field>=<value> or <field>=<value>, with
+  hflax's or verl's names (a fresh flag set, so it can run twice)."""
   from absl import flags
   from ml_collections import config_flags
+  from hflax.launch.verl_names import translate_overrides
   fv = flags.FlagValues()
+  argv = translate_overrides(argv, log=lambda line: print(line, file=sys.stderr))
   args = ["hflax.launch", *resolve_config_arg(argv)]
   # config_flags learns which --config.* overrides exist from the argv it is given.
   holder = config_flags.DEFINE_config_file(
@@ -84,7 +91,8 @@ def load_config(argv: list[str]):
     hint = f"; {hint.strip()}" if hint.strip() else ""
     raise UsageError(f"{field}: no such config field {missing!r}{hint}") from None
   if len(rest) > 1:
-    raise UsageError(f"unexpected arguments {rest[1:]}; options are --config and --config.*")
+    raise UsageError(f"unexpected arguments {rest[1:]}; options are --config, --config.* "
+                     "and <field>=<value>")
   if holder.value is None:
     raise UsageError("--config is required, e.g. --config ppo.py")
   return holder.value

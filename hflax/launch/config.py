@@ -38,6 +38,10 @@ def base_config() -> ml_collections.ConfigDict:
       train_files="builtin:arithmetic", val_files="builtin:arithmetic",
       train_batch_size=16, val_batch_size=64, max_prompt_length=48, max_response_length=8,
       truncate_prompts=False, filter_overlong_prompts=False, shuffle=True, seed=0,
+      # train_files / val_files: a file, a directory (its .parquet/.jsonl/.json files), or
+      # several as "[a.parquet,b.parquet]" or "a.parquet,b.parquet" (verl's list form).
+      # prompt_key: the column holding the chat messages (verl's data.prompt_key).
+      prompt_key="prompt",
       # Switches of the tokenizer's chat template (verl's apply_chat_template_kwargs), set
       # in a config file: c.data.chat_template_kwargs = {"enable_thinking": False}.
       chat_template_kwargs={},
@@ -78,8 +82,10 @@ def base_config() -> ml_collections.ConfigDict:
                   loss_agg_mode="token-mean", model_path="",
                   # LoRA for the critic (as model.lora_*): adapters and the value head train.
                   lora_rank=0, lora_alpha=16.0, target_modules="all-linear")
-  c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""))
-  c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""))
+  # custom_fn: a Python file and a function in it (name "" is verl's default,
+  # compute_score); timeout_s: the most seconds one batch's scoring may take (0: no limit).
+  c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=0.0)
+  c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=0.0)
   # kind: "colocated" (every role on all devices), "standalone" (a pool per role), "auto"
   # (the auto-mapper's best plan, meshes and generation width t_g included: it overrides
   # rollout.generate_tensor) or "custom" (pools and roles as in hflax.sharding.placement).
@@ -87,7 +93,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.trainer = dict(
       total_steps=20, critic_warmup=0, seed=0, run_dir="runs/default", resume=True,
       save_every=10, keep=2, val_every=10, val_before_train=True,
-      log=("console", "jsonl", "tensorboard"), wandb_project="", profile_steps=(),
+      # wandb_project turns wandb on; verl's project_name names the project only when log
+      # has "wandb". experiment_name: the run's name (default: run_dir's last part).
+      # WANDB_MODE=offline keeps the run local.
+      log=("console", "jsonl", "tensorboard"), wandb_project="", project_name="",
+      experiment_name="",
+      profile_steps=(),
       stage_timing=True, export_hf=True, devices=0, val_only=False,
       # verl's: each step's samples (text, score, advantage) as {dir}/{step}.jsonl.
       rollout_data_dir="", validation_data_dir="",
@@ -103,8 +114,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.cluster = dict(
       backend="local", address="", processes_per_pool=0, devices_per_process=0,
       platform="cpu", cpus_per_process=0.0, gpus_per_process=0.0, strategy="",
-      max_restarts=0, require_loopback=True, temp_dir="", init_timeout_s=120,
-      log_to_driver=False)
+      max_restarts=0, require_loopback=False, temp_dir="", init_timeout_s=120,
+      # Ray's own defaults: worker logs on the driver, the dashboard as Ray decides (None).
+      # require_loopback=True is this project's test setting: a private local cluster on
+      # 127.0.0.1, started only inside a loopback-only network namespace (netless).
+      log_to_driver=True, include_dashboard=config_dict.placeholder(bool))
   return c
 
 
@@ -138,10 +152,12 @@ def _check_choices(c, fail):
   unknown = [b for b in names if b not in BACKENDS]
   if unknown:
     fail("trainer.log", f"unknown metrics backends {unknown}; choose from {BACKENDS}")
-  if "wandb" in names and not c.trainer.wandb_project:
-    fail("trainer.wandb_project", "trainer.log has 'wandb', which needs a project name")
-  if (c.trainer.wandb_project or "wandb" in names) and not importlib.util.find_spec("wandb"):
-    fail("trainer.wandb_project", "logging to wandb needs the wandb package (pip install wandb)")
+  if "wandb" in names and not wandb_project(c):
+    fail("trainer.wandb_project", "trainer.log has 'wandb', which needs a project name "
+         "(trainer.wandb_project, or verl's trainer.project_name)")
+  if wandb_project(c) and not importlib.util.find_spec("wandb"):
+    fail("trainer.wandb_project", "logging to wandb needs the wandb package "
+         "(pip install 'hflax[wandb]')")
   for field in ("model.dtype", "model.param_dtype", "rollout.dtype"):
     name = _get(c, field)
     if name is not None and name not in FLOAT_DTYPES:
@@ -164,6 +180,14 @@ def _check_choices(c, fail):
     if o.schedule == "cosine" and o.total_steps <= o.warmup_steps:
       fail(f"{role}.optim.total_steps", f"a cosine schedule needs total_steps > warmup_steps="
            f"{o.warmup_steps}, got {o.total_steps}")
+
+
+def wandb_project(c) -> str:
+  """The wandb project of a run ("" for none): trainer.wandb_project turns wandb on by
+  itself; verl's trainer.project_name names the project when trainer.log has 'wandb'."""
+  log = c.trainer.log
+  names = (log,) if isinstance(log, str) else tuple(log)
+  return c.trainer.wandb_project or (c.trainer.project_name if "wandb" in names else "")
 
 
 def generation_cap_problem(c, cap) -> str | None:
@@ -280,8 +304,12 @@ def validate(c) -> None:
     fail("reward.kind", f"{c.reward.kind!r} is not 'rule' or 'model'")
   if c.reward.kind == "model" and not c.reward.model_path:
     fail("reward.model_path", "reward.kind='model' needs a checkpoint directory")
-  if bool(c.reward.custom_fn.path) != bool(c.reward.custom_fn.name):
-    fail("reward.custom_fn", "set both path and name (a Python file and a function in it)")
+  for section in ("reward", "cost"):
+    if c[section].custom_fn.name and not c[section].custom_fn.path:
+      fail(f"{section}.custom_fn.path", f"custom_fn.name={c[section].custom_fn.name!r} needs "
+           "the Python file that defines it")
+    if not c[section].timeout_s >= 0:
+      fail(f"{section}.timeout_s", f"must be >= 0 (0: no limit), got {c[section].timeout_s!r}")
   kinds = ("colocated", "standalone", "auto", "custom")
   if c.placement.kind not in kinds:
     fail("placement.kind", f"{c.placement.kind!r} is not one of {kinds}")

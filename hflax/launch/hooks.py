@@ -10,6 +10,7 @@ export and the plot.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Callable
 
@@ -80,6 +81,41 @@ class Hooks:
   def at_end(self, info: StepInfo):
     for fn in self._end:
       fn(info)
+
+
+class NonFinite(ValueError):
+  """A step produced a NaN or an infinity: the run stops before anything saves it."""
+
+
+# metric prefix -> the stage that produced it, in dataflow order: the first non-finite one
+# names where the trouble started.
+GUARDED = {"critic/score/": "reward", "critic/rewards/": "reward (with the KL penalty)",
+           "critic/values/": "critic values", "critic/advantages/": "advantage",
+           "critic/returns/": "advantage", "critic/vf_loss": "update_critic",
+           "critic/grad_norm": "update_critic", "actor/pg_loss": "update_actor",
+           "actor/kl_loss": "update_actor", "actor/entropy": "update_actor",
+           "actor/grad_norm": "update_actor"}
+
+
+def finite_guard(last_saved: Callable[[], int | None]):
+  """Stops the run at the first step whose rewards, advantages, losses or gradient norms
+  are not finite, before any hook after it logs, validates, saves or exports that step.
+  last_saved() is the newest checkpoint's step, named so the user knows where a rerun
+  with the same run_dir continues from."""
+
+  def check(info: StepInfo):
+    for prefix, stage in GUARDED.items():
+      key = next((k for k, v in info.metrics.items()
+                  if k.startswith(prefix) and not math.isfinite(float(v))), None)
+      if key is not None:
+        value = info.metrics[key]
+        saved = last_saved()
+        where = (f"the last checkpoint is step {saved}" if saved is not None else
+                 "no checkpoint was written")
+        raise NonFinite(f"step {info.step}: {key} is {float(value)} ({stage} stage); nothing "
+                        f"of this step was saved or exported, {where}: fix the cause and "
+                        "rerun with the same trainer.run_dir to continue from it")
+  return check
 
 
 # -- the built-in side jobs ------------------------------------------------------------------

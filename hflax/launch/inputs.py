@@ -12,6 +12,21 @@ from hflax.rewards import RuleRewardScorer, load_reward_function
 from hflax.rewards.registry import check_rule_rows as check_rows
 
 
+def data_paths(spec: str) -> list[str]:
+  """The files and directories a data.*_files value names: one path, or several as
+  "[a.parquet,b.parquet]" (verl's list on a command line) or "a.parquet,b.parquet"."""
+  text = spec.strip()
+  if text.startswith("[") and text.endswith("]"):
+    text = text[1:-1]
+  return [os.path.expanduser(p.strip().strip("'\"")) for p in text.split(",") if p.strip()]
+
+
+def learned_rewards_only(cfg) -> bool:
+  """Every score comes from a reward (and cost) model: rows need no ground truth."""
+  sections = [cfg.reward] + ([cfg.cost] if get_algorithm(cfg.algorithm.name).uses_cost else [])
+  return all(s.kind == "model" and not s.custom_fn.path for s in sections)
+
+
 def load_datasets(cfg):
   """(train, val) datasets: files in verl's schema, or "builtin:arithmetic"."""
   d = cfg.data
@@ -20,13 +35,25 @@ def load_datasets(cfg):
     b = d.builtin
     builtin = arithmetic_task(b.num_train, b.num_val, seed=d.seed, digits=tuple(b.digits),
                               ops=b.ops, data_source=b.data_source, template=b.template)
+
   def load(spec, which):
     if spec == "builtin:arithmetic":
       return builtin[which]
-    if not os.path.exists(spec):
-      raise FileNotFoundError(f"config.data.{'train' if which == 0 else 'val'}_files: "
-                              f"{spec!r} does not exist")
-    return load_prompts(spec)
+    field = f"config.data.{'train' if which == 0 else 'val'}_files"
+    paths = data_paths(spec)
+    if not paths:
+      raise ValueError(f"{field}: names no file")
+    for path in paths:
+      if not os.path.exists(path):
+        raise FileNotFoundError(f"{field}: {path!r} does not exist")
+    try:
+      return load_prompts(paths if len(paths) > 1 else paths[0], prompt_key=d.prompt_key,
+                          require_ground_truth=not learned_rewards_only(cfg))
+    except FileNotFoundError:
+      raise
+    except (ValueError, KeyError, OSError) as e:
+      why = e.args[0] if isinstance(e, KeyError) and e.args else e
+      raise ValueError(f"{field}: {why}") from None
   return load(d.train_files, 0), load(d.val_files, 1)
 
 
@@ -34,15 +61,16 @@ def make_reward_fn(section, tokenizer, field: str = "reward"):
   """score_fn(host batch) -> [B] scores from a rule (per data source) or a user function
   (details=True: the scorer's whole output, answers included)."""
   custom = None
+  name = section.custom_fn.name or "compute_score"  # verl's default name
   if section.custom_fn.path:
     where = f"config.{field}.custom_fn ({section.custom_fn.path})"
     try:
-      custom = load_reward_function(section.custom_fn.path, section.custom_fn.name)
+      custom = load_reward_function(section.custom_fn.path, name)
     except (FileNotFoundError, ValueError, TypeError) as e:
       raise ValueError(f"{where}: {e}") from None
     except Exception as e:  # noqa: BLE001 - the user's file failed while importing
       raise ValueError(f"{where}: importing it raised {type(e).__name__}: {e}") from None
-  scorer = RuleRewardScorer(tokenizer, custom)
+  scorer = RuleRewardScorer(tokenizer, custom, timeout_s=section.timeout_s or None)
 
   def score(batch: Batch, details: bool = False):
     try:
@@ -52,8 +80,8 @@ def make_reward_fn(section, tokenizer, field: str = "reward"):
     except ValueError:
       raise
     except Exception as e:  # noqa: BLE001 - name the user's function, not our call stack
-      name = section.custom_fn.name or "the rule reward"
-      raise ValueError(f"config.{field}: {name} raised {type(e).__name__}: {e}") from None
+      who = name if custom is not None else "the rule reward"
+      raise ValueError(f"config.{field}: {who} raised {type(e).__name__}: {e}") from None
   return score
 
 

@@ -17,13 +17,13 @@ import numpy as np
 
 from hflax.algorithms.drivers import get_algorithm, init_state
 from hflax.algorithms.drivers.common import step_metrics, timed_roles
-from hflax.checkpoint import Checkpointer
+from hflax.checkpoint import Checkpointer, CorruptCheckpoint
 from hflax.controller.backend import WorkerFailure
 from hflax.controller.batch import Batch
 from hflax.data import PromptLoader
 from hflax.launch import hooks as side_jobs
 from hflax.launch.backends import make_backend
-from hflax.launch.config import tokenizer_spec, validate
+from hflax.launch.config import tokenizer_spec, validate, wandb_project
 from hflax.launch.hooks import Hooks, StepInfo
 from hflax.launch.inputs import (check_rule_rows, check_vocab, cost_function, load_datasets,
                                  make_loaders, make_reward_fn)
@@ -34,6 +34,7 @@ from hflax.metrics import MetricsLogger, throughput
 from hflax.metrics.generations import generation_rows, write_generations
 from hflax.models.tokenizer import load_tokenizer
 from hflax.rewards import validation_metrics
+from hflax.rewards.validation import concat_extra_info
 
 
 class Trainer:
@@ -120,17 +121,32 @@ class Trainer:
                        "it, or use a new run_dir")
 
   def resume(self) -> int:
-    step = self._latest_checkpoint()
-    if step is None:
+    """Restores the newest checkpoint that restores: one that fails its checksums or
+    cannot be read is skipped with a warning (and set aside once an older one restored)."""
+    if self._latest_checkpoint() is None:
       return 0
-    try:
-      host = self.backend.restore(self.ckpt, step)
-    except WorkerFailure:
-      raise
-    except Exception as e:  # noqa: BLE001 - say which checkpoint, and what to do
-      raise ValueError(f"config.trainer.run_dir: checkpoint step {step} in "
-                       f"{self.ckpt.directory} cannot be restored ({type(e).__name__}: {e}); "
-                       "remove it or set --config.trainer.resume=False") from None
+    steps, skipped, first = self.ckpt.all_steps(), [], None
+    for step in reversed(steps):
+      try:
+        host = self.backend.restore(self.ckpt, step)
+        break
+      except CorruptCheckpoint as e:
+        first = first or e
+        self.log(f"warning: skipping {e}")
+        skipped.append(step)
+      except WorkerFailure:
+        raise
+      except Exception as e:  # noqa: BLE001 - say which checkpoint, and what to do
+        raise ValueError(f"config.trainer.run_dir: checkpoint step {step} in "
+                         f"{self.ckpt.directory} cannot be restored ({type(e).__name__}: "
+                         f"{e}); move it aside to resume from the one before, or use a new "
+                         "run_dir") from None
+    else:
+      raise CorruptCheckpoint(f"config.trainer.run_dir: no checkpoint in {self.ckpt.directory} "
+                              f"can be restored (steps {steps}); the latest: {first}; use a "
+                              "new run_dir")
+    if skipped:
+      self.ckpt.set_aside(skipped, step, self.log)
     self.loader.load_state_dict(host["loader"])
     self.state.step, self.state.kl_ctrl = host["step"], host["kl_ctrl"]
     self.state.lagrange_lambda = host["lagrange_lambda"]
@@ -147,7 +163,7 @@ class Trainer:
     sampling = dataclasses.replace(actor.sampling, n=r.val_n, temperature=r.val_temperature,
                                    top_k=r.val_top_k, top_p=r.val_top_p)
     t = self.cfg.trainer
-    scores, sources, preds, samples = [], [], [], []
+    scores, sources, preds, samples, extras, sizes = [], [], [], [], [], []
     keep_samples = step is not None and (t.validation_data_dir or t.log_val_generations)
     # Not the rollouts' keys (seed, call): a tag of its own keeps the two apart.
     key = jax.random.fold_in(jax.random.key(t.seed), _VALIDATION_TAG)
@@ -160,6 +176,8 @@ class Trainer:
         samples += generation_rows(self.tokenizer, host, scored["scores"], step,
                                    outputs=scored["response_text"])
       scores.append(scored["scores"])
+      extras.append(scored.get("reward_extra_info", {}))
+      sizes.append(len(scored["scores"]))
       preds += scored["pred"]
       sources += list(batch["data_source"])
     if samples and t.validation_data_dir:
@@ -170,7 +188,15 @@ class Trainer:
       pick = np.random.default_rng(_VALIDATION_TAG).permutation(len(samples))
       self.val_generations = [{k: samples[j][k] for k in ("input", "output", "score")}
                               for j in sorted(pick[:t.log_val_generations])]
-    return validation_metrics(np.concatenate(scores), sources, r.val_n, preds)
+    return validation_metrics(np.concatenate(scores), sources, r.val_n, preds,
+                              extra_info=concat_extra_info(extras, sizes))
+
+  def _metrics_logger(self, total: int, start: int, backends) -> MetricsLogger:
+    t = self.cfg.trainer
+    name = t.experiment_name or os.path.basename(os.path.normpath(t.run_dir))
+    return MetricsLogger(t.run_dir, total, backends=tuple(backends),
+                         wandb=wandb_project(self.cfg) or None, start_step=start, name=name,
+                         config=self.cfg.to_dict())
 
   def _log_validation(self, step: int, metrics: dict):
     self.logger.log(step, metrics)
@@ -182,8 +208,7 @@ class Trainer:
     else the start) and logs the metrics at its step; nothing trains, saves or exports."""
     metrics = self.validate(step)
     t = self.cfg.trainer
-    self.logger = MetricsLogger(t.run_dir, step, backends=tuple(b for b in t.log if b != "console"),
-                                wandb=t.wandb_project or None, start_step=step)
+    self.logger = self._metrics_logger(step, step, [b for b in t.log if b != "console"])
     self._log_validation(step, metrics)
     self.logger.close()
     self.log(f"held-out accuracy at step {step}: " + _fmt(metrics))
@@ -195,6 +220,7 @@ class Trainer:
     t, hooks = self.cfg.trainer, Hooks()
     if t.profile_steps:
       side_jobs.add_profiler(hooks, t.profile_steps, os.path.join(t.run_dir, "profile"))
+    hooks.add_hook(side_jobs.finite_guard(self._latest_checkpoint))
     if t.rollout_data_dir:
       hooks.add_hook(side_jobs.rollout_dump(t.rollout_data_dir, self.tokenizer))
     if t.val_every:
@@ -273,8 +299,7 @@ class Trainer:
       return self.validate_only(start)
     total = t.total_steps
     hooks = self._add_side_jobs()
-    self.logger = MetricsLogger(t.run_dir, total, backends=tuple(t.log),
-                                wandb=t.wandb_project or None, start_step=start)
+    self.logger = self._metrics_logger(total, start, t.log)
     self.first_val = self.last_val = None
     if t.val_before_train and start == 0:
       self.first_val = self.validate(0)

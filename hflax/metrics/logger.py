@@ -160,7 +160,13 @@ class WandbBackend:
     if not os.environ.get("WANDB_DIR"):
       kwargs.setdefault("dir", run_dir)
     # No mode here: wandb reads WANDB_MODE itself (online when unset and logged in).
-    self._run = wandb.init(**kwargs)
+    try:
+      self._run = wandb.init(**kwargs)
+    except Exception as e:  # noqa: BLE001 - not logged in, no network, a bad setting
+      why = " ".join(str(e).split())[:300]
+      raise ValueError(f"wandb.init for project {kwargs['project']!r} failed "
+                       f"({type(e).__name__}: {why}); log in (wandb login), or set "
+                       "WANDB_MODE=offline to keep the run local") from None
     self._generation_rows: list[list] = []
 
   def write(self, step: int, values: dict[str, float]):

@@ -36,10 +36,11 @@ def build_pool_roles(devices, plan, policy) -> dict:
   return {role.value: built.get(role) for role in plan.placed_roles}
 
 
-def worker_env() -> dict:
-  """Environment of the member processes: this checkout importable, Ray's quiet settings."""
+def worker_env(quiet: bool) -> dict:
+  """Environment of the member processes: this checkout importable (and, in the test
+  setting, Ray's quiet settings)."""
   path = os.pathsep.join(p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p)
-  return {"PYTHONPATH": path, **SAFE_ENV}
+  return {"PYTHONPATH": path, **(SAFE_ENV if quiet else {})}
 
 
 def require_ray() -> None:
@@ -72,7 +73,7 @@ class RayBackend:
     import ray
     k, plan = self.cluster, self._plan
     policy_ref = ray.put(self._policy)  # one copy in the object store for every member
-    env = worker_env()
+    env = worker_env(quiet=k.require_loopback)
     self.groups = [WorkerGroup(p.name, p.processes, p.devices_per_process, roles=p.roles,
                                platform=k.platform, cpus=k.cpus_per_process,
                                gpus=k.gpus_per_process or (p.devices_per_process if

@@ -24,10 +24,11 @@ class ClusterSettings:
   gpus_per_process: float = 0.0
   strategy: str = ""
   max_restarts: int = 0
-  require_loopback: bool = True
+  require_loopback: bool = False  # True: the project's tests (see session.check_loopback)
   temp_dir: str = ""
   init_timeout_s: int = 120
-  log_to_driver: bool = False
+  log_to_driver: bool = True
+  include_dashboard: bool | None = None  # None: Ray's default
 
   @classmethod
   def from_section(cls, section) -> "ClusterSettings":

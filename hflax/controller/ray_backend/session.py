@@ -1,9 +1,11 @@
-"""Starting (or joining) the Ray cluster, and keeping a local one on loopback.
+"""Starting (or joining) the Ray cluster.
 
-A local cluster is started only inside a loopback-only network namespace (the project's
-`shared/bin/netless`), unless `cluster.require_loopback=False`: Ray binds to the
-machine's address and some of its components probe the network at start. Usage stats and
-the dashboard are always off, and the session's files live in a temp dir of its own.
+Users get Ray's own defaults (ray.init's node address, temp dir, dashboard and log
+forwarding unless the cluster section says otherwise). `cluster.require_loopback=True` is
+this project's test setting: a local cluster is then started only inside a loopback-only
+network namespace (`shared/bin/netless`), bound to 127.0.0.1, with usage stats and the
+dashboard off and its files in a temp dir of its own, because Ray binds to the machine's
+address and some of its components probe the network at start.
 """
 from __future__ import annotations
 
@@ -50,22 +52,29 @@ class RaySession:
 
   def __init__(self, cluster):
     import ray
-    for key, value in SAFE_ENV.items():  # inherited by every process Ray starts from here
-      os.environ.setdefault(key, value)
     self.started, self.temp_dir, self._own_temp = False, None, False
     if ray.is_initialized():  # e.g. a test fixture or the caller already joined a cluster
       return
-    kw = dict(log_to_driver=bool(cluster.log_to_driver), logging_level=logging.WARNING,
-              include_dashboard=False)
+    kw = dict(log_to_driver=bool(cluster.log_to_driver), logging_level=logging.WARNING)
+    dashboard = getattr(cluster, "include_dashboard", None)
+    if dashboard is not None:
+      kw["include_dashboard"] = bool(dashboard)
     if cluster.address:
       ray.init(address=cluster.address, **kw)
-    else:
+    elif cluster.require_loopback:
       check_loopback(cluster)
+      for key, value in SAFE_ENV.items():  # inherited by every process Ray starts from here
+        os.environ.setdefault(key, value)
+      kw.setdefault("include_dashboard", False)
       # A short path: Ray's unix sockets live under it (107-character limit).
       self._own_temp = not cluster.temp_dir
       self.temp_dir = cluster.temp_dir or tempfile.mkdtemp(prefix="hflax-ray-", dir="/tmp")
       ray.init(_temp_dir=self.temp_dir, _node_ip_address="127.0.0.1",
                num_cpus=os.cpu_count(), **kw)
+    else:
+      if cluster.temp_dir:
+        kw["_temp_dir"] = cluster.temp_dir
+      ray.init(**kw)
     self.started = True
 
   def close(self):
