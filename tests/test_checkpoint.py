@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from hflax.algorithms.kl import adaptive_kl_controller, update_kl_controller
 from hflax import checkpoint as checkpoint_lib
+from hflax.checkpoint.checksums import checksums
 from hflax.checkpoint import Checkpointer, CorruptCheckpoint
 from hflax.models import ModelConfig, create
 from hflax.sharding.layouts import TRAIN_RULES, state_shardings, train_mesh
@@ -452,7 +453,7 @@ def test_checksums_do_not_depend_on_the_layout(tmp_path, run):
   sharded verify when restored into other layouts (test_restore_into_other_layouts reads
   them), and a single changed element changes the checksum."""
   params = run[0]
-  flat, _ = checkpoint_lib._flatten(params, "params")  # noqa: SLF001
+  flat, _ = checkpoint_lib._flatten(params, "params")
   mesh4 = train_mesh(jax.devices()[4:], fsdp=2, tensor=2)
   layouts = [
       lambda x: x,
@@ -462,13 +463,13 @@ def test_checksums_do_not_depend_on_the_layout(tmp_path, run):
       lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")),
       np.asarray,
   ]
-  sums = [checkpoint_lib._checksums({k: place(v) for k, v in flat.items()})  # noqa: SLF001
+  sums = [checksums({k: place(v) for k, v in flat.items()})
           for place in layouts]
   assert all(s == sums[0] for s in sums[1:])
   key = next(k for k, v in flat.items() if v.ndim == 2)
-  changed = checkpoint_lib._checksums({key: flat[key].at[1, 1].add(1e-3)})  # noqa: SLF001
+  changed = checksums({key: flat[key].at[1, 1].add(1e-3)})
   assert changed[key] != sums[0][key]
-  swapped = checkpoint_lib._checksums({key: flat[key][::-1]})  # noqa: SLF001
+  swapped = checksums({key: flat[key][::-1]})
   assert swapped[key] != sums[0][key]
 
   ckpt = Checkpointer(tmp_path)

@@ -15,6 +15,7 @@ from hflax.launch.config import base_config, validate
 from hflax.launch.trainer import Trainer
 from hflax.models import hf
 from hflax.rewards import validation_metrics
+from hflax.rewards.validation import concat_extra_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -151,7 +152,10 @@ def test_validation_with_several_samples_per_prompt(tmp_path):
   assert all(len(set(prompts[i:i + 4])) == 1 for i in range(0, 48, 4))
   assert len(set(prompts)) == 12
   scores = np.concatenate([out["scores"] for out in seen])
-  assert m == validation_metrics(scores, ["arithmetic"] * 48, 4, [t[:1] or None for t in texts])
+  extras = concat_extra_info([out["reward_extra_info"] for out in seen],
+                             [len(out["scores"]) for out in seen])
+  assert m == validation_metrics(scores, ["arithmetic"] * 48, 4, [t[:1] or None for t in texts],
+                                 extra_info=extras)
   core, aux = "val-core/arithmetic/reward", "val-aux/arithmetic/reward"
   assert m[f"{core}/best@4/mean"] > m[f"{aux}/best@2/mean"] > m[f"{core}/mean@4"] > \
       m[f"{aux}/worst@2/mean"] > m[f"{aux}/worst@4/mean"]
@@ -164,7 +168,9 @@ def test_validation_with_several_samples_per_prompt(tmp_path):
   assert capped.roles.actor.max_num_seqs == 4 and capped.validate() == m
   c.rollout.max_num_seqs = 0
   c.rollout.update(val_n=1, val_temperature=0.0)
-  assert list(Trainer(c, log=lambda *_: None).validate()) == [f"{core}/mean@1"]
+  # The dict's score is also reported as an extra, under val-aux (as verl does).
+  assert sorted(Trainer(c, log=lambda *_: None).validate()) == [
+      "val-aux/arithmetic/score/mean@1", f"{core}/mean@1"]
 
 
 def _read_jsonl(path):

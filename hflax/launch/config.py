@@ -182,6 +182,99 @@ def _check_choices(c, fail):
            f"{o.warmup_steps}, got {o.total_steps}")
 
 
+def _check_batches(c, fail, with_critic: bool) -> None:
+  """Counts are positive integers, and mini- and micro-batches divide what they cut."""
+  positive = ["data.train_batch_size", "data.val_batch_size", "data.max_prompt_length",
+              "data.max_response_length", "rollout.n", "trainer.total_steps",
+              "trainer.save_every"]
+  if c.trainer.keep is not None:  # None keeps every checkpoint
+    positive.append("trainer.keep")
+  for role in ("actor", "critic") if with_critic else ("actor",):
+    positive += [f"{role}.ppo_mini_batch_size", f"{role}.ppo_epochs"]
+    _check_int(c, f"{role}.ppo_micro_batch_size", 0, fail, "(0: the whole mini-batch)")
+  for field in positive:
+    _check_int(c, field, 1, fail)
+  _check_int(c, "trainer.devices", 0, fail, "(0: every local device)")
+  _check_int(c, "trainer.log_val_generations", 0, fail, "(validation samples to log; 0: none)")
+  for which, count in (("train_files", "num_train"), ("val_files", "num_val")):
+    if c.data[which] == "builtin:arithmetic":
+      _check_int(c, f"data.builtin.{count}", 1, fail, f"(data.{which} is builtin:arithmetic)")
+  _check_choices(c, fail)
+  for role in ("actor", "critic") if with_critic else ("actor",):
+    mini = c[role].ppo_mini_batch_size
+    if c.data.train_batch_size % mini:
+      fail(f"{role}.ppo_mini_batch_size", f"{mini} does not divide data.train_batch_size="
+           f"{c.data.train_batch_size} (both count prompts)")
+    micro = c[role].ppo_micro_batch_size
+    if micro and (mini * c.rollout.n) % micro:
+      fail(f"{role}.ppo_micro_batch_size", f"{micro} rows do not divide the mini-batch of "
+           f"{mini} prompts x rollout.n={c.rollout.n} = {mini * c.rollout.n} rows")
+
+
+def _check_settings(c, fail) -> None:
+  """The warm-up, sampling, discounting and clipping settings."""
+  sft = c.trainer.sft_warmup
+  if not isinstance(sft.steps, int) or sft.steps < 0:
+    fail("trainer.sft_warmup.steps", f"must be an integer >= 0 (0 = no warm-up), got {sft.steps!r}")
+  if not sft.target_loss >= 0:
+    fail("trainer.sft_warmup.target_loss", f"must be >= 0 (0 = run all steps), got "
+         f"{sft.target_loss!r}")
+  if sft.steps:
+    _check_int(c, "trainer.sft_warmup.batch_size", 1, fail, "(rows per warm-up step)")
+  for field in ("rollout.temperature", "rollout.val_temperature"):
+    if not 0 <= _get(c, field):
+      fail(field, f"must be >= 0 (0: greedy), got {_get(c, field)!r}")
+  if c.trainer.val_every is not None:  # None, like 0: no validation during training
+    _check_int(c, "trainer.val_every", 0, fail, "(0: no validation during training)")
+  _check_int(c, "rollout.generate_tensor", 1, fail, "(the actor's tensor width in generation)")
+  _check_int(c, "trainer.critic_warmup", 0, fail, "(steps that train only the critic)")
+  for field in ("algorithm.gamma", "algorithm.lam"):
+    if not 0 <= _get(c, field) <= 1:
+      fail(field, f"must be in [0, 1], got {_get(c, field)!r}")
+  for field in ("actor.clip_ratio", "actor.clip_ratio_low", "actor.clip_ratio_high",
+                "critic.cliprange_value"):
+    value = _get(c, field)
+    if value is not None and not value > 0:
+      fail(field, f"must be > 0, got {value!r}")
+  if c.actor.clip_ratio_c is not None and not c.actor.clip_ratio_c > 1:
+    fail("actor.clip_ratio_c", f"dual-clip's bound must be > 1, got {c.actor.clip_ratio_c!r}")
+
+
+def _check_models_and_rewards(c, fail) -> None:
+  """LoRA, prompt length handling, reward and cost sources, placement kinds."""
+  for section in ("model", "critic"):
+    _check_int(c, f"{section}.lora_rank", 0, fail, "(0: no LoRA, every weight is trained)")
+    if c[section].lora_rank:
+      if not c[section].lora_alpha > 0:
+        fail(f"{section}.lora_alpha", f"must be > 0, got {c[section].lora_alpha!r}")
+      try:
+        lora_targets(c[section].target_modules)
+      except ValueError as e:
+        fail(f"{section}.target_modules", str(e))
+  if c.model.lora_adapter_path and not c.model.lora_rank:
+    fail("model.lora_rank", "model.lora_adapter_path is set: set lora_rank (and lora_alpha, "
+         "target_modules) to the adapter's r (lora_alpha, target_modules)")
+  if c.data.truncate_prompts and c.data.filter_overlong_prompts:
+    fail("data.filter_overlong_prompts", "and data.truncate_prompts both say what to do with a "
+         "prompt longer than data.max_prompt_length (leave it out, or keep its last tokens): "
+         "choose one")
+  if c.reward.kind not in ("rule", "model"):
+    fail("reward.kind", f"{c.reward.kind!r} is not 'rule' or 'model'")
+  if c.reward.kind == "model" and not c.reward.model_path:
+    fail("reward.model_path", "reward.kind='model' needs a checkpoint directory")
+  for section in ("reward", "cost"):
+    if c[section].custom_fn.name and not c[section].custom_fn.path:
+      fail(f"{section}.custom_fn.path", f"custom_fn.name={c[section].custom_fn.name!r} needs "
+           "the Python file that defines it")
+    if not c[section].timeout_s >= 0:
+      fail(f"{section}.timeout_s", f"must be >= 0 (0: no limit), got {c[section].timeout_s!r}")
+  kinds = ("colocated", "standalone", "auto", "custom")
+  if c.placement.kind not in kinds:
+    fail("placement.kind", f"{c.placement.kind!r} is not one of {kinds}")
+  if c.placement.kind == "custom" and not (c.placement.pools and c.placement.roles):
+    fail("placement", "kind='custom' needs placement.pools and placement.roles")
+
+
 def wandb_project(c) -> str:
   """The wandb project of a run ("" for none): trainer.wandb_project turns wandb on by
   itself; verl's trainer.project_name names the project when trainer.log has 'wandb'."""
@@ -230,91 +323,13 @@ def validate(c) -> None:
   if not 0 < c.algorithm.lambda_init <= c.algorithm.lambda_max:
     fail("algorithm.lambda_max", f"need 0 < lambda_init={c.algorithm.lambda_init} <= "
          f"lambda_max={c.algorithm.lambda_max}")
-  positive = ["data.train_batch_size", "data.val_batch_size", "data.max_prompt_length",
-              "data.max_response_length", "rollout.n", "trainer.total_steps",
-              "trainer.save_every"]
-  if c.trainer.keep is not None:  # None keeps every checkpoint
-    positive.append("trainer.keep")
-  for role in ("actor", "critic") if with_critic else ("actor",):
-    positive += [f"{role}.ppo_mini_batch_size", f"{role}.ppo_epochs"]
-    _check_int(c, f"{role}.ppo_micro_batch_size", 0, fail, "(0: the whole mini-batch)")
-  for field in positive:
-    _check_int(c, field, 1, fail)
-  _check_int(c, "trainer.devices", 0, fail, "(0: every local device)")
-  _check_int(c, "trainer.log_val_generations", 0, fail, "(validation samples to log; 0: none)")
-  for which, count in (("train_files", "num_train"), ("val_files", "num_val")):
-    if c.data[which] == "builtin:arithmetic":
-      _check_int(c, f"data.builtin.{count}", 1, fail, f"(data.{which} is builtin:arithmetic)")
-  _check_choices(c, fail)
-  for role in ("actor", "critic") if with_critic else ("actor",):
-    mini = c[role].ppo_mini_batch_size
-    if c.data.train_batch_size % mini:
-      fail(f"{role}.ppo_mini_batch_size", f"{mini} does not divide data.train_batch_size="
-           f"{c.data.train_batch_size} (both count prompts)")
-    micro = c[role].ppo_micro_batch_size
-    if micro and (mini * c.rollout.n) % micro:
-      fail(f"{role}.ppo_micro_batch_size", f"{micro} rows do not divide the mini-batch of "
-           f"{mini} prompts x rollout.n={c.rollout.n} = {mini * c.rollout.n} rows")
+  _check_batches(c, fail, with_critic)
   if algorithm.check is not None:
     algorithm.check(c, fail)
   if c.algorithm.adv_estimator == "gae" and not algorithm.uses_critic:
     fail("algorithm.adv_estimator", f"'gae' needs a critic, which {c.algorithm.name} has not")
-  sft = c.trainer.sft_warmup
-  if not isinstance(sft.steps, int) or sft.steps < 0:
-    fail("trainer.sft_warmup.steps", f"must be an integer >= 0 (0 = no warm-up), got {sft.steps!r}")
-  if not sft.target_loss >= 0:
-    fail("trainer.sft_warmup.target_loss", f"must be >= 0 (0 = run all steps), got "
-         f"{sft.target_loss!r}")
-  if sft.steps:
-    _check_int(c, "trainer.sft_warmup.batch_size", 1, fail, "(rows per warm-up step)")
-  for field in ("rollout.temperature", "rollout.val_temperature"):
-    if not 0 <= _get(c, field):
-      fail(field, f"must be >= 0 (0: greedy), got {_get(c, field)!r}")
-  if c.trainer.val_every is not None:  # None, like 0: no validation during training
-    _check_int(c, "trainer.val_every", 0, fail, "(0: no validation during training)")
-  _check_int(c, "rollout.generate_tensor", 1, fail, "(the actor's tensor width in generation)")
-  _check_int(c, "trainer.critic_warmup", 0, fail, "(steps that train only the critic)")
-  for field in ("algorithm.gamma", "algorithm.lam"):
-    if not 0 <= _get(c, field) <= 1:
-      fail(field, f"must be in [0, 1], got {_get(c, field)!r}")
-  for field in ("actor.clip_ratio", "actor.clip_ratio_low", "actor.clip_ratio_high",
-                "critic.cliprange_value"):
-    value = _get(c, field)
-    if value is not None and not value > 0:
-      fail(field, f"must be > 0, got {value!r}")
-  if c.actor.clip_ratio_c is not None and not c.actor.clip_ratio_c > 1:
-    fail("actor.clip_ratio_c", f"dual-clip's bound must be > 1, got {c.actor.clip_ratio_c!r}")
-  for section in ("model", "critic"):
-    _check_int(c, f"{section}.lora_rank", 0, fail, "(0: no LoRA, every weight is trained)")
-    if c[section].lora_rank:
-      if not c[section].lora_alpha > 0:
-        fail(f"{section}.lora_alpha", f"must be > 0, got {c[section].lora_alpha!r}")
-      try:
-        lora_targets(c[section].target_modules)
-      except ValueError as e:
-        fail(f"{section}.target_modules", str(e))
-  if c.model.lora_adapter_path and not c.model.lora_rank:
-    fail("model.lora_rank", "model.lora_adapter_path is set: set lora_rank (and lora_alpha, "
-         "target_modules) to the adapter's r (lora_alpha, target_modules)")
-  if c.data.truncate_prompts and c.data.filter_overlong_prompts:
-    fail("data.filter_overlong_prompts", "and data.truncate_prompts both say what to do with a "
-         "prompt longer than data.max_prompt_length (leave it out, or keep its last tokens): "
-         "choose one")
-  if c.reward.kind not in ("rule", "model"):
-    fail("reward.kind", f"{c.reward.kind!r} is not 'rule' or 'model'")
-  if c.reward.kind == "model" and not c.reward.model_path:
-    fail("reward.model_path", "reward.kind='model' needs a checkpoint directory")
-  for section in ("reward", "cost"):
-    if c[section].custom_fn.name and not c[section].custom_fn.path:
-      fail(f"{section}.custom_fn.path", f"custom_fn.name={c[section].custom_fn.name!r} needs "
-           "the Python file that defines it")
-    if not c[section].timeout_s >= 0:
-      fail(f"{section}.timeout_s", f"must be >= 0 (0: no limit), got {c[section].timeout_s!r}")
-  kinds = ("colocated", "standalone", "auto", "custom")
-  if c.placement.kind not in kinds:
-    fail("placement.kind", f"{c.placement.kind!r} is not one of {kinds}")
-  if c.placement.kind == "custom" and not (c.placement.pools and c.placement.roles):
-    fail("placement", "kind='custom' needs placement.pools and placement.roles")
+  _check_settings(c, fail)
+  _check_models_and_rewards(c, fail)
   if "cluster" in c:
     from hflax.launch.cluster import validate_cluster
     validate_cluster(c, fail, _check_int)

@@ -8,7 +8,6 @@ adds one.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -20,7 +19,6 @@ from hflax.algorithms.drivers.common import step_metrics, timed_roles
 from hflax.checkpoint import Checkpointer, CorruptCheckpoint
 from hflax.controller.backend import WorkerFailure
 from hflax.controller.batch import Batch
-from hflax.data import PromptLoader
 from hflax.launch import hooks as side_jobs
 from hflax.launch.backends import make_backend
 from hflax.launch.config import tokenizer_spec, validate, wandb_project
@@ -31,10 +29,8 @@ from hflax.launch.roles import (make_plan, needed_roles, placement_spec, policy_
                                 read_model_configs, step_config)
 from hflax.launch.sft import sft_warmup, warmup_cache_dir
 from hflax.metrics import MetricsLogger, throughput
-from hflax.metrics.generations import generation_rows, write_generations
 from hflax.models.tokenizer import load_tokenizer
-from hflax.rewards import validation_metrics
-from hflax.rewards.validation import concat_extra_info
+from hflax.launch.validation import validate_policy
 
 
 class Trainer:
@@ -155,41 +151,13 @@ class Trainer:
 
   # -- validation ---------------------------------------------------------------------------
   def validate(self, step: int | None = None) -> dict:
-    """Scores of rollout.val_n samples per held-out prompt, per data source (greedy with
-    the default val_temperature=0). The same keys every time, so that validations at
-    different steps sample alike. With trainer.validation_data_dir, the samples go to
-    {dir}/{step}.jsonl."""
-    actor, r = self.roles.actor, self.cfg.rollout
-    sampling = dataclasses.replace(actor.sampling, n=r.val_n, temperature=r.val_temperature,
-                                   top_k=r.val_top_k, top_p=r.val_top_p)
-    t = self.cfg.trainer
-    scores, sources, preds, samples, extras, sizes = [], [], [], [], [], []
-    keep_samples = step is not None and (t.validation_data_dir or t.log_val_generations)
-    # Not the rollouts' keys (seed, call): a tag of its own keeps the two apart.
-    key = jax.random.fold_in(jax.random.key(t.seed), _VALIDATION_TAG)
-    for i, raw in enumerate(_full_pass(self.val_loader, self.cfg.data.val_batch_size)):
-      batch = actor.generate_sequences(Batch.from_dict(raw), sampling=sampling,
-                                       rng=jax.random.fold_in(key, i))
-      host = batch.to_host()
-      scored = self.reward_fn(host, details=True)
-      if keep_samples:
-        samples += generation_rows(self.tokenizer, host, scored["scores"], step,
-                                   outputs=scored["response_text"])
-      scores.append(scored["scores"])
-      extras.append(scored.get("reward_extra_info", {}))
-      sizes.append(len(scored["scores"]))
-      preds += scored["pred"]
-      sources += list(batch["data_source"])
-    if samples and t.validation_data_dir:
-      write_generations(t.validation_data_dir, step, samples)
-    if samples and t.log_val_generations:
-      # The same samples at every validation (a fixed draw over a fixed order), so the
-      # logs show how the answers to the same prompts change.
-      pick = np.random.default_rng(_VALIDATION_TAG).permutation(len(samples))
-      self.val_generations = [{k: samples[j][k] for k in ("input", "output", "score")}
-                              for j in sorted(pick[:t.log_val_generations])]
-    return validation_metrics(np.concatenate(scores), sources, r.val_n, preds,
-                              extra_info=concat_extra_info(extras, sizes))
+    """The held-out metrics (see hflax.launch.validation); with step, the samples go to
+    trainer.validation_data_dir and trainer.log_val_generations of them to the logs."""
+    metrics, shown = validate_policy(self.roles.actor, self.val_loader, self.reward_fn,
+                                     self.tokenizer, self.cfg, step)
+    if shown is not None:
+      self.val_generations = shown
+    return metrics
 
   def _metrics_logger(self, total: int, start: int, backends) -> MetricsLogger:
     t = self.cfg.trainer
@@ -293,7 +261,7 @@ class Trainer:
         self.state = init_state(self.cfg.algorithm)
 
   def _fit(self) -> dict:
-    cfg, t = self.cfg, self.cfg.trainer
+    t = self.cfg.trainer
     start = self.resume()
     if t.val_only:
       return self.validate_only(start)
@@ -314,15 +282,6 @@ class Trainer:
       hooks.after_step(StepInfo(step, total, batch, metrics))
     hooks.at_end(StepInfo(total, total, None, {}))
     return {"before": self.first_val, "after": self.last_val}
-
-
-_VALIDATION_TAG = 0x76616C  # "val"
-
-
-def _full_pass(loader: PromptLoader, size: int):
-  """Every row the loader keeps once, in order, `size` at a time (the last batch short)."""
-  for start in range(0, len(loader.kept), size):
-    yield loader.collate(loader.kept[start:start + size])
 
 
 def _fmt(metrics: dict) -> str:

@@ -15,18 +15,7 @@ Restore reads every array straight into the caller's target shardings (any mesh,
 number of devices), then rebuilds the target's own pytree structure, so the result can be
 passed back into jitted functions that were compiled for it.
 
-Integrity: the host item also holds a checksum of every array's value and a digest of the
-host item itself, so both are committed by the same rename as the data they describe. An
-array's checksum is two 32-bit sums, over all its elements, of a hash of the element's bits
-and its position in the array (row-major over the global shape); addition modulo 2**32 is
-exact in any order, so it is computed on the devices that hold the array, in one reduction,
-and does not depend on the sharding: a checkpoint saved on 8 devices verifies when it is
-restored onto 1 or 4, and in a multi-process pool every process takes part in the same
-global reduction (as it takes part in orbax's save and restore), so the whole array is
-covered, not just one process's shards. `restore` recomputes the checksums of what it read
-and raises CorruptCheckpoint, one line naming the step directory and the first bad array;
-any orbax or TensorStore error while reading is summarised in one line the same way.
-Checkpoints written before checksums existed restore unverified.
+Integrity: see hflax/checkpoint/checksums.py.
 
 `restore_latest` tries the newest step, then older ones, warning for each that cannot be
 restored; the steps it skipped are renamed to `<step>.corrupt` once an older one restored,
@@ -36,9 +25,6 @@ so that the run can save those steps again. Old steps are pruned by hflax after 
 from __future__ import annotations
 
 import gc
-import hashlib
-import importlib
-import json
 import os
 import re
 import shutil
@@ -46,12 +32,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
+
+from hflax.checkpoint.checksums import checksums, host_digest
+from hflax.checkpoint.host_state import decode, encode
 
 _HOST = "host"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_TAGS = ("__array__", "__key__", "__tuple__", "__namedtuple__")
 _SET_ASIDE = ".corrupt"  # a step restore_latest skipped: <step>.corrupt (orbax ignores it)
 _DELETING = ".deleting"  # a pruned step is renamed to this first, then removed
 
@@ -102,84 +89,6 @@ def _quiet_orbax_leftovers():
   sys.unraisablehook, _quiet = quiet, True
 
 
-# -- checksums of array values, independent of the sharding --------------------------------
-def _fmix(h):
-  """murmur3's 32-bit finaliser: a bijection that spreads every input bit."""
-  h = h ^ (h >> 16)
-  h = h * jnp.uint32(0x85EBCA6B)
-  h = h ^ (h >> 13)
-  h = h * jnp.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
-
-
-def _words(x):
-  """The bits of every element as uint32 (8-byte elements: two words, a trailing axis)."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    return _words(jax.random.key_data(x))
-  dt = jnp.dtype(x.dtype)
-  if dt == jnp.bool_:
-    return x.astype(jnp.uint32)
-  if jnp.issubdtype(dt, jnp.complexfloating):
-    return _words(jnp.stack([x.real, x.imag], axis=-1))
-  bits = jax.dtypes.itemsize_bits(dt) if hasattr(jax.dtypes, "itemsize_bits") else \
-      dt.itemsize * 8
-  if bits < 8:  # int4, float4: widened exactly first
-    x = x.astype(jnp.float32 if jnp.issubdtype(dt, jnp.floating) else jnp.int32)
-    dt = jnp.dtype(x.dtype)
-  size = dt.itemsize
-  if size == 4 or size == 8:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)
-  unsigned = {2: jnp.uint16, 1: jnp.uint8}[size]
-  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-
-
-def _digest(x):
-  """[2] uint32: sums over elements of hash(bits, flat position), in two independent lanes."""
-  w = _words(x)
-  pos, stride = jnp.zeros(w.shape, jnp.uint32), 1
-  for axis in reversed(range(w.ndim)):  # no reshape: that could reshard a sharded array
-    pos = pos + jax.lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(stride % 2**32)
-    stride *= w.shape[axis]
-  a = _fmix(w ^ _fmix(pos ^ jnp.uint32(0x9E3779B9)))
-  b = _fmix((w + jnp.uint32(0x7F4A7C15)) ^ _fmix(pos + jnp.uint32(0x632BE5AB)))
-  return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
-
-
-_digest_jit = jax.jit(_digest)
-
-
-def _off_device(x) -> bool:
-  return getattr(getattr(x, "sharding", None), "memory_kind", None) not in (None, "device")
-
-
-def _checksums(flat: dict) -> dict:
-  """{key: 16 hex digits} for every leaf of {key: array}: one jitted reduction per leaf,
-  where the leaf lives (every process of a multi-process array takes part), compiled once
-  per shape, dtype and sharding, so repeated layers and repeated saves share it. Each is
-  waited for before the next starts: many collective programs in flight can starve XLA's
-  CPU rendezvous, and a leaf in host memory (an offloaded optimizer state) is copied to
-  the devices alone, its copy freed before the next."""
-  sums = {}
-  for key, x in flat.items():
-    if not isinstance(x, jax.Array):
-      x = jnp.asarray(x)
-    if _off_device(x):
-      x = jax.device_put(x, x.sharding.with_memory_kind("device"))
-    sums[key] = _hex(_digest_jit(x))
-  return sums
-
-
-def _hex(s) -> str:
-  # The result is replicated; in a multi-process pool only this process's copy is readable.
-  lanes = np.asarray(s.addressable_shards[0].data)
-  return "".join(f"{int(v):08x}" for v in lanes)
-
-
-def _host_digest(host: dict) -> str:
-  body = {k: v for k, v in host.items() if k != "digest"}
-  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
 def _flatten(tree, what: str) -> tuple[dict, object]:
   """{path string: leaf} and the treedef that puts the leaves back."""
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -195,55 +104,6 @@ def _abstract(x):
   # Without a sharding the array lands on the default device, like jnp.asarray would.
   sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-# -- host state: JSON plus tagged arrays, PRNG keys, tuples and NamedTuples -----------------
-def _encode(x, path="host_state"):
-  if x is None or isinstance(x, (bool, int, float, str)):
-    return x
-  if isinstance(x, dict):
-    for k in x:
-      if not isinstance(k, str) or k in _TAGS:
-        raise TypeError(f"{path}: key {k!r} cannot be stored (keys are strings, not {_TAGS})")
-    return {k: _encode(v, f"{path}[{k!r}]") for k, v in x.items()}
-  if isinstance(x, tuple) and hasattr(x, "_fields"):
-    cls = type(x)
-    return {"__namedtuple__": f"{cls.__module__}:{cls.__qualname__}",
-            "fields": {f: _encode(getattr(x, f), f"{path}.{f}") for f in x._fields}}
-  if isinstance(x, (list, tuple)):
-    items = [_encode(v, f"{path}[{i}]") for i, v in enumerate(x)]
-    return items if isinstance(x, list) else {"__tuple__": items}
-  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      # Typed keys cannot be copied to the host as such; their raw data plus the impl can.
-      return {"__key__": str(jax.random.key_impl(x)),
-              "data": np.asarray(jax.random.key_data(x)).tolist()}
-    # tolist() is exact: every float dtype widens to a Python float and narrows back.
-    a = np.asarray(x)
-    return {"__array__": a.dtype.name, "shape": list(a.shape), "data": a.tolist(),
-            "jax": isinstance(x, jax.Array)}
-  raise TypeError(f"{path}: {type(x).__name__} is not storable host state")
-
-
-def _decode(x):
-  if isinstance(x, list):
-    return [_decode(v) for v in x]
-  if not isinstance(x, dict):
-    return x
-  if "__key__" in x:
-    return jax.random.wrap_key_data(jnp.asarray(x["data"], jnp.uint32), impl=x["__key__"])
-  if "__array__" in x:
-    a = np.asarray(x["data"], dtype=jnp.dtype(x["__array__"])).reshape(x["shape"])
-    return jnp.asarray(a) if x["jax"] else a
-  if "__tuple__" in x:
-    return tuple(_decode(v) for v in x["__tuple__"])
-  if "__namedtuple__" in x:
-    module, qualname = x["__namedtuple__"].split(":")
-    cls = importlib.import_module(module)
-    for part in qualname.split("."):
-      cls = getattr(cls, part)
-    return cls(**{k: _decode(v) for k, v in x["fields"].items()})
-  return {k: _decode(v) for k, v in x.items()}
 
 
 class Checkpointer:
@@ -302,11 +162,11 @@ class Checkpointer:
                          f"{_HOST!r}")
       flat, _ = _flatten(tree, name)
       index[name] = {k: [list(v.shape), jnp.dtype(v.dtype).name] for k, v in flat.items()}
-      sums[name] = _checksums(flat)
+      sums[name] = checksums(flat)
       if flat:  # orbax rejects empty items (an optax EmptyState); the index restores them
         items[name] = ocp.args.StandardSave(flat)
-    host = {"host_state": _encode(dict(host_state or {})), "arrays": index, "checksums": sums}
-    host["digest"] = _host_digest(host)
+    host = {"host_state": encode(dict(host_state or {})), "arrays": index, "checksums": sums}
+    host["digest"] = host_digest(host)
     # The checksums travel in the host item: committed by the same rename as the arrays.
     items[_HOST] = ocp.args.JsonSave(host)
     # force: whether to save was decided above; orbax's own policy would skip steps.
@@ -346,7 +206,7 @@ class Checkpointer:
     if not isinstance(host, dict) or not isinstance(host.get("arrays"), dict) or \
         "host_state" not in host:
       raise CorruptCheckpoint(f"{where}: its host item is not an hflax checkpoint index")
-    if verify and "digest" in host and host["digest"] != _host_digest(host):
+    if verify and "digest" in host and host["digest"] != host_digest(host):
       raise CorruptCheckpoint(f"{where}: the host item does not match its digest")
     index, sums, args, layouts, casts = host["arrays"], host.get("checksums", {}), {}, {}, {}
     for name, target in (targets or {}).items():
@@ -378,7 +238,7 @@ class Checkpointer:
         expected = sums.get(name)
         if not expected:
           continue  # written before checksums existed
-        got = _checksums(restored[name])
+        got = checksums(restored[name])
         bad = [k for k in restored[name] if k in expected and got[k] != expected[k]]
         if bad:
           raise CorruptCheckpoint(f"{where}: array {name}/{bad[0]} does not match the checksum "
@@ -390,7 +250,7 @@ class Checkpointer:
     arrays = {name: jax.tree_util.tree_unflatten(treedef, [restored[name][k] for k in keys])
               for name, (keys, treedef) in layouts.items()}
     try:
-      host_state = _decode(host["host_state"])
+      host_state = decode(host["host_state"])
     except Exception as e:  # noqa: BLE001 - a damaged index that still parsed as JSON
       raise CorruptCheckpoint(f"{where}: its host state cannot be decoded ({_one_line(e)})") \
           from None
