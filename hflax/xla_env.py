@@ -17,6 +17,15 @@ _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_pl
                         "jax_rocm7_plugin", "libtpu")
 
 
+def cpu_devices() -> int:
+  """HFLAX_CPU_DEVICES (default 2): simulated CPU devices; a bad value is one line."""
+  text = os.environ.get("HFLAX_CPU_DEVICES", "2")
+  if not text.strip().isdigit() or int(text) < 1:
+    raise ValueError(f"environment variable HFLAX_CPU_DEVICES: {text!r} is not a whole number "
+                     ">= 1 (simulated CPU devices; unset it for 2)")
+  return int(text)
+
+
 def configure_cpu(devices: int | None = None) -> str:
   """Adds the simulated device count to XLA_FLAGS (unless set), keeps freed host memory
   for reuse where JAX will compute on the CPU (see keep_freed_memory) and returns
@@ -26,7 +35,7 @@ def configure_cpu(devices: int | None = None) -> str:
   """
   flags = os.environ.get("XLA_FLAGS", "").split()
   if not any(f.startswith(_DEVICES_FLAG) for f in flags):
-    count = devices if devices is not None else int(os.environ.get("HFLAX_CPU_DEVICES", "2"))
+    count = devices if devices is not None else cpu_devices()
     flags.append(f"{_DEVICES_FLAG}={count}")
   os.environ["XLA_FLAGS"] = " ".join(flags)
   if not accelerator_expected():

@@ -2,8 +2,10 @@
 
 A row:
   data_source   str    which reward rule judges it (see hflax.rewards); "unknown" if absent
-  prompt        list of chat messages {"role": str, "content": str}; a plain string is
-                accepted and becomes one user message
+  prompt        list of chat messages {"role": str, "content": str}, role one of ROLES; a
+                plain string is accepted and becomes one user message, unless it is the
+                JSON text of a list of messages (as some tools write parquet), which is
+                read as that list
   ability       str    free-form tag ("math"); "" if absent
   reward_model  {"style": "rule", "ground_truth": ...}; ground_truth is required, unless
                 the caller says it is optional (require_ground_truth=False: rows judged by
@@ -17,6 +19,7 @@ the validated row holds them under "prompt" either way.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, Iterator
 
 
@@ -24,11 +27,30 @@ def _where(source: str, index: int, line: int | None) -> str:
   return f"{source}: row {index}" + (f" (line {line})" if line is not None else "")
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _messages_in_text(text: str):
+  """Chat messages stored as JSON text (a parquet column written with json.dumps), or None
+  when the text is a plain prompt."""
+  stripped = text.strip()
+  if not (stripped.startswith("[") and stripped.endswith("]") and '"role"' in stripped):
+    return None
+  try:
+    value = json.loads(stripped)
+  except ValueError:
+    return None
+  return value if isinstance(value, list) and all(isinstance(m, dict) for m in value) else None
+
+
 def _normalize_prompt(prompt: Any, where: str, field: str = "prompt") -> list[dict]:
   if isinstance(prompt, str):
     if not prompt.strip():
       raise ValueError(f"{where}: field '{field}' is an empty string")
-    return [{"role": "user", "content": prompt}]
+    messages = _messages_in_text(prompt)
+    if messages is None:
+      return [{"role": "user", "content": prompt}]
+    prompt = messages  # checked below like any list of messages
   if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
     prompt = prompt.tolist()  # numpy object arrays, as pandas hands back list columns
   if not isinstance(prompt, (list, tuple)):
@@ -45,6 +67,9 @@ def _normalize_prompt(prompt: Any, where: str, field: str = "prompt") -> list[di
       if not isinstance(message.get(key), str):
         problem = "is missing" if message.get(key) is None else "must be a string"
         raise ValueError(f"{where}: field '{field}[{j}].{key}' {problem}")
+    if message["role"] not in ROLES:
+      raise ValueError(f"{where}: field '{field}[{j}].role' is {message['role']!r}, not one "
+                       f"of {ROLES}")
     messages.append(dict(message))
   return messages
 

@@ -2,12 +2,19 @@
 
 A bare config name resolves to the configs shipped in hflax/configs; a path works too.
 On CPU, HFLAX_CPU_DEVICES (default 2) simulated devices give each role its own mesh.
+Bad input is one line and exit status 2; HFLAX_DEBUG=1 adds the traceback.
 """
+import os
 import sys
+import traceback
 
 from hflax.xla_env import configure_cpu
 
-configure_cpu()  # before JAX starts: simulated CPU devices for per-model meshes
+try:
+  configure_cpu()  # before JAX starts: simulated CPU devices for per-model meshes
+except ValueError as e:
+  print(f"error: {e}", file=sys.stderr)
+  sys.exit(2)
 
 from hflax.launch.cli import BAD_INPUT, UsageError, load_config, one_line, print_help, \
     resolve_config_arg  # noqa: E402  (after configure_cpu)
@@ -30,6 +37,8 @@ def cli(argv: list[str], stderr=None) -> int:
     from hflax.launch.trainer import run as run_job
     run_job(cfg)
   except BAD_INPUT as e:
+    if os.environ.get("HFLAX_DEBUG") == "1":
+      traceback.print_exc(file=stderr)
     print(f"error: {one_line(e)}", file=stderr)
     return 2
   return 0

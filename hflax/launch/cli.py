@@ -62,6 +62,49 @@ def print_help(argv: list[str], usage: str) -> None:
   walk(module.get_config(), "")
 
 
+def _config_spec(args: list[str]) -> str | None:
+  for i, arg in enumerate(args):
+    if arg == "--config" and i + 1 < len(args):
+      return args[i + 1]
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+  return None
+
+
+def check_config_file(path: str, extra: str | None = None) -> None:
+  """A config file that does not run, or whose get_config() is missing or returns something
+  other than a ConfigDict: one line naming the file (and line), before its overrides are
+  applied to it."""
+  import importlib.util
+  import ml_collections
+  where = f"--config {path}"
+  try:
+    source = open(path, encoding="utf-8").read()
+    code = compile(source, path, "exec")
+  except OSError as e:
+    raise UsageError(f"{where}: cannot read it ({e.strerror})") from None
+  except (SyntaxError, ValueError) as e:
+    line = f" line {e.lineno}:" if getattr(e, "lineno", None) else ""
+    raise UsageError(f"{where}:{line} {type(e).__name__}: {getattr(e, 'msg', e)}") from None
+  module = importlib.util.module_from_spec(
+      importlib.util.spec_from_loader("hflax_config_check", loader=None))
+  module.__file__ = path
+  try:
+    exec(code, module.__dict__)  # noqa: S102 - the user's own config file, as absl runs it
+    get_config = module.__dict__.get("get_config")
+    if not callable(get_config):
+      raise UsageError(f"{where}: defines no get_config() function")
+    config = get_config() if extra is None else get_config(extra)  # file.py:extra
+  except UsageError:
+    raise
+  except Exception as e:  # noqa: BLE001 - the user's file failed: name it, not our stack
+    raise UsageError(f"{where}: running it raised {type(e).__name__}: "
+                     f"{' '.join(str(e).split())}") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise UsageError(f"{where}: get_config() returned {type(config).__name__}, not an "
+                     "ml_collections.ConfigDict (start from hflax.launch.config.base_config())")
+
+
 def load_config(argv: list[str]):
   """Parses --config and its overrides, --config.<field>=<value> or <field>=<value>, with
   hflax's or verl's names (a fresh flag set, so it can run twice)."""
@@ -71,6 +114,10 @@ def load_config(argv: list[str]):
   fv = flags.FlagValues()
   argv = translate_overrides(argv, log=lambda line: print(line, file=sys.stderr))
   args = ["hflax.launch", *resolve_config_arg(argv)]
+  spec = _config_spec(args)
+  if spec is not None:
+    path, _, extra = spec.partition(":")
+    check_config_file(path, extra or None)
   # config_flags learns which --config.* overrides exist from the argv it is given.
   holder = config_flags.DEFINE_config_file(
       "config", None, "config file", flag_values=fv, lock_config=True, sys_argv=args)

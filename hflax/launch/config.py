@@ -7,6 +7,7 @@ the actor and critic see `n` rows per prompt.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import ml_collections
 from ml_collections import config_dict
@@ -240,6 +241,25 @@ def _check_settings(c, fail) -> None:
     fail("actor.clip_ratio_c", f"dual-clip's bound must be > 1, got {c.actor.clip_ratio_c!r}")
 
 
+def _check_directories(c, fail) -> None:
+  """Directories the run writes: none may be an existing file (found before any work)."""
+  t = c.trainer
+  for field, path in (("trainer.run_dir", t.run_dir), ("trainer.rollout_data_dir",
+                                                       t.rollout_data_dir),
+                      ("trainer.validation_data_dir", t.validation_data_dir),
+                      ("trainer.sft_warmup.cache_dir", t.sft_warmup.cache_dir)):
+    if not path:
+      continue
+    path = os.path.expanduser(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+      fail(field, f"{path!r} is a file; the run writes a directory there")
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+      parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+      fail(field, f"{path!r} lies under {parent!r}, which is a file")
+
+
 def _check_models_and_rewards(c, fail) -> None:
   """LoRA, prompt length handling, reward and cost sources, placement kinds."""
   for section in ("model", "critic"):
@@ -330,6 +350,7 @@ def validate(c) -> None:
     fail("algorithm.adv_estimator", f"'gae' needs a critic, which {c.algorithm.name} has not")
   _check_settings(c, fail)
   _check_models_and_rewards(c, fail)
+  _check_directories(c, fail)
   if "cluster" in c:
     from hflax.launch.cluster import validate_cluster
     validate_cluster(c, fail, _check_int)

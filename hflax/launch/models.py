@@ -80,8 +80,11 @@ def check_adapter(cfg) -> None:
 def policy_model(cfg, vocab_size: int, tokenizer=None):
   """(model config, graphdef, state) of the initial policy: a checkpoint or the built-in."""
   if cfg.model.path:
-    return hf.load_checkpoint(cfg.model.path, param_dtype=cfg.model.param_dtype,
-                              dtype=cfg.model.dtype, remat=cfg.model.remat)
+    try:
+      return hf.load_checkpoint(cfg.model.path, param_dtype=cfg.model.param_dtype,
+                                dtype=cfg.model.dtype, remat=cfg.model.remat)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"config.model.path: {e}") from None
   model_cfg = builtin_config(cfg, vocab_size, tokenizer)
   return (model_cfg, *create(model_cfg, seed=cfg.trainer.seed))
 

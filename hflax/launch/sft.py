@@ -90,8 +90,14 @@ def sft_warmup(cfg, policy, tokenizer, rows, log=print):
   cache = warmup_cache_dir(cfg, model_cfg)
   if os.path.isfile(os.path.join(cache, "config.json")):
     log(f"sft warm-up: reusing {cache}")
-    return hf.load_checkpoint(cache, param_dtype=model_cfg.param_dtype, dtype=model_cfg.dtype,
-                              remat=model_cfg.remat)
+    try:
+      return hf.load_checkpoint(cache, param_dtype=model_cfg.param_dtype,
+                                dtype=model_cfg.dtype, remat=model_cfg.remat)
+    except (OSError, ValueError, KeyError) as e:
+      why = e.args[0] if isinstance(e, KeyError) and e.args else e
+      raise ValueError(f"config.trainer.sft_warmup.cache_dir: the cached warm-up {cache} "
+                       f"cannot be loaded ({why}); remove that directory to warm up "
+                       "again") from None
   tokens, mask, loss_mask = _examples(rows, tokenizer, cfg.data.max_prompt_length,
                                       cfg.data.max_response_length,
                                       cfg.data.chat_template_kwargs.to_dict())

@@ -78,7 +78,7 @@ class _TensorIndex:
         weight_map = json.load(f)["weight_map"]
       self.file_of = {k: os.path.join(path, v) for k, v in weight_map.items()}
     elif os.path.isfile(single):
-      with safe_open(single, "np") as f:
+      with _open(single) as f:
         self.file_of = {k: single for k in f.keys()}
     else:
       raise FileNotFoundError(
@@ -92,8 +92,17 @@ class _TensorIndex:
   def slice(self, name: str):
     file = self.file_of[name]
     if file not in self._handles:
-      self._handles[file] = safe_open(file, "np")
+      self._handles[file] = _open(file)
     return self._handles[file].get_slice(name)
+
+
+def _open(file: str):
+  """safe_open, with a damaged file (truncated, not safetensors) as one ValueError naming it."""
+  try:
+    return safe_open(file, "np")
+  except Exception as e:  # noqa: BLE001 - SafetensorError is not a ValueError
+    raise ValueError(f"{file}: not a readable safetensors file "
+                     f"({' '.join(str(e).split())})") from None
 
 
 def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: str | None = None,

@@ -31,7 +31,7 @@ from hflax.rewards.math_dapo import math_dapo
 from hflax.rewards.qa import qa_exact_match, qa_targets, tagged_answer
 from hflax.rewards.rules import (arithmetic_exact_match, arithmetic_ground_truth,
                                  arithmetic_last_integer, extract_gsm8k_answer, gsm8k,
-                                 last_integer, leading_integer)
+                                 gsm8k_ground_truth, last_integer, leading_integer)
 from hflax.rewards.verified_math import (math_verified, math_verify_available,
                                          require_math_verify, verified_answer)
 
@@ -108,7 +108,7 @@ _UNSUPPORTED = {
 
 # Rules whose ground truth has a required form, checked when the data loads.
 _GROUND_TRUTH_CHECKS: dict[RewardFn, Callable] = {
-    arithmetic_exact_match: arithmetic_ground_truth,
+    arithmetic_exact_match: arithmetic_ground_truth, gsm8k: gsm8k_ground_truth,
     arithmetic_last_integer: arithmetic_ground_truth,
     math_boxed: math_ground_truth, math_answer: math_ground_truth,
     math_dapo: math_ground_truth, prime_math: math_ground_truth, qa_exact_match: qa_targets}

@@ -79,6 +79,15 @@ def extract_gsm8k_answer(response_text: str, method: str = "strict") -> str | No
   return found[-1] if found else None
 
 
+def gsm8k_ground_truth(ground_truth) -> str:
+  """A GSM8K answer is a number (with thousands commas, as GSM8K writes them): anything
+  else could never equal an extracted answer, so every response would silently score 0."""
+  text = _clean_number(str(ground_truth).strip())
+  if not re.fullmatch(r"-?\d+(\.\d+)?", text):
+    raise ValueError(f"gsm8k ground truth must be a number, got {ground_truth!r}")
+  return text
+
+
 def gsm8k(response_text: str, ground_truth: str, extra_info: dict | None = None, *,
           method: str = "strict", format_score: float = 0.0, score: float = 1.0) -> float:
   """`score` for a correct answer, `format_score` for a parseable wrong one, 0 for none."""
