@@ -1,8 +1,10 @@
-"""A non-finite value stops the run loudly: the step and stage named, nothing of it saved
-or exported, and a rerun continues from the last good checkpoint."""
+"""Faults during a run: a non-finite value stops it loudly (the step and stage named,
+nothing of it saved or exported, a rerun continues from the last good checkpoint), and a
+damaged checkpoint is skipped for the one before."""
 import os
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from hflax import algorithms as alg
@@ -64,3 +66,40 @@ def test_the_cli_reports_it_in_one_line_with_status_2(tmp_path, capsys, monkeypa
   assert cli([]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: step 3: critic/advantages/")
+
+
+def _largest_data_file(step_dir):
+  files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir) for f in fs
+           if os.sep + "host" + os.sep not in os.path.join(d, f) + os.sep]
+  return max(files, key=os.path.getsize)
+
+
+def test_a_flipped_checkpoint_is_skipped_and_the_run_ends_where_an_uninterrupted_one_does(
+    tmp_path):
+  """Step 4's arrays damaged on disk: the rerun warns, sets it aside, resumes from step 2
+  and retrains 3 and 4 to the uninterrupted run's exported weights."""
+  from safetensors.numpy import load_file
+
+  def tiny(run):
+    c = config(tmp_path)
+    c.algorithm.adv_estimator = "grpo"
+    c.trainer.update(run_dir=str(tmp_path / run), keep=None)
+    return c
+  Trainer(tiny("straight"), log=lambda *_: None).fit()
+  Trainer(tiny("damaged"), log=lambda *_: None).fit()
+  path = _largest_data_file(tmp_path / "damaged" / "checkpoints" / "4")
+  data = bytearray(open(path, "rb").read())
+  middle = len(data) // 2
+  data[middle - 2048:middle + 2048] = bytes(b ^ 0xFF for b in data[middle - 2048:middle + 2048])
+  open(path, "wb").write(bytes(data))
+  lines = []
+  again = Trainer(tiny("damaged"), log=lines.append)
+  again.fit()
+  assert any(line.startswith("warning: skipping checkpoint") and "/4" in line for line in lines)
+  assert any("resumed from step 2" in line for line in lines)
+  assert os.path.isdir(tmp_path / "damaged" / "checkpoints" / "4.corrupt")
+  a = load_file(str(tmp_path / "straight" / "hf_actor" / "model.safetensors"))
+  b = load_file(str(tmp_path / "damaged" / "hf_actor" / "model.safetensors"))
+  assert a.keys() == b.keys()
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name])
