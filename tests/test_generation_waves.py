@@ -9,7 +9,7 @@ from hflax.controller import workers
 from hflax.launch.config import base_config, validate
 from hflax.launch.plan import workload
 from hflax.models import create
-from hflax.rollout import generation_waves
+from hflax.rollout import generation_waves, sampler
 from hflax.sharding import automap
 from hflax.sharding.automap.mesh import MeshShape
 from hflax.sharding.placement import build_placement
@@ -37,13 +37,13 @@ def make_actor(pool, mesh, t_g, cap, sampling=SAMPLING):
 @pytest.fixture
 def calls(monkeypatch):
   """The prompt rows of every generation program the actor runs."""
-  seen, real = [], workers._generate
+  seen, real = [], sampler._generate
 
   def spy(graphdef, state, tokens, *args, **kw):
     seen.append(tokens.shape[0])
     return real(graphdef, state, tokens, *args, **kw)
 
-  monkeypatch.setattr(workers, "_generate", spy)
+  monkeypatch.setattr(sampler, "_generate", spy)
   return seen
 
 
