@@ -7,7 +7,8 @@ import pytest
 
 from hflax.algorithms.drivers import Algorithm, register_algorithm, unregister_algorithm
 from hflax.controller.batch import Batch
-from hflax.launch.config import base_config, validate
+from hflax.launch.config import validate
+from tiny_config import get_config as tiny_config
 from hflax.launch.trainer import Trainer
 
 SEEN = []
@@ -41,16 +42,11 @@ def mean_baseline():
 
 
 def config(tmp_path):
-  c = base_config()
+  c = tiny_config()  # tests/tiny_config.py: a small model, 4 prompts x 2 samples
   c.algorithm.update(name="mean_baseline", adv_estimator="grpo")
-  c.rollout.n = 2
-  c.data.train_batch_size = 4
-  c.actor.ppo_mini_batch_size = 2
-  c.data.builtin.update(num_train=32, num_val=8)
-  c.data.val_batch_size = 8
-  c.model.builtin.update(hidden_size=32, intermediate_size=64, num_layers=1)
-  c.trainer.update(total_steps=2, save_every=2, val_every=2, devices=2,
-                   run_dir=str(tmp_path / "run"), log=("jsonl",), export_hf=False)
+  c.actor.use_kl_loss = False
+  c.trainer.update(total_steps=2, save_every=2, val_every=2, run_dir=str(tmp_path / "run"),
+                   export_hf=False)
   return c
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hflax import algorithms as alg
-from hflax.launch.config import base_config
+from tiny_config import get_config as tiny_config
 from hflax.launch.hooks import NonFinite
 from hflax.launch.trainer import Trainer
 
@@ -26,16 +26,9 @@ def _nan_on_third_call(batch, cfg):
 
 
 def config(tmp_path, **trainer):
-  c = base_config()
-  c.algorithm.update(name="grpo", adv_estimator="nan_on_third_call")
-  c.rollout.n = 2
-  c.data.train_batch_size = 4
-  c.actor.ppo_mini_batch_size = 2
-  c.data.builtin.update(num_train=32, num_val=8)
-  c.data.val_batch_size = 8
-  c.model.builtin.update(hidden_size=32, intermediate_size=64, num_layers=1)
-  c.trainer.update(total_steps=4, save_every=2, val_every=0, val_before_train=False,
-                   devices=2, run_dir=str(tmp_path / "run"), log=("jsonl",), **trainer)
+  c = tiny_config()  # tests/tiny_config.py: a small model, 4 prompts x 2 samples
+  c.algorithm.adv_estimator = "nan_on_third_call"
+  c.trainer.update(total_steps=4, run_dir=str(tmp_path / "run"), **trainer)
   return c
 
 
