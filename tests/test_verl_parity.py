@@ -173,17 +173,8 @@ def test_ray_defaults_are_rays_own_and_the_test_settings_are_the_tests():
 
 def test_the_gpu_extra_installs_what_the_kernel_imports():
   import ast
-  import runpy
-  import setuptools
-  captured, real = {}, setuptools.setup
-  setuptools.setup = lambda **kwargs: captured.update(kwargs)
-  cwd = os.getcwd()
-  try:
-    os.chdir(ROOT)
-    runpy.run_path(os.path.join(ROOT, "setup.py"))
-  finally:
-    setuptools.setup = real
-    os.chdir(cwd)
+  from test_metrics import _setup_kwargs  # setup.py's arguments, as setuptools gets them
+  captured = _setup_kwargs()
   imported = set()
   for name in os.listdir(os.path.join(ROOT, "hflax", "kernels")):
     if name.endswith(".py"):

@@ -41,15 +41,9 @@ def _resolve(spec: str) -> str:
 
 def print_help(argv: list[str], usage: str) -> None:
   """The usage, then every field of the chosen config (default ppo.py) with its value."""
-  import importlib.util
   print(usage.strip())
-  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-  if path is None and "--config" in argv and argv.index("--config") + 1 < len(argv):
-    path = argv[argv.index("--config") + 1]
-  path = (path or os.path.join(CONFIG_DIR, "ppo.py")).partition(":")[0]
-  spec = importlib.util.spec_from_file_location("hflax_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  path, _, extra = (_config_spec(argv) or os.path.join(CONFIG_DIR, "ppo.py")).partition(":")
+  config = run_config_file(path, extra or None)
   print(f"\nconfigs in {CONFIG_DIR}: {', '.join(_shipped())}")
   print(f"\noptions of {path} (override with --config.<field>=<value>):")
 
@@ -59,7 +53,7 @@ def print_help(argv: list[str], usage: str) -> None:
         walk(value, f"{prefix}{key}.")
       else:  # an empty ConfigDict's repr ends in a newline
         print(f"  --config.{prefix}{key}=" + ("{}" if hasattr(value, "items") else repr(value)))
-  walk(module.get_config(), "")
+  walk(config, "")
 
 
 def _config_spec(args: list[str]) -> str | None:
@@ -71,10 +65,10 @@ def _config_spec(args: list[str]) -> str | None:
   return None
 
 
-def check_config_file(path: str, extra: str | None = None) -> None:
-  """A config file that does not run, or whose get_config() is missing or returns something
-  other than a ConfigDict: one line naming the file (and line), before its overrides are
-  applied to it."""
+def run_config_file(path: str, extra: str | None = None):
+  """The ConfigDict a config file's get_config() returns. A file that does not run, or
+  whose get_config() is missing or returns something else, is one line naming the file
+  (and line)."""
   import importlib.util
   import ml_collections
   where = f"--config {path}"
@@ -103,6 +97,7 @@ def check_config_file(path: str, extra: str | None = None) -> None:
   if not isinstance(config, ml_collections.ConfigDict):
     raise UsageError(f"{where}: get_config() returned {type(config).__name__}, not an "
                      "ml_collections.ConfigDict (start from hflax.launch.config.base_config())")
+  return config
 
 
 def load_config(argv: list[str]):
@@ -115,9 +110,9 @@ def load_config(argv: list[str]):
   argv = translate_overrides(argv, log=lambda line: print(line, file=sys.stderr))
   args = ["hflax.launch", *resolve_config_arg(argv)]
   spec = _config_spec(args)
-  if spec is not None:
+  if spec is not None:  # one-line errors before absl runs the file to apply the overrides
     path, _, extra = spec.partition(":")
-    check_config_file(path, extra or None)
+    run_config_file(path, extra or None)
   # config_flags learns which --config.* overrides exist from the argv it is given.
   holder = config_flags.DEFINE_config_file(
       "config", None, "config file", flag_values=fv, lock_config=True, sys_argv=args)

@@ -25,6 +25,7 @@ from hflax.controller.ray_backend.group import (HostRole, WorkerGroup, build_gro
 from hflax.controller.ray_backend.session import SAFE_ENV, RaySession
 from hflax.controller.ray_backend.transport import to_host
 from hflax.controller.roles import Role, Roles
+from hflax.controller.workers import FunctionRewardWorker
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
@@ -100,7 +101,6 @@ class RayBackend:
     for role, scorer in ((Role.REWARD, plan.reward), (Role.COST, plan.cost)):
       fn = self._host_fns[role]
       if scorer is not None and out.get(role) is None and fn is not None:
-        from hflax.controller.workers import FunctionRewardWorker
         setattr(out, role.value, HostRole(FunctionRewardWorker(fn, output=scorer.output)))
     return out
 
