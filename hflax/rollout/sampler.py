@@ -74,14 +74,19 @@ def _pick(logits_BxV, key, params: SamplingParams, rows_B):
   Row r draws from fold_in(key, rows_B[r]), its index in the whole batch, so a row samples
   the same tokens whichever device, and beside whichever other rows, it is decoded.
   """
+  keys = None if params.greedy else jax.vmap(jax.random.fold_in, (None, 0))(key, rows_B)
+  return pick_with_keys(logits_BxV, keys, params)
+
+
+def pick_with_keys(logits_BxV, keys_B, params: SamplingParams):
+  """_pick with each row's own key (unused when greedy)."""
   scaled = logits_BxV if params.greedy else logits_BxV / params.temperature
   log_probs = jax.nn.log_softmax(scaled, axis=-1)
   if params.greedy:
     tokens = jnp.argmax(logits_BxV, axis=-1)
   else:
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, rows_B)
     tokens = jax.vmap(jax.random.categorical)(
-        keys, filter_logits(scaled, params.top_k, params.top_p))
+        keys_B, filter_logits(scaled, params.top_k, params.top_p))
   return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], -1)[:, 0]
 
 
@@ -125,10 +130,15 @@ def _segment_ends(max_new_tokens: int, segments: int) -> list[int]:
   return sorted({-(-max_new_tokens * (i + 1) // segments) for i in range(segments)})
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments", "mesh"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments", "mesh", "slots"))
 def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: SamplingParams,
-              segments: int = 1, live_B=None, mesh: Mesh | None = None, first_row=0):
-  """live_B (optional, bool [B]): False marks padding rows, born finished so that they
+              segments: int = 1, live_B=None, mesh: Mesh | None = None, first_row=0,
+              slots: int = 0):
+  """slots (optional): continuous batching, each device decoding at most that many rows
+  at once and giving a finished row's slot to the next (hflax.rollout.continuous);
+  0 decodes all of its rows together until the last ends.
+
+  live_B (optional, bool [B]): False marks padding rows, born finished so that they
   never keep the decode loop running.
 
   first_row: the index of prompt row 0 in a larger batch generated in waves; rows draw
@@ -143,7 +153,12 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   live_B = jnp.ones((B,), bool) if live_B is None else live_B.astype(bool)
   args = (state, prompts_BxP, prompt_mask_BxP.astype(bool), rng, live_B,
           first_row + jnp.arange(B))
-  decode = functools.partial(_decode, graphdef, params=params, segments=segments)
+  if slots:
+    from hflax.rollout import continuous  # it builds on this module
+    decode = functools.partial(continuous.decode_slots, graphdef, params=params,
+                               segments=segments, slots=slots)
+  else:
+    decode = functools.partial(_decode, graphdef, params=params, segments=segments)
   if mesh is None or mesh.shape.get("data", 1) == 1:
     return decode(*args)
   if B % mesh.shape["data"]:
@@ -204,7 +219,11 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
     carry = jax.lax.while_loop(cond, body, (step, cache, kv_valid, *rest))
   *_, out_tokens, out_logp, out_mask = carry
 
-  prompts, prompt_mask = widen(prompts_BxP), widen(prompt_mask_BxP)
+  return outputs(widen(prompts_BxP), widen(prompt_mask_BxP), out_tokens, out_logp, out_mask)
+
+
+def outputs(prompts, prompt_mask, out_tokens, out_logp, out_mask) -> dict:
+  """The sampler's result fields from its prompt rows and response arrays."""
   attention_mask = jnp.concatenate([prompt_mask, out_mask], axis=1)
   return {
       "prompts": prompts,
@@ -234,7 +253,8 @@ def _check_left_padded(mask):
                      "come first and the prompt must end at the last column; see left_pad)")
 
 
-def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devices=None):
+def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devices=None,
+             slots: int = 0):
   """Samples continuations.
 
   Args:
@@ -248,6 +268,8 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
       replicated on each; `replicate(state, devices)` places them once, so that calls do
       not copy them. On a CPU host, one device per core (`jax_num_cpu_devices`) puts
       every core to work on large batches. Default: wherever the inputs are.
+    slots: continuous batching with this many decode slots per device (0: off); the
+      result is the same, rows of very different lengths are done sooner.
   Returns:
     A dict of arrays with B * n rows: prompts/prompt_mask [., P], responses/response_mask
     and rollout_log_probs [., max_new_tokens], input_ids/attention_mask/position_ids
@@ -262,20 +284,29 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
     if not params.greedy:
       raise ValueError("sampling with temperature > 0 needs an rng key")
     rng = jax.random.key(0)
+  _check_slots(slots)
   if devices is None or len(devices) == 1:
     if devices:
       state, tokens, mask = jax.device_put((state, tokens, mask), devices[0])
     return _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool),
-                     rng, params=params, segments=decode_segments(params.max_new_tokens))
+                     rng, params=params, segments=decode_segments(params.max_new_tokens),
+                     slots=min(slots, len(tokens) * params.n))
   mesh = _rows_mesh(devices)
   return generate_over_rows(graphdef, replicate(state, devices), np.asarray(tokens, np.int32),
-                            np.asarray(mask, bool), rng, params, mesh)
+                            np.asarray(mask, bool), rng, params, mesh, slots=slots)
+
+
+def _check_slots(slots):
+  if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 0:
+    raise ValueError(f"slots must be an integer >= 0 (0: no continuous batching), got {slots!r}")
 
 
 def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: SamplingParams,
-                       mesh: Mesh, wave_rows: int = 0, collect=None) -> dict:
+                       mesh: Mesh, wave_rows: int = 0, collect=None, slots: int = 0) -> dict:
   """Generation split over the rows of `mesh`'s "data" axis (state already placed on it),
-  in waves of `wave_rows` prompt rows (0: one wave of all of them).
+  in waves of `wave_rows` prompt rows (0: one wave of all of them); with `slots`, each
+  device decodes its rows of a wave continuously in that many slots (sequences, n per
+  prompt), the actor's max_num_seqs, so one wave of all rows is then the natural choice.
 
   The prompts are padded to a whole number of waves, each a multiple of the data width,
   with finished copies of real rows (never empty, so no NaN); each wave's KV cache is
@@ -283,6 +314,7 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
   home) takes its rows as they come. Rows draw by their index in the whole batch, so the
   waves draw what one call would have. Returns B * n rows, the padding's dropped.
   """
+  _check_slots(slots)
   count = tokens_BxP.shape[0]
   size = wave_rows or count
   size += -size % mesh.shape["data"]
@@ -290,6 +322,7 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
   take = np.arange(count + pad) % count  # padding rows repeat real ones
   live = np.arange(count + pad) < count
   rows = NamedSharding(mesh, PartitionSpec("data"))
+  slots = min(int(slots), size // mesh.shape["data"] * params.n)  # more would idle
   segments = decode_segments(params.max_new_tokens)
   collect = collect or (lambda x: x)
   waves = []
@@ -299,7 +332,7 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
         (tokens_BxP[pick], mask_BxP[pick], live[start:start + size]), rows)
     waves.append(collect(_generate(graphdef, state, tokens, mask, rng, params=params,
                                    segments=segments, live_B=live_B, mesh=mesh,
-                                   first_row=start)))
+                                   first_row=start, slots=slots)))
   out = {k: jnp.concatenate([w[k] for w in waves]) if len(waves) > 1 else waves[0][k]
          for k in waves[0]}
   return {k: v[:count * params.n] for k, v in out.items()} if pad else out
