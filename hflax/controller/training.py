@@ -35,6 +35,15 @@ class UpdateConfig:
   micro_batch_size: int | None = None  # rows per gradient-accumulation unit (None: no split)
   epochs: int = 1
   shuffle: bool = False
+  # Packed passes (verl's use_remove_padding): sequences laid end to end, no padding.
+  remove_padding: bool = False
+  # Tokens per device per micro-batch (verl's ppo_max_token_len_per_gpu, with
+  # use_dynamic_bsz): micro-batches cut by tokens instead of rows; packs the update.
+  max_token_len: int = 0
+
+  @property
+  def packed(self) -> bool:
+    return self.remove_padding or self.max_token_len > 0
 
 
 SCHEDULES = ("constant", "cosine")
@@ -88,6 +97,37 @@ def trained_part(params, trainable=None):
   return nnx.split_state(params, trainable, ...)
 
 
+def _weighted_grads(loss_fn: Callable, weight_fn: Callable | None, trainable):
+  """grads(params, rows) -> (w * gradient of the trained part, w * metrics, w)."""
+
+  def grads(params, rows):
+    trained, frozen = trained_part(params, trainable)
+    whole = (lambda t: t) if frozen is None else (lambda t: nnx.merge_state(frozen, t))
+    (_, metrics), g = jax.value_and_grad(lambda t: loss_fn(whole(t), rows), has_aux=True)(trained)
+    w = jnp.float32(1.0) if weight_fn is None else jnp.asarray(weight_fn(rows), jnp.float32)
+    scale = lambda tree: jax.tree.map(lambda x: w * x, tree)  # noqa: E731
+    return scale(g), scale(metrics), w
+
+  return grads
+
+
+def _apply(tx, trainable):
+  """apply(params, opt_state, (weighted gradient sums, weighted metric sums, total weight))."""
+
+  def apply(params, opt_state, sums):
+    grads, metrics, total = sums
+    trained, frozen = trained_part(params, trainable)
+    total = jnp.where(total > 0, total, 1.0)  # nothing to learn from: the gradients are 0
+    grads = jax.tree.map(lambda g: g / total, grads)
+    metrics = jax.tree.map(lambda m: m / total, metrics)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, opt_state, trained)
+    trained = optax.apply_updates(trained, updates)
+    return (trained if frozen is None else nnx.merge_state(frozen, trained)), opt_state, metrics
+
+  return apply
+
+
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_batches: int,
                     weight_fn: Callable | None = None, trainable=None):
   """step(params, opt_state, rows) -> (params, opt_state, metrics).
@@ -99,31 +139,38 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_b
   it every micro-batch counts equally. With `trainable` (see trained_part) only that part
   has gradients and optimizer state (`tx.init` of it); the rest passes through as is.
   """
+  grads_of, apply = _weighted_grads(loss_fn, weight_fn, trainable), _apply(tx, trainable)
 
   def step(params, opt_state, rows):
-    trained, frozen = trained_part(params, trainable)
-    whole = (lambda t: t) if frozen is None else (lambda t: nnx.merge_state(frozen, t))
     # Micro-batch m takes rows m, m + k, m + 2k, ...: every device keeps its own rows.
     micro = jax.tree.map(
         lambda x: x.reshape(-1, micro_batches, *x.shape[1:]).swapaxes(0, 1), rows)
-    grad_fn = jax.value_and_grad(lambda t, one: loss_fn(whole(t), one), has_aux=True)
+    first = jax.tree.map(lambda x: x[0], micro)
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grads_of, params, first))
 
-    def accumulate(grads, one):
-      (_, metrics), g = grad_fn(trained, one)
-      w = jnp.float32(1.0) if weight_fn is None else jnp.asarray(weight_fn(one), jnp.float32)
-      return jax.tree.map(lambda a, b: a + w * b, grads, g), (metrics, w)
+    def accumulate(sums, one):
+      return add_sums(sums, grads_of(params, one)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, trained)
-    grads, (metrics, weights) = jax.lax.scan(accumulate, zeros, micro)
-    total = jnp.sum(weights)
-    total = jnp.where(total > 0, total, 1.0)  # nothing to learn from: the gradients are 0
-    grads = jax.tree.map(lambda g: g / total, grads)
-    metrics = jax.tree.map(lambda m: jnp.tensordot(weights, m, axes=1) / total, metrics)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, opt_state, trained)
-    return whole(optax.apply_updates(trained, updates)), opt_state, metrics
+    sums, _ = jax.lax.scan(accumulate, zeros, micro)
+    return apply(params, opt_state, sums)
 
   return step
+
+
+def make_micro_step(loss_fn: Callable, weight_fn: Callable | None = None, trainable=None):
+  """micro(params, rows) -> one micro-batch's weighted sums, for micro-batches of varying
+  shapes (packed, token-budget) run one program call each; add_sums them and finish
+  with make_apply_step. Weighted as make_train_step, so the optimizer step is the same."""
+  return _weighted_grads(loss_fn, weight_fn, trainable)
+
+
+def make_apply_step(tx: optax.GradientTransformation, trainable=None):
+  """apply(params, opt_state, sums) -> (params, opt_state, metrics)."""
+  return _apply(tx, trainable)
+
+
+def add_sums(a, b):
+  return jax.tree.map(jnp.add, a, b)
 
 
 def mini_batch_order(rows: int, cfg: UpdateConfig, seed: int) -> list[np.ndarray]:
