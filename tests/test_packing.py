@@ -81,3 +81,116 @@ def test_pack_refuses_rows_too_short():
   mask = rollout_mask([2, 3], [4, 1], 3, 4)
   with pytest.raises(ValueError, match="do not fit"):
     pack(mask, 4, [[0, 1]], length=8)
+
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+            num_kv_heads=2)
+
+
+def unequal_rollout(rows=8, prompt_width=6, response_width=24, seed=0):
+  """One long response, the others 3 tokens; prompts of varied lengths, left-padded."""
+  rng = np.random.default_rng(seed)
+  responses = [response_width] + [3] * (rows - 1)
+  prompts = rng.integers(2, prompt_width + 1, rows)
+  mask = rollout_mask(prompts, responses, prompt_width, response_width)
+  tokens = np.where(mask > 0, rng.integers(1, 64, mask.shape), 0).astype(np.int32)
+  response_mask = mask[:, prompt_width:].astype(np.float32)
+  return tokens, mask, response_mask
+
+
+def test_packed_log_probs_equal_the_padded_path():
+  from hflax.models import ModelConfig, create
+  from hflax.models.logprobs import packed_log_probs, sequence_log_probs
+  graphdef, state = create(ModelConfig(**TINY), seed=0)
+  tokens, mask, _ = unequal_rollout()
+  width = 24
+  want_logp, want_ent = sequence_log_probs(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
+                                           temperature=0.7, last=width)
+  for plans in (micro_batch_plans(mask, width, multiple=1),
+                micro_batch_plans(mask, width, multiple=2, budget=32)):
+    logp, ent = 0.0, 0.0
+    for plan in plans:
+      packed = jnp.asarray(tokens.reshape(-1)[plan.token_index] * (plan.segment_ids > 0))
+      lp, en = packed_log_probs(graphdef, state, packed, jnp.asarray(plan.segment_ids),
+                                jnp.asarray(plan.response_index), jnp.asarray(plan.response_valid),
+                                temperature=0.7)
+      logp, ent = logp + lp, ent + en
+    np.testing.assert_allclose(logp, want_logp, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(ent, want_ent, atol=2e-5, rtol=1e-5)
+  assert sum(p.computed for p in plans) < mask.size / 2  # and the packing saved the padding
+
+
+def grpo_actor(update, devices=2, remove_padding=False):
+  from hflax.algorithms.objectives import actor_loss
+  from hflax.controller.training import OptimConfig
+  from hflax.controller.workers import ActorRolloutWorker
+  from hflax.models import ModelConfig, create
+  from hflax.rollout import SamplingParams
+  from hflax.sharding.placement import build_placement, colocated
+  placed = build_placement(colocated(["actor"], devices))
+  loss = actor_loss({"loss_agg_mode": "token-mean", "clip_ratio": 0.2, "entropy_coeff": 0.01})
+  return ActorRolloutWorker(placed["actor"], *create(ModelConfig(**TINY), seed=0),
+                            sampling=SamplingParams(max_new_tokens=4, n=1), loss_fn=loss,
+                            optim=OptimConfig(lr=1e-2), update=update,
+                            remove_padding=remove_padding)
+
+
+def grpo_batch(response_width=100, rows=8):
+  """1 row with a 100-token response, the others 3; 4-token prompts left-padded to 6."""
+  from hflax.controller.batch import Batch
+  rng = np.random.default_rng(1)
+  mask = rollout_mask([4] * rows, [response_width] + [3] * (rows - 1), 6, response_width)
+  tokens = np.where(mask > 0, rng.integers(1, 64, mask.shape), 0).astype(np.int32)
+  response_mask = mask[:, 6:].astype(np.float32)
+  old = np.where(response_mask > 0, rng.normal(-4.0, 0.3, response_mask.shape), 0)
+  advantages = rng.normal(size=(rows, 1)) * response_mask
+  return Batch({"input_ids": jnp.asarray(tokens), "attention_mask": jnp.asarray(mask),
+                "responses": jnp.asarray(tokens[:, 6:]), "response_mask": jnp.asarray(response_mask),
+                "old_log_probs": jnp.asarray(old, jnp.float32),
+                "advantages": jnp.asarray(advantages, jnp.float32)})
+
+
+def assert_same_update(a, b, metrics_a, metrics_b):
+  for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl",
+              "actor/pg_clipfrac"):
+    np.testing.assert_allclose(float(metrics_a[key]), float(metrics_b[key]), rtol=1e-4,
+                               atol=1e-6, err_msg=key)
+  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+    # Adam at lr 1e-2 turns float noise in near-zero gradients into ~lr/100 steps.
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4)
+
+
+def test_packed_grpo_update_equals_the_padded_one():
+  from hflax.controller.training import UpdateConfig
+  batch = grpo_batch()
+  padded = grpo_actor(UpdateConfig(mini_batch_size=8, micro_batch_size=4))
+  packed = grpo_actor(UpdateConfig(mini_batch_size=8, micro_batch_size=4, remove_padding=True),
+                      remove_padding=True)
+  # The log-prob passes agree (before the updates, which leave float noise in the weights).
+  np.testing.assert_allclose(np.asarray(packed.compute_log_prob(batch)["old_log_probs"]),
+                             np.asarray(padded.compute_log_prob(batch)["old_log_probs"]),
+                             atol=2e-5, rtol=1e-5)
+  want = padded.update_actor(batch).meta["metrics"]
+  got = packed.update_actor(batch).meta["metrics"]
+  assert_same_update(packed, padded, got, want)
+  # Row groups {0, 2, 4, 6}: [104] and [7, 7, 7] in 2 rows of 106 (the padded width caps
+  # the 128 bucket); {1, 3, 5, 7}: 28 tokens in 2 rows of 32 (one per device). The padded
+  # path computes 8 x 106 = 848.
+  assert float(got["actor/update_tokens"]) == 104 + 7 * 7
+  assert float(got["actor/update_padded_tokens"]) == 2 * 106 + 2 * 32 - 153
+
+
+def test_token_budget_micro_batches_do_not_change_the_step():
+  from hflax.controller.training import UpdateConfig
+  batch = grpo_batch()
+  whole = grpo_actor(UpdateConfig(mini_batch_size=8, remove_padding=True))
+  want = whole.update_actor(batch).meta["metrics"]
+  for budget, micro_batches, padded in ((112, 1, 2 * 112 - 153), (104, 2, 4 * 104 - 153)):
+    actor = grpo_actor(UpdateConfig(mini_batch_size=8, max_token_len=budget))
+    got = actor.update_actor(batch).meta["metrics"]
+    assert_same_update(actor, whole, got, want)
+    assert float(got["actor/update_micro_batches"]) == micro_batches
+    assert float(got["actor/update_padded_tokens"]) == padded
+  with pytest.raises(ValueError, match=r"^actor.ppo_max_token_len_per_gpu: 100 tokens is less "
+                                       r"than the longest sequence \(104 tokens\)"):
+    grpo_actor(UpdateConfig(mini_batch_size=8, max_token_len=100)).update_actor(batch)

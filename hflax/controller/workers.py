@@ -17,13 +17,15 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from hflax.controller.batch import Batch
+from hflax.controller.packing import micro_batch_plans
 from hflax.controller.protocol import LIVE_ROWS, Protocol, replicated, transfer
-from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
+from hflax.controller.training import (OptimConfig, UpdateConfig, add_sums, learning_rate,
+                                       make_apply_step, make_micro_step, make_optimizer,
                                        make_train_step, mini_batch_order,
                                        train_compiler_options, trained_part)
 from hflax.models.lora import (base_config, merged_kernels, split_adapters, split_for_merge,
                                trainable_filter)
-from hflax.models.logprobs import sequence_log_probs
+from hflax.models.logprobs import packed_log_probs, sequence_log_probs
 from hflax.models.transformer import create_abstract, forward
 from hflax.rewards.scorer import last_token_scores
 from hflax.rollout.sampler import SamplingParams, generate_over_rows
@@ -41,7 +43,7 @@ class RoleWorker:
 
   def __init__(self, placement: RolePlacement, graphdef, state, *, home=None,
                optim: OptimConfig | None = None, update: UpdateConfig | None = None,
-               seed: int = 0):
+               seed: int = 0, remove_padding: bool = False, log_prob_max_token_len: int = 0):
     self.placement, self.mesh, self.graphdef = placement, placement.mesh, graphdef
     model = nnx.merge(graphdef, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
@@ -54,6 +56,10 @@ class RoleWorker:
     self.home = home or SingleDeviceSharding(placement.pool.devices[0])
     self.rows_sharding = batch_sharding(self.mesh)
     self.update_cfg, self.seed, self.updates, self.optimizer_steps = update, seed, 0, 0
+    # Forward passes on packed rows (verl's use_remove_padding), cut by tokens per device
+    # when log_prob_max_token_len is set (verl's log_prob_max_token_len_per_gpu).
+    self.remove_padding = remove_padding or log_prob_max_token_len > 0
+    self.log_prob_max_token_len = log_prob_max_token_len
     # With LoRA adapters only they are trained (and have optimizer state).
     self.trainable = trainable_filter(self.cfg, model.head)
     self.opt_state = None  # roles that train get one below
@@ -181,10 +187,113 @@ class RoleWorker:
       history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps))})
       self.optimizer_steps += 1
     self.updates += 1
+    return self._train_metrics(history)
+
+  def _train_packed(self, name: str, loss_fn: Callable, rows: dict, batch: Batch,
+                    weight_fn: Callable | None = None) -> Batch:
+    """_train on packed micro-batches: loss_fn(params, fields) reads the packed rows
+    (fields "packed_tokens", "segment_ids", "response_index", "response_valid") and the
+    mini-batch's [rows, width] fields, response_mask keeping this micro-batch's rows.
+
+    Micro-batches are today's row groups, or with update.max_token_len (verl's
+    use_dynamic_bsz) cut by tokens; either way weighted as _train, so the optimizer step
+    is the padded path's. Each micro-batch is one call of a program compiled per bucketed
+    packed shape (controller.packing)."""
+    cfg, dp = self.update_cfg, self.data_parallel_rows
+    live_rows = batch.meta.get(LIVE_ROWS, len(batch))
+    if "response_mask" not in rows:
+      raise KeyError(f"{self.placement.role}.{name}: updates need the 'response_mask' field")
+    mask = np.asarray(batch["attention_mask"])  # the plan needs the lengths on the host
+    width = _response_width(batch)
+    micro, apply, add = self._packed_steps(name, loss_fn, weight_fn)
+    cuts = cfg.mini_batch_size // (cfg.micro_batch_size or cfg.mini_batch_size)
+    history = []
+    for index in mini_batch_order(live_rows, cfg, self.seed + self.updates):
+      padded = -len(index) % dp
+      live = np.concatenate([np.ones(len(index), np.float32), np.zeros(padded, np.float32)])
+      index = np.concatenate([index, np.zeros(padded, index.dtype)]).astype(np.int32)
+      groups = None if cfg.max_token_len else [np.arange(m, len(index), cuts) for m in range(cuts)]
+      plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), width,
+                                multiple=dp, budget=cfg.max_token_len, groups=groups,
+                                field=f"{self.placement.role}.ppo_max_token_len_per_gpu")
+      sums = None
+      for plan in plans:
+        one = micro(self.params, rows, index, live, plan.arrays())
+        sums = one if sums is None else add(sums, one)
+      self.params, self.opt_state, metrics = apply(self.params, self.opt_state, sums)
+      tokens, computed = sum(p.tokens for p in plans), sum(p.computed for p in plans)
+      history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps)),
+                      "update_tokens": jnp.float32(tokens),
+                      "update_padded_tokens": jnp.float32(computed - tokens),
+                      "update_micro_batches": jnp.float32(len(plans))})
+      self.optimizer_steps += 1
+    self.updates += 1
+    return self._train_metrics(history)
+
+  def _packed_steps(self, name: str, loss_fn: Callable, weight_fn: Callable | None):
+    """(micro, apply, add) programs of a packed update; micro recompiles per plan shape."""
+    key = ("packed", name)
+    if key not in self._steps:
+      grads_of = make_micro_step(loss_fn, weight_fn, self.trainable)
+      rows_sharding, rep = self.rows_sharding, replicated(self.mesh)
+
+      def micro(params, all_rows, index, live, plan):
+        mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
+        keep = (live * plan["member"]).astype(mini["response_mask"].dtype)
+        mini["response_mask"] = mini["response_mask"] * keep[:, None]
+        tokens = jnp.take(mini["input_ids"].reshape(-1), plan["token_index"])
+        fields = {**jax.lax.with_sharding_constraint(mini, rows_sharding),
+                  "packed_tokens": jnp.where(plan["segment_ids"] > 0, tokens, 0),
+                  "segment_ids": plan["segment_ids"], "response_index": plan["response_index"],
+                  "response_valid": plan["response_valid"]}
+        return grads_of(params, fields)
+
+      options = train_compiler_options(self.mesh.devices.flat)
+      opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+      self._steps[key] = (
+          jax.jit(self._on_mesh(micro), in_shardings=(self.shardings, rows_sharding, rep, rep, rep),
+                  compiler_options=options),
+          jax.jit(self._on_mesh(make_apply_step(self.tx, self.trainable)), donate_argnums=(0, 1),
+                  out_shardings=(self.shardings, opt_shardings, rep), compiler_options=options),
+          jax.jit(add_sums, donate_argnums=(0,)))
+    return self._steps[key]
+
+  def _train_metrics(self, history: list[dict]) -> Batch:
     first = {f"{k}_first_minibatch": v for k, v in history[0].items() if k in ("ppo_kl", "pg_clipfrac")}
     averaged = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
     return Batch(meta={"metrics": {f"{self.prefix}/{k}": v
                                    for k, v in {**averaged, **first}.items()}})
+
+  def _packed_forward(self, fn: Callable, rows: dict, batch: Batch):
+    """fn(params, packed fields) -> [B, W] arrays, 0 outside its plan's rows, summed over
+    the plans of the batch (one, or token-budget cuts)."""
+    live_rows = batch.meta.get(LIVE_ROWS, len(batch))
+    mask = np.asarray(batch["attention_mask"]).copy()
+    mask[live_rows:] = 0  # the rows padding the batch to the data-parallel size
+    plans = micro_batch_plans(mask, _response_width(batch), multiple=self.data_parallel_rows,
+                              budget=self.log_prob_max_token_len,
+                              field=f"{self.placement.role}.log_prob_max_token_len_per_gpu")
+    program = self._jit_packed(fn)
+    total = None
+    for plan in plans:
+      out = program(self.params, rows, plan.arrays())
+      total = out if total is None else jax.tree.map(jnp.add, total, out)
+    return total
+
+  @functools.cached_property
+  def _jit_packed(self):
+    rows_sharding, rep = self.rows_sharding, replicated(self.mesh)
+
+    def build(fn):
+      def packed(params, rows, plan):
+        tokens = jnp.take(rows["input_ids"].reshape(-1), plan["token_index"])
+        return fn(params, {"packed_tokens": jnp.where(plan["segment_ids"] > 0, tokens, 0),
+                           "segment_ids": plan["segment_ids"],
+                           "response_index": plan["response_index"],
+                           "response_valid": plan["response_valid"]})
+      return jax.jit(self._on_mesh(packed), in_shardings=(self.shardings, rows_sharding, rep),
+                     out_shardings=rows_sharding)
+    return functools.lru_cache(maxsize=None)(build)
 
 
 def _response_width(batch: Batch) -> int:
@@ -271,6 +380,10 @@ class ActorRolloutWorker(RoleWorker):
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
   def compute_log_prob(self, rows, batch):
+    if self.remove_padding:
+      logp, entropy = self._packed_forward(_packed_log_probs_fn(self.graphdef, self.temperature),
+                                           rows, batch)
+      return {"old_log_probs": logp, "entropy": entropy}
     fn = self._jit_rows(_log_probs_fn(self.graphdef, _response_width(batch), self.temperature))
     logp, entropy = fn(self.params, rows)
     return {"old_log_probs": logp, "entropy": entropy}
@@ -289,6 +402,10 @@ class ActorRolloutWorker(RoleWorker):
     if self.trainable is None:
       raise ValueError("actor.compute_ref_log_prob needs LoRA adapters (model.lora_rank > 0); "
                        "without them the reference policy is a role of its own")
+    if self.remove_padding:
+      logp, _ = self._packed_forward(
+          _base_packed_log_probs_fn(self.base_graphdef, self.temperature), rows, batch)
+      return {"ref_log_prob": logp}
     fn = self._jit_rows(_base_log_probs_fn(self.base_graphdef, _response_width(batch),
                                            self.temperature))
     logp, _ = fn(self.params, rows)
@@ -319,6 +436,11 @@ class ActorRolloutWorker(RoleWorker):
     for k in self.loss_fields:  # e.g. ref_log_prob for a KL loss
       rows[k] = jax.device_put(batch[k], self.rows_sharding)
     width, temperature, graphdef, loss = _response_width(batch), self.temperature, self.graphdef, self.loss_fn
+    weight_fn = getattr(loss, "micro_batch_weight", None)
+    if self.update_cfg.packed:
+      packed = _packed_log_probs_fn(graphdef, temperature)
+      return self._train_packed("update_actor", lambda p, f: loss(*packed(p, f), f), rows, batch,
+                                weight_fn)
 
     def loss_fn(params, fields):
       logp, entropy = sequence_log_probs(graphdef, params, fields["input_ids"],
@@ -326,8 +448,7 @@ class ActorRolloutWorker(RoleWorker):
                                          last=width)
       return loss(logp, entropy, fields)
 
-    return self._train("update_actor", loss_fn, rows, batch,
-                       getattr(loss, "micro_batch_weight", None))
+    return self._train("update_actor", loss_fn, rows, batch, weight_fn)
 
 
 class ReferenceWorker(RoleWorker):
@@ -339,6 +460,10 @@ class ReferenceWorker(RoleWorker):
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
   def compute_ref_log_prob(self, rows, batch):
+    if self.remove_padding:
+      logp, _ = self._packed_forward(_packed_log_probs_fn(self.graphdef, self.temperature),
+                                     rows, batch)
+      return {"ref_log_prob": logp}
     fn = self._jit_rows(_log_probs_fn(self.graphdef, _response_width(batch), self.temperature))
     logp, _ = fn(self.params, rows)
     return {"ref_log_prob": logp}
@@ -385,6 +510,21 @@ def _log_probs_fn(graphdef, width: int, temperature: float):
     return sequence_log_probs(graphdef, params, rows["input_ids"], rows["attention_mask"],
                               temperature=temperature, last=width)
   return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_log_probs_fn(graphdef, temperature: float):
+  def fn(params, fields):
+    return packed_log_probs(graphdef, params, fields["packed_tokens"], fields["segment_ids"],
+                            fields["response_index"], fields["response_valid"],
+                            temperature=temperature)
+  return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _base_packed_log_probs_fn(base_graphdef, temperature: float):
+  inner = _packed_log_probs_fn(base_graphdef, temperature)
+  return lambda params, fields: inner(split_adapters(params)[1], fields)
 
 
 @functools.lru_cache(maxsize=None)

@@ -71,3 +71,22 @@ def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: fl
     return logp, ent
   zero = jnp.zeros_like(logp[:, :1])
   return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, ent], axis=1)
+
+
+def packed_log_probs(graphdef, state, tokens_RxL, segment_ids_RxL, response_index_BxW,
+                     response_valid_BxW, *, temperature: float = 1.0, chunk: int = 128):
+  """sequence_log_probs(..., last=W) of sequences packed into rows (hflax.controller.packing).
+
+  tokens/segment ids [R, L] are the packed rows; response_index [B, W] is the flat packed
+  index (r * L + l) of each response token. Only response tokens are projected onto the
+  vocabulary, from the hidden state before each in its packed row. Returns [B, W], 0 where
+  response_valid is False.
+  """
+  model, hidden = forward(graphdef, state, tokens_RxL, segment_ids_RxL > 0,
+                          segment_ids_BxT=segment_ids_RxL)
+  flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+  before = jnp.maximum(response_index_BxW - 1, 0)
+  logp, ent = hidden_log_probs(model, jnp.take(flat_hidden, before, axis=0),
+                               jnp.take(tokens_RxL.reshape(-1), response_index_BxW, axis=0),
+                               temperature=temperature, chunk=chunk)
+  return jnp.where(response_valid_BxW, logp, 0.0), jnp.where(response_valid_BxW, ent, 0.0)
