@@ -1,0 +1,116 @@
+"""Continuous batching (slots) samples exactly what the wave sampler does."""
+import jax
+import numpy as np
+import pytest
+
+from hflax.models import ModelConfig, create
+from hflax.rollout import SamplingParams, generate
+from hflax.rollout.sampler import _rows_mesh, compiled_variants, generate_over_rows, left_pad
+
+CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, qk_norm=True)
+N = 48  # 2 cache-growth segments
+
+
+@pytest.fixture(scope="module")
+def model():
+  return create(CFG, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rs = np.random.RandomState(0)  # left-padded to 16, from 1 to 13 tokens
+  return [rs.randint(3, 96, size=n).tolist() for n in (5, 13, 1, 8, 3, 11, 7)]
+
+
+@pytest.fixture(scope="module")
+def eos_ids(model, prompts):
+  """End tokens that stop rows greedily at very different steps, some never."""
+  free = np.asarray(generate(*model, prompts, SamplingParams(max_new_tokens=N, temperature=0))
+                    ["responses"])
+  ends = (int(free[0, 2]), int(free[3, 9]))
+  params = SamplingParams(max_new_tokens=N, temperature=0, eos_ids=ends)
+  lengths = np.asarray(generate(*model, prompts, params)["response_length"])
+  assert lengths.min() <= 10 and lengths.max() == N, lengths  # the skew the tests rely on
+  return ends
+
+
+def assert_same(got, want):
+  assert set(got) == set(want)
+  for key in want:
+    assert got[key].shape == want[key].shape, key
+    if key == "rollout_log_probs":
+      np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), atol=1e-6)
+    else:
+      np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
+
+
+def sampling_cases(eos_ids):
+  return [SamplingParams(max_new_tokens=N, temperature=0, eos_ids=eos_ids),
+          SamplingParams(max_new_tokens=N, temperature=1.0, n=2, eos_ids=eos_ids),
+          SamplingParams(max_new_tokens=N, temperature=0.7, top_k=10, top_p=0.8, n=3,
+                         eos_ids=eos_ids)]
+
+
+@pytest.mark.parametrize("case, slots", [(0, 1), (0, 3), (1, 3), (2, 4), (2, 64)])
+def test_slots_sample_what_waves_do(model, prompts, eos_ids, case, slots):
+  params = sampling_cases(eos_ids)[case]
+  key = jax.random.key(11)
+  want = generate(*model, prompts, params, rng=key)
+  got = generate(*model, prompts, params, rng=key, slots=slots)
+  assert_same(got, want)
+  lengths = np.asarray(want["response_length"])
+  assert lengths.max() == N and lengths.min() < N // 2  # rows end far apart
+
+
+def test_rows_ending_at_their_first_token_or_step(model, prompts):
+  """Rows that never need a slot (ended by their first token) and max_new_tokens=1."""
+  first = np.asarray(generate(*model, prompts, SamplingParams(max_new_tokens=1, temperature=0))
+                     ["responses"])[:, 0]
+  for params in (SamplingParams(max_new_tokens=6, temperature=0, eos_ids=(int(first[1]),)),
+                 SamplingParams(max_new_tokens=6, temperature=0, eos_ids=tuple(set(first.tolist()))),
+                 SamplingParams(max_new_tokens=1, temperature=1.0, n=2)):
+    key = jax.random.key(2)
+    assert_same(generate(*model, prompts, params, rng=key, slots=2),
+                generate(*model, prompts, params, rng=key))
+
+
+@pytest.mark.parametrize("devices", [2, 3])  # 3 does not divide 7 prompts: padding rows
+def test_slots_on_data_devices(model, prompts, eos_ids, devices):
+  params = sampling_cases(eos_ids)[2]
+  key = jax.random.key(5)
+  want = generate(*model, prompts, params, rng=key)
+  got = generate(*model, prompts, params, rng=key, devices=jax.devices()[:devices], slots=2)
+  assert got["responses"].sharding.device_set == set(jax.devices()[:devices])
+  assert_same(got, want)
+
+
+def test_slots_within_waves(model, prompts, eos_ids):
+  """The actor's waves (max_num_seqs) and slots together: each wave decoded in slots."""
+  params = sampling_cases(eos_ids)[1]
+  key = jax.random.key(9)
+  want = generate(*model, prompts, params, rng=key)
+  tokens, mask = left_pad(prompts, 0)
+  got = generate_over_rows(*model, tokens, mask, key, params, _rows_mesh(jax.devices()[:2]),
+                           wave_rows=4, slots=3)
+  assert_same(got, want)
+
+
+def test_repeated_calls_compile_once(model, eos_ids):
+  params = SamplingParams(max_new_tokens=N, temperature=0.9, eos_ids=eos_ids)
+  rs = np.random.RandomState(4)
+  batch = lambda: [rs.randint(3, 96, size=rs.randint(9, 17)).tolist() for _ in range(5)]  # noqa: E731
+  generate(*model, batch(), params, rng=jax.random.key(0), slots=5)
+  before = compiled_variants()
+  for seed in range(3):  # other prompts of the same bucket, other keys
+    generate(*model, batch(), params, rng=jax.random.key(seed), slots=5)
+  generate(*model, batch(), params, rng=jax.random.key(0), slots=7)
+  assert compiled_variants() == before  # 7 slots for 5 rows: the 5-slot program
+  generate(*model, batch(), params, rng=jax.random.key(0), slots=2)
+  assert compiled_variants() == before + 1
+
+
+def test_bad_slots_name_the_field(model, prompts):
+  for bad in (-1, 2.5, True):
+    with pytest.raises(ValueError, match="^slots must be an integer >= 0"):
+      generate(*model, prompts, SamplingParams(temperature=0), slots=bad)
