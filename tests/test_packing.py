@@ -194,3 +194,31 @@ def test_token_budget_micro_batches_do_not_change_the_step():
   with pytest.raises(ValueError, match=r"^actor.ppo_max_token_len_per_gpu: 100 tokens is less "
                                        r"than the longest sequence \(104 tokens\)"):
     grpo_actor(UpdateConfig(mini_batch_size=8, max_token_len=100)).update_actor(batch)
+
+
+def test_packed_ppo_step_equals_the_padded_one():
+  """Actor, reference and critic passes on packed rows, through a whole PPO step."""
+  from ppo_step import build_workers, ppo_step, prompts_batch
+  from hflax.controller.training import UpdateConfig
+  from hflax.sharding.placement import colocated
+  roles = ["actor", "ref", "critic", "reward"]
+  runs = []
+  for packed in (False, True):
+    update = UpdateConfig(mini_batch_size=8, micro_batch_size=4, remove_padding=packed)
+    workers = build_workers(colocated(roles, 2), update=update)
+    for role in ("actor", "ref", "critic"):
+      workers[role].remove_padding = packed
+    runs.append((workers, *ppo_step(workers, prompts_batch(8))))
+  (ref_workers, want, want_metrics), (workers, got, got_metrics) = runs
+  mask = np.asarray(want["response_mask"]) > 0
+  for key in ("old_log_probs", "ref_log_prob", "values", "advantages"):
+    np.testing.assert_allclose(np.asarray(got[key])[mask], np.asarray(want[key])[mask],
+                               atol=2e-5, rtol=1e-5, err_msg=key)
+  for key, value in want_metrics.items():
+    if key.startswith(("actor/", "critic/")) and key in got_metrics:
+      np.testing.assert_allclose(float(got_metrics[key]), float(value), rtol=1e-4, atol=1e-6,
+                                 err_msg=key)
+  assert float(got_metrics["critic/update_tokens"]) > 0
+  for role in ("actor", "critic"):
+    for a, b in zip(jax.tree.leaves(workers[role].params), jax.tree.leaves(ref_workers[role].params)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)

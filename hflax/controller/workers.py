@@ -478,6 +478,8 @@ class CriticWorker(RoleWorker):
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
   def compute_values(self, rows, batch):
+    if self.remove_padding:
+      return {"values": self._packed_forward(_packed_values_fn(self.graphdef), rows, batch)}
     return {"values": self._jit_rows(_values_fn(self.graphdef, _response_width(batch)))(
         self.params, rows)}
 
@@ -485,6 +487,10 @@ class CriticWorker(RoleWorker):
                                             "values", "returns"))
   def update_critic(self, rows, batch):
     values_of, loss = _values_fn(self.graphdef, _response_width(batch)), self.loss_fn
+    if self.update_cfg.packed:
+      packed = _packed_values_fn(self.graphdef)
+      return self._train_packed("update_critic", lambda p, f: loss(packed(p, f), f), rows, batch,
+                                getattr(loss, "micro_batch_weight", None))
     return self._train("update_critic", lambda p, f: loss(values_of(p, f), f), rows, batch,
                        getattr(loss, "micro_batch_weight", None))
 
@@ -540,6 +546,19 @@ def _values_fn(graphdef, width: int):
     model, hidden = forward(graphdef, params, rows["input_ids"], rows["attention_mask"])
     # The value of a response token is read at the position that predicts it.
     return model.values(hidden)[:, -width - 1:-1]
+  return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_values_fn(graphdef):
+  """_values_fn on packed rows: [B, W], 0 where a response token is not scored."""
+  def fn(params, fields):
+    segments = fields["segment_ids"]
+    model, hidden = forward(graphdef, params, fields["packed_tokens"], segments > 0,
+                            segment_ids_BxT=segments)
+    before = jnp.maximum(fields["response_index"] - 1, 0)
+    values = jnp.take(model.values(hidden).reshape(-1), before)
+    return jnp.where(fields["response_valid"], values, 0.0)
   return fn
 
 
