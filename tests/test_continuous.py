@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hflax.models import ModelConfig, create
-from hflax.rollout import SamplingParams, generate
+from hflax.rollout import SamplingParams, generate, generation_slots
 from hflax.rollout.sampler import _rows_mesh, compiled_variants, generate_over_rows, left_pad
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -114,3 +114,12 @@ def test_bad_slots_name_the_field(model, prompts):
   for bad in (-1, 2.5, True):
     with pytest.raises(ValueError, match="^slots must be an integer >= 0"):
       generate(*model, prompts, SamplingParams(temperature=0), slots=bad)
+
+
+def test_generation_slots_by_hand():
+  assert generation_slots(10, 2, 2) == 10      # no cap: all 5 prompts x 2 samples of a replica
+  assert generation_slots(10, 2, 2, 4) == 4    # the cap, in sequences
+  assert generation_slots(10, 2, 4, 3) == 3    # below n: a slot holds one sample
+  assert generation_slots(7, 4, 1, 100) == 2   # 7 prompts over 4 replicas: 2 rows each
+  with pytest.raises(ValueError, match="max_num_seqs must be >= 0"):
+    generation_slots(4, 1, 1, -1)

@@ -1,7 +1,7 @@
 """Generation: the jitted KV-cache sampler."""
 from hflax.rollout.sampler import (SamplingParams, filter_logits, generate, left_pad,
                                    replicate)
-from hflax.rollout.waves import generation_waves
+from hflax.rollout.waves import generation_slots, generation_waves
 
-__all__ = ["SamplingParams", "filter_logits", "generate", "generation_waves", "left_pad",
-           "replicate"]
+__all__ = ["SamplingParams", "filter_logits", "generate", "generation_slots", "generation_waves",
+           "left_pad", "replicate"]

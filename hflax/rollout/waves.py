@@ -21,3 +21,13 @@ def generation_waves(prompts: int, replicas: int, n: int, max_num_seqs: int = 0
                      "prompt, which are generated together")
   waves = -(-per_replica // fits)
   return waves, -(-per_replica // waves)
+
+
+def generation_slots(prompts: int, replicas: int, n: int, max_num_seqs: int = 0) -> int:
+  """Decode slots per generation replica under continuous batching (generate_over_rows'
+  `slots`), all rows in one wave: max_num_seqs sequences, or without a cap (0) every
+  sequence of the replica's share. A slot holds one sample, so a cap below n is fine."""
+  if max_num_seqs < 0:
+    raise ValueError(f"max_num_seqs must be >= 0 (0: no cap), got {max_num_seqs}")
+  rows = -(-prompts // replicas) * n
+  return min(max_num_seqs, rows) if max_num_seqs else rows

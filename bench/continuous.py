@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""Continuous batching (slots) against the wave sampler on skewed and uniform lengths.
+
+A small random Llama-style model decodes greedily. The skewed workload is found, not
+forced: from greedy decodes of a pool of random prompts it picks an end token and
+prompts so that 1 row in 8 never emits it within --long tokens and the others emit it
+after about --short tokens. The uniform workload has no end token (every row runs to
+--uniform-tokens). Each workload is timed, repetitions alternating, for:
+
+  waves:       today's sampler with at most --slots rows at once (waves of --slots rows,
+               as the actor runs under rollout.max_num_seqs)
+  continuous:  --slots decode slots, each refilled as its row ends
+  one wave:    today's sampler with every row at once (no cap)
+  all slots:   continuous batching with a slot for every row (nothing ever waits)
+
+and the medians, the ratios and whether the tokens are identical are printed.
+
+  python bench/continuous.py            # about a minute or two on an idle CPU
+  python bench/continuous.py --quick    # smoke test
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hflax.models import ModelConfig, create  # noqa: E402
+from hflax.rollout.sampler import (SamplingParams, _rows_mesh, generate,  # noqa: E402
+                                   generate_over_rows, left_pad)
+
+VOCAB = 512
+
+
+def model_config() -> ModelConfig:
+  return ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=128, intermediate_size=344,
+                     num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def skewed_workload(model, rows: int, long: int, short: int, pool: int, seed: int = 0):
+  """(prompts, end token): rows // 8 prompts never reach the end token within `long`
+  greedy tokens, the rest reach it nearest to `short` tokens."""
+  rs = np.random.RandomState(seed)
+  candidates = [rs.randint(1, VOCAB, size=rs.randint(4, 17)).tolist() for _ in range(pool)]
+  free = np.asarray(generate(*model, candidates, SamplingParams(max_new_tokens=long,
+                                                                 temperature=0))["responses"])
+  want_long = rows // 8
+  best = None
+  for token in range(VOCAB):
+    hit = free == token
+    first = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, long + 1)  # response lengths
+    never = np.flatnonzero(first > long)
+    close = np.argsort(np.abs(first - short), kind="stable")
+    close = close[first[close] <= long][:rows - want_long]
+    if len(never) < want_long or len(close) < rows - want_long:
+      continue
+    spread = np.abs(first[close] - short).max()
+    if best is None or spread < best[0]:
+      best = (spread, token, never[:want_long], close)
+  if best is None:
+    raise SystemExit(f"no end token splits {pool} prompts into the skew: raise --pool")
+  _, token, never, close = best
+  order = []  # a long row every 8, as a batch of mixed prompts would have them
+  long_rows, short_rows = list(never), list(close)
+  for i in range(rows):
+    order.append(long_rows.pop() if i % 8 == 7 and long_rows else short_rows.pop())
+  return [candidates[i] for i in order], token
+
+
+def compare(name, model, prompts, params, slots, reps):
+  tokens, mask = left_pad(prompts, 0)
+  mesh = _rows_mesh(jax.devices()[:1])
+  runs = {  # today's sampler and continuous batching, at the same cap and with none
+      "waves": lambda: generate_over_rows(*model, tokens, mask, jax.random.key(0), params, mesh,
+                                          wave_rows=slots),
+      "continuous": lambda: generate(*model, prompts, params, slots=slots),
+      "one wave": lambda: generate(*model, prompts, params),
+      "all slots": lambda: generate(*model, prompts, params, slots=len(prompts)),
+  }
+  against = {"waves": "continuous", "one wave": "all slots"}
+  times = {k: [] for k in runs}
+  outs = {}
+  for k, fn in runs.items():  # compile
+    jax.block_until_ready(fn())
+  for _ in range(reps):  # alternate, so that load from elsewhere falls on all of them
+    for k, fn in runs.items():
+      t, outs[k] = _once(fn)
+      times[k].append(t)
+  lengths = np.asarray(outs["continuous"]["response_length"])
+  print(f"\n{name}: {len(prompts)} rows, response lengths min {lengths.min()} median "
+        f"{int(np.median(lengths))} max {lengths.max()}, {lengths.sum()} tokens in all; "
+        f"medians of {reps}; waves/continuous: {slots} rows at once, one wave/all slots: all")
+  med = {k: statistics.median(v) for k, v in times.items()}
+  for k in runs:
+    line = f"  {k:<11} {med[k]:8.3f} s  ({', '.join(f'{t:.2f}' for t in times[k])})"
+    if k in against:
+      line += f"  {against[k]} {med[k] / med[against[k]]:.2f}x faster"
+    if k != "one wave":  # today's sampler with no cap: the reference
+      same = all(np.array_equal(np.asarray(outs[k][f]), np.asarray(outs["one wave"][f]))
+                 for f in ("responses", "response_mask", "response_length"))
+      logp = np.abs(np.asarray(outs[k]["rollout_log_probs"]) -
+                    np.asarray(outs["one wave"]["rollout_log_probs"])).max()
+      line += f"; tokens as one wave's: {same}, max |log-prob diff| {logp:.1e}"
+    print(line)
+  return med
+
+
+def _once(fn):
+  """Seconds of one call, and its result."""
+  start = time.perf_counter()
+  out = fn()
+  jax.block_until_ready(out)
+  return time.perf_counter() - start, out
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--rows", type=int, default=64)
+  ap.add_argument("--slots", type=int, default=16)
+  ap.add_argument("--long", type=int, default=512)
+  ap.add_argument("--short", type=int, default=32)
+  ap.add_argument("--uniform-tokens", type=int, default=128)
+  ap.add_argument("--pool", type=int, default=256, help="candidate prompts for the skew")
+  ap.add_argument("--reps", type=int, default=3)
+  ap.add_argument("--quick", action="store_true")
+  args = ap.parse_args()
+  if args.quick:
+    args.rows, args.slots, args.long, args.short = 16, 4, 128, 16
+    args.uniform_tokens, args.pool, args.reps = 32, 96, 1
+  model = create(model_config(), seed=0)
+  print(f"model: {model_config()}")
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; load {os.getloadavg()}")
+  prompts, token = skewed_workload(model, args.rows, args.long, args.short, args.pool)
+  skew = compare(f"skewed (end token {token})", model, prompts,
+                 SamplingParams(max_new_tokens=args.long, temperature=0, eos_ids=(token,)),
+                 args.slots, args.reps)
+  uniform = compare("uniform (no end token)", model, prompts,
+                    SamplingParams(max_new_tokens=args.uniform_tokens, temperature=0),
+                    args.slots, args.reps)
+  print(f"\nload after: {os.getloadavg()}")
+  for name, med in (("skewed", skew), ("uniform", uniform)):
+    print(f"{name}: continuous {med['waves'] / med['continuous']:.2f}x the waves of {args.slots}"
+          f", {med['one wave'] / med['continuous']:.2f}x one wave; all slots "
+          f"{med['one wave'] / med['all slots']:.2f}x one wave")
+  print("targets: skewed >= 2x, uniform >= 1x (no regression)")
+
+if __name__ == "__main__":
+  main()
