@@ -19,7 +19,7 @@ import math
 
 from hflax.models.config import ModelConfig
 from hflax.rollout.waves import generation_waves
-from hflax.sharding.automap import comm
+from hflax.sharding.automap import comm, memory
 from hflax.sharding.automap.mesh import MeshShape
 from hflax.sharding.automap.profile import DeviceProfile
 from hflax.sharding.automap.workload import TRAINED, Workload
@@ -165,17 +165,18 @@ class Simulator:
     return tp, gather
 
   def _activations(self, cfg, mesh, micro_seqs, train, remat):
-    tokens = micro_seqs * self.wl.seq_len
-    d, t = cfg.hidden_size, mesh.tensor
-    # One layer's live activations: Korthikanti et al.'s 34*d bytes per token (attention
-    # scores excluded: flash attention never stores them), split by sequence parallelism.
-    layer = tokens * 34 * d / t
-    logits = tokens * cfg.vocab_size * 4 / t * (2 if train else 1)  # fp32 (+ its gradient)
+    """One micro-batch's transient bytes per device: what hflax's compiled pass allocates
+    (memory.py: each layer's saved activations, dense or blockwise attention scores, one
+    chunk of fp32 logits), split over the tensor axis, plus FSDP's gathered layers in
+    flight. Gradients are not here: `resident` counts them with the weights."""
+    wl, t = self.wl, mesh.tensor
     gathered = 2 * WEIGHT_BYTES * layer_params(cfg) / t if mesh.fsdp > 1 else 0.0
     if not train:
-      return layer + logits + gathered
-    saved = cfg.num_layers * (tokens * 2 * d / t if remat else layer)
-    return saved + layer + logits + 2 * gathered
+      return memory.forward_bytes(cfg, micro_seqs, wl.seq_len, wl.response_len,
+                                  wl.attention).transient / t + gathered
+    run = cfg.replace(remat=remat)
+    return (memory.activation_bytes(run, micro_seqs, wl.seq_len, wl.response_len,
+                                    wl.attention) / t + 2 * gathered)
 
   def forward(self, role: str, mesh: MeshShape, free: float) -> StageCost:
     """Log-probs, values or rewards of the whole batch: one micro-batched pass."""
@@ -266,8 +267,17 @@ class Simulator:
     weights = WEIGHT_BYTES * cfg.num_params / gen_tensor
     kv_heads = max(1, cfg.num_kv_heads // gen_tensor)  # fewer than t_g: replicated
     kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * WEIGHT_BYTES
-    kv_seq = kv_token * wl.seq_len
+    # Per sequence, as the sampler allocates (memory.generate_bytes): the decode cache of
+    # the bucketed prompt plus the response, and its share of the prompt's prefill cache
+    # and attention; the heads split t_g ways.
     n = wl.samples_per_prompt
+    split = cfg.replace(num_heads=max(1, cfg.num_heads // gen_tensor), num_kv_heads=kv_heads,
+                        dtype="bfloat16")
+    if wl.kv_cache == "paged":
+      kv_seq = kv_token * wl.seq_len
+    else:
+      kv_seq = memory.generate_bytes(split, 1, wl.prompt_len, wl.response_len, n,
+                                     wl.attention).transient / n
     fits = int(max(free - weights, 0) // kv_seq)  # sequences the KV budget holds
     if fits < wl.samples_per_prompt_most:
       return StageCost(reason=f"OOM: actor generate weights {weights / 1e9:.1f} GB + KV "

@@ -63,8 +63,11 @@ SAME_AS = {"actor+reward | critic+ref": "split"}
 
 
 def paper_workload(size: str) -> Workload:
+  # The paper's system runs flash attention (Megatron-LM training) and vLLM's paged KV
+  # cache, not hflax's dense attention and growing sampler cache.
   return Workload.ppo(llama2_config(size), prompts_per_step=1024, samples_per_prompt=1,
-                      prompt_len=1024, response_len=1024, mini_batch_size=256, ppo_epochs=1)
+                      prompt_len=1024, response_len=1024, mini_batch_size=256, ppo_epochs=1,
+                      attention="blockwise", kv_cache="paged")
 
 
 def family(plan) -> str:

@@ -10,10 +10,12 @@ import dataclasses
 from collections.abc import Mapping
 
 from hflax.models.config import ModelConfig
+from hflax.sharding.automap.memory import ATTENTIONS
 
 TRAINED = ("actor", "critic")
 KNOWN_ROLES = ("actor", "critic", "ref", "reward", "cost")
 STAGES = ("generate", "forward", "train")
+KV_CACHES = ("sampler", "paged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,13 @@ class Workload:
   # Validation's samples per prompt (rollout.val_n): generated together too, so the KV
   # cache must hold them, though validation is not timed.
   val_samples_per_prompt: int = 1
+  # How attention runs (memory.ATTENTIONS): "dense" stores [B, heads, T, T] scores per
+  # layer, "blockwise" one tile; "" is what hflax's runtime picks (memory.runtime_attention).
+  attention: str = ""
+  # The generation engine's KV cache: "sampler" is hflax/rollout/sampler.py's (a prefill
+  # cache of the bucketed prompt, then a decode cache grown to prompt + response), "paged"
+  # one cache of prompt + response slots per sequence (vLLM's, as the paper's system ran).
+  kv_cache: str = "sampler"
 
   def __post_init__(self):
     roles = tuple(self.models)
@@ -46,6 +55,11 @@ class Workload:
                  "mini_batch_size", "ppo_epochs", "micro_batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.attention not in ("",) + ATTENTIONS:
+      raise ValueError(f"attention must be one of {ATTENTIONS} (or '' for the runtime's), "
+                       f"got {self.attention!r}")
+    if self.kv_cache not in KV_CACHES:
+      raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
     if self.val_samples_per_prompt < 1:
       raise ValueError(f"val_samples_per_prompt must be >= 1, got {self.val_samples_per_prompt}")
     if self.max_num_seqs < 0 or 0 < self.max_num_seqs < self.samples_per_prompt_most:
