@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hflax.controller.packing import (bucket, first_fit_decreasing, micro_batch_plans, pack,
-                                      row_bucket, unpack)
+                                      response_layout, row_bucket, unpack)
 
 
 def rollout_mask(prompt_lengths, response_lengths, prompt_width, response_width):
@@ -47,23 +47,23 @@ def test_plans_hold_every_token_once_within_budget_and_round_trip():
   mask = random_mask(rng, 13)
   width, T = 20, mask.shape[1]
   lengths = mask.sum(1)
-  for plans in (micro_batch_plans(mask, width, multiple=2),
-                micro_batch_plans(mask, width, multiple=2, budget=40),
-                micro_batch_plans(mask, width, multiple=4, groups=[np.arange(0, 13, 2),
+  for plans in (micro_batch_plans(mask, multiple=2),
+                micro_batch_plans(mask, multiple=2, budget=40),
+                micro_batch_plans(mask, multiple=4, groups=[np.arange(0, 13, 2),
                                                                    np.arange(1, 13, 2)])):
     check_plan_covers(mask, width, plans)
-  for plan in micro_batch_plans(mask, width, multiple=2, budget=40):
+  for plan in micro_batch_plans(mask, multiple=2, budget=40):
     assert plan.segment_ids.shape[0] == 2 and plan.segment_ids.shape[1] <= 40
     assert (np.count_nonzero(plan.segment_ids, axis=1) <= 40).all()
   # Round trip: a per-token value written at packed positions comes back where it was.
   values = rng.normal(size=mask.shape)
   back = np.zeros((len(mask), width))
-  for plan in micro_batch_plans(mask, width, multiple=2, budget=40):
+  for plan in micro_batch_plans(mask, multiple=2, budget=40):
     packed = np.where(plan.segment_ids > 0, values.reshape(-1)[plan.token_index], 0)
-    back += unpack(packed, plan)
+    back += unpack(packed, plan, mask, width)
   scored = (mask[:, T - width:] & mask[:, T - width - 1:-1]).astype(bool)
   np.testing.assert_array_equal(back, np.where(scored, values[:, T - width:], 0))
-  assert lengths.sum() == sum(p.tokens for p in micro_batch_plans(mask, width, multiple=2,
+  assert lengths.sum() == sum(p.tokens for p in micro_batch_plans(mask, multiple=2,
                                                                   budget=40))
 
 
@@ -80,7 +80,7 @@ def test_first_fit_decreasing_and_buckets():
 def test_pack_refuses_rows_too_short():
   mask = rollout_mask([2, 3], [4, 1], 3, 4)
   with pytest.raises(ValueError, match="do not fit"):
-    pack(mask, 4, [[0, 1]], length=8)
+    pack(mask, [[0, 1]], length=8)
 
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -106,14 +106,14 @@ def test_packed_log_probs_equal_the_padded_path():
   width = 24
   want_logp, want_ent = sequence_log_probs(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
                                            temperature=0.7, last=width)
-  for plans in (micro_batch_plans(mask, width, multiple=1),
-                micro_batch_plans(mask, width, multiple=2, budget=32)):
+  for plans in (micro_batch_plans(mask, multiple=1),
+                micro_batch_plans(mask, multiple=2, budget=32)):
     logp, ent = 0.0, 0.0
     for plan in plans:
       packed = jnp.asarray(tokens.reshape(-1)[plan.token_index] * (plan.segment_ids > 0))
-      lp, en = packed_log_probs(graphdef, state, packed, jnp.asarray(plan.segment_ids),
-                                jnp.asarray(plan.response_index), jnp.asarray(plan.response_valid),
-                                temperature=0.7)
+      index, valid = response_layout(mask, width, plan.seq_start, plan.member)
+      lp, en = packed_log_probs(graphdef, state, packed, jnp.asarray(plan.segment_ids), index,
+                                valid, temperature=0.7)
       logp, ent = logp + lp, ent + en
     np.testing.assert_allclose(logp, want_logp, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(ent, want_ent, atol=2e-5, rtol=1e-5)
@@ -185,8 +185,11 @@ def test_token_budget_micro_batches_do_not_change_the_step():
   batch = grpo_batch()
   whole = grpo_actor(UpdateConfig(mini_batch_size=8, remove_padding=True))
   want = whole.update_actor(batch).meta["metrics"]
-  for budget, micro_batches, padded in ((112, 1, 2 * 112 - 153), (104, 2, 4 * 104 - 153)):
-    actor = grpo_actor(UpdateConfig(mini_batch_size=8, max_token_len=budget))
+  # 2 devices, 112 tokens: [104, 7] and [7 x 6] in one micro-batch of 2 rows of 112.
+  # 1 device, 104 tokens: [104], then [7 x 7] in a row of 64 (bucketed up from 49).
+  for devices, budget, micro_batches, padded in ((2, 112, 1, 2 * 112 - 153),
+                                                 (1, 104, 2, 104 + 64 - 153)):
+    actor = grpo_actor(UpdateConfig(mini_batch_size=8, max_token_len=budget), devices)
     got = actor.update_actor(batch).meta["metrics"]
     assert_same_update(actor, whole, got, want)
     assert float(got["actor/update_micro_batches"]) == micro_batches
@@ -222,3 +225,31 @@ def test_packed_ppo_step_equals_the_padded_one():
   for role in ("actor", "critic"):
     for a, b in zip(jax.tree.leaves(workers[role].params), jax.tree.leaves(ref_workers[role].params)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+def test_verl_packing_settings_reach_the_update_config():
+  from hflax.launch.cli import load_config
+  from hflax.launch.roles import _update, check_token_budgets
+  c = load_config(["--config", "grpo.py", "actor_rollout_ref.model.use_remove_padding=False",
+                   "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                   "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192"])
+  update = _update(c.actor, c.rollout.n, c.model)
+  assert (update.remove_padding, update.max_token_len, update.log_prob_max_token_len) == (
+      False, 4096, 8192)
+  assert update.packed  # a token budget packs the update
+  default = load_config(["--config", "grpo.py"])
+  update = _update(default.actor, default.rollout.n, default.model)
+  assert (update.remove_padding, update.max_token_len, update.log_prob_max_token_len) == (
+      True, 0, 0)
+  c = load_config(["--config", "ppo.py", "critic.use_dynamic_bsz=True",
+                   "critic.ppo_max_token_len_per_gpu=50"])
+  longest = c.data.max_prompt_length + c.data.max_response_length
+  with pytest.raises(ValueError, match=rf"^config.critic.ppo_max_token_len_per_gpu: 50 tokens is "
+                                       rf"less than the longest sequence \({longest} tokens"):
+    check_token_budgets(c, ["actor", "critic"])
+  check_token_budgets(c, ["actor"])  # the critic's budget is not the actor's business
+  from hflax.launch.config import validate
+  with pytest.raises(ValueError, match=r"actor.ppo_max_token_len_per_gpu: must be"):
+    validate(load_config(["--config", "grpo.py",
+                          "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=0"]))

@@ -6,6 +6,7 @@ that package ships, with its own tokenizer and chat template. The task is the ch
 of 2-digit addition ("What is 23+45? Answer with just the number."), judged by the last
 integer of the answer; out of the box the model answers about 1 in 5 correctly (greedy).
 """
+from hflax.configs import packing_defaults
 from hflax.launch.config import base_config
 
 
@@ -23,4 +24,5 @@ def get_config():
   c.actor.update(ppo_mini_batch_size=8, ppo_micro_batch_size=16)
   c.actor.optim.lr = 1e-5
   c.trainer.update(total_steps=12, val_every=6, save_every=6, run_dir="runs/grpo_smollm2")
+  packing_defaults(c)
   return c

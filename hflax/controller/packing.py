@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -21,8 +22,7 @@ class PackedPlan:
   token_index: np.ndarray  # [R, L] int32: flat index (row * T + column) of the batch token there
   segment_ids: np.ndarray  # [R, L] int32: 0 padding, k the k-th sequence of that packed row
   positions: np.ndarray  # [R, L] int32: the token's position within its sequence
-  response_index: np.ndarray  # [B, W] int32: flat packed index (r * L + l) of response token
-  response_valid: np.ndarray  # [B, W] bool: scored (the token and the one before it are valid)
+  seq_start: np.ndarray  # [B] int32: flat packed index (r * L + l) of each sequence's first token
   member: np.ndarray  # [B] bool: the batch rows this plan holds
 
   @property
@@ -34,9 +34,23 @@ class PackedPlan:
     return int(self.segment_ids.size)
 
   def arrays(self) -> dict:
+    """What a device program takes: the packed rows and two [B] maps (the [B, W] layout
+    is rebuilt there by response_layout, so no per-plan [B, W] array is sent)."""
     return {"token_index": self.token_index, "segment_ids": self.segment_ids,
-            "positions": self.positions, "response_index": self.response_index,
-            "response_valid": self.response_valid, "member": self.member}
+            "seq_start": self.seq_start, "member": self.member}
+
+
+def response_layout(mask_BxT, response_width: int, seq_start_B, member_B):
+  """([B, W] flat packed index of each response token, [B, W] whether it is scored), in
+  jnp (inside a program, or on host arrays). A token's place in its packed sequence is
+  its rank among its row's valid tokens; scored as the padded path scores: the token and
+  the one before it valid."""
+  mask = jnp.asarray(mask_BxT).astype(bool)
+  T, W = mask.shape[1], response_width
+  rank = jnp.cumsum(mask.astype(jnp.int32), axis=1)[:, T - W:] - 1
+  scored = mask[:, T - W:] & mask[:, T - W - 1:T - 1] & jnp.asarray(member_B)[:, None]
+  index = jnp.asarray(seq_start_B, jnp.int32)[:, None] + jnp.maximum(rank, 0)
+  return jnp.where(scored, index, 0), scored
 
 
 def bucket(n: int, cap: int | None = None, quantum: int = 16) -> int:
@@ -75,28 +89,24 @@ def first_fit_decreasing(lengths, capacity: int, rows=None, field: str = "token 
   rows = np.arange(len(lengths)) if rows is None else np.asarray(rows)
   lengths = np.asarray(lengths)
   check_budget(lengths[rows], capacity, field)
-  bins, fill = [], []
-  for row in sorted(rows.tolist(), key=lambda r: -int(lengths[r])):
+  bins, fill = [], np.zeros(len(rows), np.int64)  # never more bins than sequences
+  for row in rows[np.argsort(-lengths[rows], kind="stable")].tolist():
     size = int(lengths[row])
-    for b, used in enumerate(fill):
-      if used + size <= capacity:
-        bins[b].append(row)
-        fill[b] += size
-        break
-    else:
-      bins.append([row])
-      fill.append(size)
+    fits = np.flatnonzero(fill[:len(bins)] <= capacity - size)  # a vector op per sequence
+    b = int(fits[0]) if len(fits) else len(bins)
+    if b == len(bins):
+      bins.append([])
+    bins[b].append(row)
+    fill[b] += size
   return bins
 
 
-def pack(mask_BxT, response_width: int, bins, *, rows: int | None = None,
-         length: int | None = None) -> PackedPlan:
+def pack(mask_BxT, bins, *, rows: int | None = None, length: int | None = None) -> PackedPlan:
   """Packed row r holds the sequences of bins[r] in order, each row padded to `length`
   (default: the longest), `rows` rows in all (default: len(bins))."""
-  mask = np.asarray(mask_BxT).astype(bool)
+  mask = np.asarray(mask_BxT, bool)
   B, T = mask.shape
-  W = response_width
-  fills = [int(mask[b].sum()) for b in bins]
+  fills = [int(sum(np.count_nonzero(mask[b]) for b in one)) for one in bins]
   rows = len(bins) if rows is None else rows
   length = max(fills, default=1) if length is None else length
   if rows < len(bins) or length < max(fills, default=0):
@@ -105,7 +115,7 @@ def pack(mask_BxT, response_width: int, bins, *, rows: int | None = None,
   token_index = np.zeros((rows, length), np.int32)
   segment_ids = np.zeros((rows, length), np.int32)
   positions = np.zeros((rows, length), np.int32)
-  response_index = np.zeros((B, W), np.int32)
+  seq_start = np.zeros(B, np.int32)
   member = np.zeros(B, bool)
   for r, seqs in enumerate(bins):
     at = 0
@@ -115,16 +125,12 @@ def pack(mask_BxT, response_width: int, bins, *, rows: int | None = None,
       token_index[r, at:at + n] = b * T + cols
       segment_ids[r, at:at + n] = k
       positions[r, at:at + n] = np.arange(n)
-      response = cols >= T - W
-      response_index[b, cols[response] - (T - W)] = r * length + at + np.flatnonzero(response)
-      member[b] = True
+      seq_start[b], member[b] = r * length + at, True
       at += n
-  # As the padded path scores: a response token whose predecessor column is valid too.
-  response_valid = mask[:, T - W:] & mask[:, T - W - 1:T - 1] & member[:, None]
-  return PackedPlan(token_index, segment_ids, positions, response_index, response_valid, member)
+  return PackedPlan(token_index, segment_ids, positions, seq_start, member)
 
 
-def micro_batch_plans(mask_BxT, response_width: int, *, multiple: int, budget: int = 0,
+def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0,
                       groups=None, row_cap: int | None = None,
                       field: str = "ppo_max_token_len_per_gpu") -> list[PackedPlan]:
   """Plans of a batch's micro-batches.
@@ -134,7 +140,7 @@ def micro_batch_plans(mask_BxT, response_width: int, *, multiple: int, budget: i
   group of rows (default: all rows), packed into rows of at most `row_cap` tokens
   (default the padded width T, so no packed row is longer than a padded one).
   """
-  mask = np.asarray(mask_BxT).astype(bool)
+  mask = np.asarray(mask_BxT, bool)
   lengths = sequence_lengths(mask)
   # Rows with no token (padding rows of a batch) are left out: nothing to compute.
   groups = [np.arange(len(mask))] if groups is None else groups
@@ -142,7 +148,7 @@ def micro_batch_plans(mask_BxT, response_width: int, *, multiple: int, budget: i
   if budget:
     bins = first_fit_decreasing(lengths, budget, np.concatenate(groups), field)
     cuts = [bins[i:i + multiple] for i in range(0, len(bins), multiple)]
-    return [pack(mask, response_width, cut, rows=multiple,
+    return [pack(mask, cut, rows=multiple,
                  length=bucket(max(sum(int(lengths[b]) for b in one) for one in cut), budget))
             for cut in cuts]
   cap = row_cap or mask.shape[1]
@@ -150,12 +156,12 @@ def micro_batch_plans(mask_BxT, response_width: int, *, multiple: int, budget: i
   for group in groups:
     bins = first_fit_decreasing(lengths, cap, group, field)
     fill = max((sum(int(lengths[b]) for b in one) for one in bins), default=1)
-    plans.append(pack(mask, response_width, bins, rows=row_bucket(len(bins), multiple),
-                      length=bucket(fill, cap)))
+    plans.append(pack(mask, bins, rows=row_bucket(len(bins), multiple), length=bucket(fill, cap)))
   return plans
 
 
-def unpack(packed_RxL, plan: PackedPlan, fill=0):
+def unpack(packed_RxL, plan: PackedPlan, mask_BxT, response_width: int, fill=0):
   """Per-token values of packed rows back at their response positions [B, W] (numpy)."""
-  flat = np.asarray(packed_RxL).reshape(-1)
-  return np.where(plan.response_valid, flat[plan.response_index], fill)
+  index, scored = map(np.asarray, response_layout(mask_BxT, response_width, plan.seq_start,
+                                                  plan.member))
+  return np.where(scored, np.asarray(packed_RxL).reshape(-1)[index], fill)

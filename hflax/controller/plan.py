@@ -67,6 +67,10 @@ class RunPlan:
   reference: bool = False  # a reference policy is used (KL loss or KL in the reward)
   reference_in_actor: bool = False  # with LoRA: the actor's frozen base serves it
   ref_temperature: float = 1.0
+  # The reference's log-prob passes on packed rows (model.use_remove_padding), cut by
+  # tokens per device when ref_log_prob_max_token_len > 0 (actor.use_dynamic_bsz).
+  ref_remove_padding: bool = False
+  ref_log_prob_max_token_len: int = 0
   seed: int = 0
 
   def only(self, roles, placement: dict) -> "RunPlan":

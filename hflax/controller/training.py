@@ -40,6 +40,9 @@ class UpdateConfig:
   # Tokens per device per micro-batch (verl's ppo_max_token_len_per_gpu, with
   # use_dynamic_bsz): micro-batches cut by tokens instead of rows; packs the update.
   max_token_len: int = 0
+  # Tokens per device of the role's forward passes (log-probs, values) on packed rows
+  # (verl's log_prob_max_token_len_per_gpu); 0: one pass, rows at most the padded width.
+  log_prob_max_token_len: int = 0
 
   @property
   def packed(self) -> bool:

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from hflax.controller.batch import Batch
-from hflax.controller.packing import micro_batch_plans
+from hflax.controller.packing import micro_batch_plans, response_layout
 from hflax.controller.protocol import LIVE_ROWS, Protocol, replicated, transfer
 from hflax.controller.training import (OptimConfig, UpdateConfig, add_sums, learning_rate,
                                        make_apply_step, make_micro_step, make_optimizer,
@@ -58,6 +58,10 @@ class RoleWorker:
     self.update_cfg, self.seed, self.updates, self.optimizer_steps = update, seed, 0, 0
     # Forward passes on packed rows (verl's use_remove_padding), cut by tokens per device
     # when log_prob_max_token_len is set (verl's log_prob_max_token_len_per_gpu).
+    # A role that trains takes them from its UpdateConfig unless given here.
+    if update is not None:
+      remove_padding = remove_padding or update.remove_padding
+      log_prob_max_token_len = log_prob_max_token_len or update.log_prob_max_token_len
     self.remove_padding = remove_padding or log_prob_max_token_len > 0
     self.log_prob_max_token_len = log_prob_max_token_len
     # With LoRA adapters only they are trained (and have optimizer state).
@@ -205,7 +209,7 @@ class RoleWorker:
       raise KeyError(f"{self.placement.role}.{name}: updates need the 'response_mask' field")
     mask = np.asarray(batch["attention_mask"])  # the plan needs the lengths on the host
     width = _response_width(batch)
-    micro, apply, add = self._packed_steps(name, loss_fn, weight_fn)
+    micro, apply, add = self._packed_steps(name, loss_fn, weight_fn, width)
     cuts = cfg.mini_batch_size // (cfg.micro_batch_size or cfg.mini_batch_size)
     history = []
     for index in mini_batch_order(live_rows, cfg, self.seed + self.updates):
@@ -213,8 +217,7 @@ class RoleWorker:
       live = np.concatenate([np.ones(len(index), np.float32), np.zeros(padded, np.float32)])
       index = np.concatenate([index, np.zeros(padded, index.dtype)]).astype(np.int32)
       groups = None if cfg.max_token_len else [np.arange(m, len(index), cuts) for m in range(cuts)]
-      plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), width,
-                                multiple=dp, budget=cfg.max_token_len, groups=groups,
+      plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), multiple=dp, budget=cfg.max_token_len, groups=groups,
                                 field=f"{self.placement.role}.ppo_max_token_len_per_gpu")
       sums = None
       for plan in plans:
@@ -230,9 +233,9 @@ class RoleWorker:
     self.updates += 1
     return self._train_metrics(history)
 
-  def _packed_steps(self, name: str, loss_fn: Callable, weight_fn: Callable | None):
+  def _packed_steps(self, name: str, loss_fn: Callable, weight_fn: Callable | None, width: int):
     """(micro, apply, add) programs of a packed update; micro recompiles per plan shape."""
-    key = ("packed", name)
+    key = ("packed", name, width)
     if key not in self._steps:
       grads_of = make_micro_step(loss_fn, weight_fn, self.trainable)
       rows_sharding, rep = self.rows_sharding, replicated(self.mesh)
@@ -241,12 +244,8 @@ class RoleWorker:
         mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
         keep = (live * plan["member"]).astype(mini["response_mask"].dtype)
         mini["response_mask"] = mini["response_mask"] * keep[:, None]
-        tokens = jnp.take(mini["input_ids"].reshape(-1), plan["token_index"])
-        fields = {**jax.lax.with_sharding_constraint(mini, rows_sharding),
-                  "packed_tokens": jnp.where(plan["segment_ids"] > 0, tokens, 0),
-                  "segment_ids": plan["segment_ids"], "response_index": plan["response_index"],
-                  "response_valid": plan["response_valid"]}
-        return grads_of(params, fields)
+        mini = jax.lax.with_sharding_constraint(mini, rows_sharding)
+        return grads_of(params, {**mini, **_packed_fields(mini, plan, width)})
 
       options = train_compiler_options(self.mesh.devices.flat)
       opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
@@ -270,10 +269,10 @@ class RoleWorker:
     live_rows = batch.meta.get(LIVE_ROWS, len(batch))
     mask = np.asarray(batch["attention_mask"]).copy()
     mask[live_rows:] = 0  # the rows padding the batch to the data-parallel size
-    plans = micro_batch_plans(mask, _response_width(batch), multiple=self.data_parallel_rows,
+    plans = micro_batch_plans(mask, multiple=self.data_parallel_rows,
                               budget=self.log_prob_max_token_len,
                               field=f"{self.placement.role}.log_prob_max_token_len_per_gpu")
-    program = self._jit_packed(fn)
+    program = self._jit_packed(fn, _response_width(batch))
     total = None
     for plan in plans:
       out = program(self.params, rows, plan.arrays())
@@ -284,16 +283,21 @@ class RoleWorker:
   def _jit_packed(self):
     rows_sharding, rep = self.rows_sharding, replicated(self.mesh)
 
-    def build(fn):
+    def build(fn, width):
       def packed(params, rows, plan):
-        tokens = jnp.take(rows["input_ids"].reshape(-1), plan["token_index"])
-        return fn(params, {"packed_tokens": jnp.where(plan["segment_ids"] > 0, tokens, 0),
-                           "segment_ids": plan["segment_ids"],
-                           "response_index": plan["response_index"],
-                           "response_valid": plan["response_valid"]})
+        return fn(params, _packed_fields(rows, plan, width))
       return jax.jit(self._on_mesh(packed), in_shardings=(self.shardings, rows_sharding, rep),
                      out_shardings=rows_sharding)
     return functools.lru_cache(maxsize=None)(build)
+
+
+def _packed_fields(rows: dict, plan: dict, width: int) -> dict:
+  """The packed rows of a plan (controller.packing) gathered from rows' input_ids, and
+  where each response token of `rows` sits in them."""
+  tokens = jnp.take(rows["input_ids"].reshape(-1), plan["token_index"])
+  index, valid = response_layout(rows["attention_mask"], width, plan["seq_start"], plan["member"])
+  return {"packed_tokens": jnp.where(plan["segment_ids"] > 0, tokens, 0),
+          "segment_ids": plan["segment_ids"], "response_index": index, "response_valid": valid}
 
 
 def _response_width(batch: Batch) -> int:

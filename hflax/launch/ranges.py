@@ -116,7 +116,10 @@ for _role in ("actor", "critic"):
       f"{_role}.optim.warmup_steps": non_negative(integer=True),
       f"{_role}.optim.total_steps": non_negative("(the schedule's length)", integer=True),
       f"{_role}.optim.min_lr_ratio": Range(low=0, high=1),
+      f"{_role}.ppo_max_token_len_per_gpu": at_least_one("(tokens per device per micro-batch)"),
   })
+RANGES["actor.log_prob_max_token_len_per_gpu"] = at_least_one(
+    "(tokens per device of a log-prob pass)")
 
 
 def _lookup(cfg, path: str):

@@ -47,6 +47,7 @@ def check_placed(cfg, placed, roles) -> None:
   if "actor" in placed:
     check_generation_cap(cfg, placed["actor"].max_num_seqs)
   check_micro_batches(cfg, placed, roles, cfg.rollout.n)
+  check_token_budgets(cfg, roles)
 
 
 def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_list=None) -> dict:
@@ -78,10 +79,45 @@ def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_
   return spec
 
 
-def _update(section, n: int) -> UpdateConfig:
+def _update(section, n: int, model=None) -> UpdateConfig:
+  """A role's update batching; `model` (the config's model section) says whether its
+  passes run on packed rows (use_remove_padding)."""
   rows = section.ppo_mini_batch_size * n
+  budget, forward = token_budgets(section)
   return UpdateConfig(mini_batch_size=rows, micro_batch_size=section.ppo_micro_batch_size or rows,
-                      epochs=section.ppo_epochs, shuffle=section.shuffle)
+                      epochs=section.ppo_epochs, shuffle=section.shuffle,
+                      remove_padding=remove_padding(model), max_token_len=budget,
+                      log_prob_max_token_len=forward)
+
+
+def remove_padding(model) -> bool:
+  return bool(model is not None and model.get("use_remove_padding", False))
+
+
+def token_budgets(section) -> tuple[int, int]:
+  """(update, forward pass) tokens per device with use_dynamic_bsz, else (0, 0). The
+  critic's forward passes take its update's budget (verl's forward_max_token_len_per_gpu
+  defaults to it)."""
+  if not section.get("use_dynamic_bsz", False):
+    return 0, 0
+  budget = int(section.get("ppo_max_token_len_per_gpu", 0))
+  return budget, int(section.get("log_prob_max_token_len_per_gpu", budget))
+
+
+def check_token_budgets(cfg, wanted) -> None:
+  """Before any device work: a token budget holds the longest sequence of the run."""
+  longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+  for role in ("actor", "critic"):
+    if role not in wanted:
+      continue
+    section = getattr(cfg, role)
+    budget, forward = token_budgets(section)
+    for name, value in (("ppo_max_token_len_per_gpu", budget),
+                        ("log_prob_max_token_len_per_gpu", forward)):
+      if value and value < longest:
+        raise ValueError(f"config.{role}.{name}: {value} tokens is less than the longest "
+                         f"sequence ({longest} tokens: data.max_prompt_length + "
+                         "data.max_response_length)")
 
 
 def check_micro_batches(cfg, placed, wanted, n: int):
@@ -91,16 +127,16 @@ def check_micro_batches(cfg, placed, wanted, n: int):
   for role in ("actor", "critic"):
     if role not in wanted or role not in placed:
       continue
-    micro = _update(getattr(cfg, role), n).micro_batch_size
-    dp = data_parallel_size(placed[role].mesh)
-    if micro < dp:
+    update = _update(getattr(cfg, role), n, cfg.model)
+    micro, dp = update.micro_batch_size, data_parallel_size(placed[role].mesh)
+    if micro < dp and not update.packed:  # packed micro-batches fill every device
       raise ValueError(f"config.{role}.ppo_micro_batch_size: {micro} rows per micro-batch are "
                        f"fewer than the {role}'s data-parallel size {dp}; use at least {dp} "
                        "(or a mesh with a narrower data axis)")
 
 
-def _train(section, n: int) -> TrainPlan:
-  return TrainPlan(optim=OptimConfig(**section.optim), update=_update(section, n),
+def _train(section, n: int, model) -> TrainPlan:
+  return TrainPlan(optim=OptimConfig(**section.optim), update=_update(section, n, model),
                    loss=FrozenConfigDict(section))
 
 
@@ -111,11 +147,11 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
   sampling = SamplingParams(
       max_new_tokens=cfg.data.max_response_length, temperature=r.temperature, top_k=r.top_k,
       top_p=r.top_p, n=n, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id)
-  actor = ActorPlan(train=_train(cfg.actor, n), sampling=sampling, lora=lora_plan(cfg.model),
+  actor = ActorPlan(train=_train(cfg.actor, n, cfg.model), sampling=sampling, lora=lora_plan(cfg.model),
                     generate_dtype=r.dtype, recompute_log_prob=cfg.actor.recompute_log_prob,
                     optimizer_offload=cfg.actor.optimizer_offload, max_num_seqs=r.max_num_seqs,
                     use_kl_loss=bool(cfg.actor.use_kl_loss))
-  critic = CriticPlan(train=_train(cfg.critic, n), model_path=cfg.critic.model_path,
+  critic = CriticPlan(train=_train(cfg.critic, n, cfg.model), model_path=cfg.critic.model_path,
                       lora=lora_plan(cfg.critic)) if algorithm.uses_critic else None
   cost = ScorerPlan(kind=cfg.cost.kind, model_path=cfg.cost.model_path,
                     output="token_level_costs") if algorithm.uses_cost else None
@@ -125,7 +161,9 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
       reward=ScorerPlan(kind=cfg.reward.kind, model_path=cfg.reward.model_path,
                         output="token_level_scores"),
       reference=uses_reference(cfg), reference_in_actor=reference_in_actor(cfg),
-      ref_temperature=r.temperature or 1.0, seed=cfg.trainer.seed)
+      ref_temperature=r.temperature or 1.0, seed=cfg.trainer.seed,
+      ref_remove_padding=remove_padding(cfg.model),
+      ref_log_prob_max_token_len=token_budgets(cfg.actor)[1])
 
 
 def step_config(cfg) -> StepConfig:

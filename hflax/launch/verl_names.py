@@ -48,6 +48,15 @@ VERL_NAMES = {
     f"{_ARR}model.lora_alpha": "model.lora_alpha",
     f"{_ARR}model.target_modules": "model.target_modules",
     f"{_ARR}model.enable_gradient_checkpointing": "model.remat",
+    # packed passes and token-budget micro-batches (one switch for every model's passes)
+    f"{_ARR}model.use_remove_padding": "model.use_remove_padding",
+    "critic.model.use_remove_padding": "model.use_remove_padding",
+    f"{_ARR}actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
+    f"{_ARR}actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu",
+    f"{_ARR}ref.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
+    f"{_ARR}rollout.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
+    "critic.use_dynamic_bsz": "critic.use_dynamic_bsz",
+    "critic.ppo_max_token_len_per_gpu": "critic.ppo_max_token_len_per_gpu",
     # critic, reward model, custom reward
     **{f"critic.{f}": f"critic.{f}" for f in _CRITIC_FIELDS},
     "critic.grad_clip": "critic.optim.grad_clip",
@@ -73,7 +82,6 @@ IGNORED = {
     "trainer.device": "JAX picks the platform",
     f"{_ARR}rollout.name": "hflax generates with its own JAX sampler",
     f"{_ARR}rollout.gpu_memory_utilization": "the sampler sizes its KV cache per wave",
-    f"{_ARR}model.use_remove_padding": "a flag of verl's FSDP workers",
     f"{_ARR}actor.ppo_micro_batch_size_per_gpu": "set actor.ppo_micro_batch_size (rows)",
     f"{_ARR}ref.log_prob_micro_batch_size_per_gpu": "forward passes take whole batches",
     f"{_ARR}rollout.log_prob_micro_batch_size_per_gpu": "forward passes take whole batches",
