@@ -77,6 +77,22 @@ def test_first_fit_decreasing_and_buckets():
     first_fit_decreasing([5, 9], 8, field="actor.ppo_max_token_len_per_gpu")
 
 
+def test_packed_shapes_stay_few_however_lengths_vary():
+  """50 batches of random lengths: the programs they need (one per packed shape) stay few."""
+  rng = np.random.default_rng(3)
+  shapes = {"rows": set(), "budget": set()}
+  for _ in range(50):
+    mask = random_mask(rng, 16, prompt_width=16, response_width=90)
+    groups = [np.arange(m, 16, 2) for m in range(2)]
+    shapes["rows"] |= {p.segment_ids.shape for p in micro_batch_plans(mask, multiple=2,
+                                                                       groups=groups)}
+    shapes["budget"] |= {p.segment_ids.shape for p in micro_batch_plans(mask, multiple=2,
+                                                                         budget=256)}
+  # Lengths 16, 24, 32, 48, 64, 96 and the caps (106 = the padded width, 256), rows 2 x 2^k.
+  assert len(shapes["rows"]) <= 10 and len(shapes["budget"]) <= 9, shapes
+  assert {r for r, _ in shapes["budget"]} == {2}
+
+
 def test_pack_refuses_rows_too_short():
   mask = rollout_mask([2, 3], [4, 1], 3, 4)
   with pytest.raises(ValueError, match="do not fit"):
