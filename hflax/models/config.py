@@ -9,6 +9,9 @@ _FAMILIES = {"Llama": dict(family="llama"), "Qwen2": dict(family="qwen2", qkv_bi
              "Qwen3": dict(family="qwen3", qk_norm=True)}
 ARCHITECTURES = {prefix + head: switches for prefix, switches in _FAMILIES.items()
                  for head in ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification")}
+# hflax.models.attention.IMPLEMENTATIONS ("cudnn": the GPU kernel), kept here so that
+# the config does not import jax.
+ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The linear layers LoRA can adapt, by their HF module names (PEFT's "all-linear" is all
 # of them: the output layer is never adapted).
@@ -49,6 +52,9 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ()
+  # How attention is computed (hflax.models.attention.IMPLEMENTATIONS): "auto" picks per
+  # backend and shape; the others force one.
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -61,6 +67,8 @@ class ModelConfig:
     rope_type = self.rope_scaling_dict.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
       raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
     unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
     if unknown:
       raise ValueError(f"lora_targets {unknown} are not among {LORA_TARGETS}")

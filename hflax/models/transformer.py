@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.sharding.layouts import ROW_AXES
 
 _INIT = jax.nn.initializers.normal(0.02)
-_MASKED = -1e30  # finite, so rows with no visible key (pad queries) stay NaN-free
 
 
 class Dense(nnx.Module):
@@ -78,11 +78,12 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
     self.k_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
 
-  def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache):
+  def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache, segment_ids_BxT=None):
     cfg = self.cfg
+    teacher_forced = cache is None and isinstance(slot0, int) and slot0 == 0
     B, T, _ = x_BxTxD.shape
-    KV, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    q_BxTxHxDh = self.q(x_BxTxD).reshape(B, T, KV * G, Dh)
+    KV, H, Dh = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    q_BxTxHxDh = self.q(x_BxTxD).reshape(B, T, H, Dh)
     k_BxTxKxDh = self.k(x_BxTxD).reshape(B, T, KV, Dh)
     v_BxTxKxDh = self.v(x_BxTxD).reshape(B, T, KV, Dh)
     if self.q_norm is not None:
@@ -93,24 +94,27 @@ class Attention(nnx.Module):
     if cache is None:
       k_BxKxDhxS, v_BxKxSxDh = k_BxKxDhxT, v_BxKxTxDh
     else:
-      k_BxKxDhxS = jax.lax.dynamic_update_slice(
-          cache["k"], k_BxKxDhxT.astype(cache["k"].dtype), (0, 0, 0, slot0))
-      v_BxKxSxDh = jax.lax.dynamic_update_slice(
-          cache["v"], v_BxKxTxDh.astype(cache["v"].dtype), (0, 0, slot0, 0))
+      k_BxKxDhxS = _write_slots(cache["k"], k_BxKxDhxT, slot0, axis=3)
+      v_BxKxSxDh = _write_slots(cache["v"], v_BxKxTxDh, slot0, axis=2)
       cache = {"k": k_BxKxDhxS, "v": v_BxKxSxDh}
-    S = k_BxKxDhxS.shape[-1]
-    q_BxKxGxTxDh = q_BxTxHxDh.reshape(B, T, KV, G, Dh).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgtd,bkds->bkgts", q_BxKxGxTxDh, k_BxKxDhxS.astype(q_BxKxGxTxDh.dtype),
-                        preferred_element_type=jnp.float32) * Dh ** -0.5
-    visible_TxS = jnp.arange(S)[None, :] <= (slot0 + jnp.arange(T))[:, None]
-    mask = kv_valid_BxS[:, None, None, None, :] & visible_TxS[None, None, None]
-    probs = jax.nn.softmax(jnp.where(mask, scores, _MASKED), axis=-1)
-    # Batch-major output order keeps this a plain batched matmul (XLA's fast kernels);
-    # asking for [b, t, ...] directly made it swap operands onto a slow generic dot.
-    out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(q_BxTxHxDh.dtype),
-                                v_BxKxSxDh.astype(q_BxTxHxDh.dtype))
-    out_BxTxHDh = out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(B, T, KV * G * Dh)
-    return self.o(out_BxTxHDh), cache
+    # The slot each query was written to: [1, T] for a shared slot0, [B, T] per row.
+    q_slot_BxT = jnp.reshape(slot0, (-1, 1)) + jnp.arange(T)
+    out_BxTxHxDh = attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
+                             segment_ids_BxT, segment_ids_BxT, impl=cfg.attention,
+                             teacher_forced=teacher_forced)
+    return self.o(out_BxTxHxDh.reshape(B, T, H * Dh)), cache
+
+
+def _write_slots(cache, new, slot0, axis):
+  """cache with `new` written at columns slot0.. of `axis`; slot0 a scalar or one per row."""
+  new = new.astype(cache.dtype)
+  start = lambda s: tuple(s if a == axis else 0 for a in range(new.ndim))  # noqa: E731
+  if jnp.ndim(slot0) == 0:
+    return jax.lax.dynamic_update_slice(cache, new, start(slot0))
+  # A row's own columns: vmapped over rows this lowers to one scatter.
+  row_start = lambda s: start(s)[1:]  # noqa: E731
+  return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, row_start(s)))(
+      cache, new, jnp.asarray(slot0, jnp.int32))
 
 
 class MLP(nnx.Module):
@@ -141,8 +145,8 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, cos, sin, kv_valid, slot0, cache):
-    h, cache = self.attn(self.attn_norm(x), cos, sin, kv_valid, slot0, cache)
+  def __call__(self, x, cos, sin, kv_valid, slot0, cache, segment_ids=None):
+    h, cache = self.attn(self.attn_norm(x), cos, sin, kv_valid, slot0, cache, segment_ids)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -164,22 +168,32 @@ class DecoderLM(nnx.Module):
     self.score = (Dense(cfg.hidden_size, 1, ("embed", None), bias=True, cfg=cfg, rngs=rngs)
                   if head == "value" else None)
 
-  def __call__(self, tokens_BxT, positions_BxT, kv_valid_BxS, *, cache=None, slot0=0):
+  def __call__(self, tokens_BxT, positions_BxT, kv_valid_BxS, *, cache=None, slot0=0,
+               segment_ids_BxT=None):
     """Final-norm hidden states [B, T, D] and the updated cache (a list, one dict per layer).
 
     Positions must be below S, the number of KV slots (kv_valid_BxS.shape[1]): true of
-    positions_from_mask, where a token's position never exceeds its slot.
+    positions_from_mask, where a token's position never exceeds its slot. slot0 is where
+    the T new tokens' K/V go: one int for all rows, or an int32 [B] with each row's own.
+    segment_ids_BxT (teacher forcing only) packs sequences in a row: 0 marks padding,
+    1..k the k-th sequence; a token sees only earlier tokens of its own sequence, and
+    positions_BxT should restart at 0 for each (positions_from_segments).
     """
+    if segment_ids_BxT is not None and cache is not None:
+      raise ValueError("segment_ids_BxT is for teacher forcing: pass cache=None with it")
+    if jnp.ndim(slot0) not in (0, 1):
+      raise ValueError(f"slot0 must be an int or an int32 [B] array, got shape {jnp.shape(slot0)}")
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
     cos, sin = rope_tables(self.cfg, positions_BxT, kv_valid_BxS.shape[1])
     new_cache = []
     for i, layer in enumerate(self.layers):
       x = rows_split(x)
       if self.cfg.remat and cache is None:
-        x, layer_cache = nnx.remat(Block.__call__)(layer, x, cos, sin, kv_valid_BxS, slot0, None)
+        x, layer_cache = nnx.remat(Block.__call__)(layer, x, cos, sin, kv_valid_BxS, slot0, None,
+                                                   segment_ids_BxT)
       else:
         x, layer_cache = layer(x, cos, sin, kv_valid_BxS, slot0,
-                               None if cache is None else cache[i])
+                               None if cache is None else cache[i], segment_ids_BxT)
       new_cache.append(layer_cache)
     return self.final_norm(x), (None if cache is None else new_cache)
 
@@ -218,6 +232,17 @@ def positions_from_mask(mask_BxT):
   return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def positions_from_segments(segment_ids_BxT):
+  """Position ids for packed rows: 0 at each sequence's first token, padding (id 0) at 0."""
+  T = segment_ids_BxT.shape[-1]
+  t = jnp.arange(T)
+  prev = jnp.pad(segment_ids_BxT[..., :-1], [(0, 0)] * (segment_ids_BxT.ndim - 1) + [(1, 0)],
+                 constant_values=-1)
+  starts = jnp.where(segment_ids_BxT != prev, t, 0)
+  pos = t - jax.lax.cummax(starts, axis=segment_ids_BxT.ndim - 1)
+  return jnp.where(segment_ids_BxT > 0, pos, 0).astype(jnp.int32)
+
+
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
   dtype = jnp.dtype(dtype or cfg.dtype)
   kv, hd = cfg.num_kv_heads, cfg.head_dim
@@ -249,10 +274,18 @@ def logical_axes(state):
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def forward(graphdef, state, tokens_BxT, mask_BxT):
-  """Hidden states [B, T, D] of full sequences (teacher forcing); pads are masked out."""
+def forward(graphdef, state, tokens_BxT, mask_BxT, *, segment_ids_BxT=None):
+  """Hidden states [B, T, D] of full sequences (teacher forcing); pads are masked out.
+
+  With segment_ids_BxT (packed rows, see DecoderLM.__call__) the mask is segment_ids > 0
+  and mask_BxT is not read.
+  """
   model = nnx.merge(graphdef, state)
-  hidden, _ = model(tokens_BxT, positions_from_mask(mask_BxT), mask_BxT.astype(bool))
+  if segment_ids_BxT is None:
+    hidden, _ = model(tokens_BxT, positions_from_mask(mask_BxT), mask_BxT.astype(bool))
+  else:
+    hidden, _ = model(tokens_BxT, positions_from_segments(segment_ids_BxT),
+                      segment_ids_BxT > 0, segment_ids_BxT=segment_ids_BxT)
   return model, hidden
 
 

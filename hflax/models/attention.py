@@ -1,0 +1,263 @@
+"""Masked attention over KV-cache slots.
+
+K is stored as [B, kv_heads, head_dim, S] and V as [B, kv_heads, S, head_dim] (the cache's
+layouts). Key slot s is visible to query t of row b iff kv_valid[b, s], s <= q_slot[b, t]
+(the slot the query itself was written to) and, with packed sequences, both carry the
+same nonzero segment id. Masks are never passed around as [B, T, S] arrays: `visible`
+builds the part a computation needs from those [B, T] / [B, S] vectors.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+MASKED = -1e30  # finite, so rows with no visible key (pad queries) stay NaN-free
+
+
+def visible(kv_valid_BxS, q_slot_BxT, q_seg_BxT=None, k_seg_BxS=None, k_offset=0):
+  """Boolean [B, T, S] (B may be 1) visibility of the keys at slots k_offset.. to the queries."""
+  S = kv_valid_BxS.shape[-1]
+  slots_S = k_offset + jnp.arange(S)
+  mask = kv_valid_BxS[:, None, :] & (slots_S[None, None, :] <= q_slot_BxT[:, :, None])
+  if q_seg_BxT is not None:
+    mask &= (q_seg_BxT[:, :, None] == k_seg_BxS[:, None, :]) & (q_seg_BxT[:, :, None] > 0)
+  return mask
+
+
+def reference(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
+              q_seg_BxT=None, k_seg_BxS=None):
+  """Dense attention, [B, T, H, Dh]: materialises [B, kv_heads, groups, T, S] fp32 scores."""
+  B, T, H, Dh = q_BxTxHxDh.shape
+  KV = k_BxKxDhxS.shape[1]
+  G = H // KV
+  q_BxKxGxTxDh = q_BxTxHxDh.reshape(B, T, KV, G, Dh).transpose(0, 2, 3, 1, 4)
+  scores = jnp.einsum("bkgtd,bkds->bkgts", q_BxKxGxTxDh, k_BxKxDhxS.astype(q_BxTxHxDh.dtype),
+                      preferred_element_type=jnp.float32) * Dh ** -0.5
+  mask = visible(kv_valid_BxS, q_slot_BxT, q_seg_BxT, k_seg_BxS)[:, None, None]
+  probs = jax.nn.softmax(jnp.where(mask, scores, MASKED), axis=-1)
+  # Batch-major output order keeps this a plain batched matmul (XLA's fast kernels);
+  # asking for [b, t, ...] directly made it swap operands onto a slow generic dot.
+  out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(q_BxTxHxDh.dtype),
+                              v_BxKxSxDh.astype(q_BxTxHxDh.dtype))
+  return out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+
+
+def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
+              q_seg_BxT=None, k_seg_BxS=None, *, q_block: int = 256, k_block: int = 512):
+  """Attention by query x key blocks with an online softmax (running max and sum in fp32).
+
+  Forward and backward (a custom VJP that recomputes each block's probabilities from the
+  saved log-sum-exp, as FlashAttention-2 does) hold O(T + S) memory besides one
+  [B, H, q_block, k_block] block of scores. Key blocks past the last slot a query block
+  can see are skipped (causality). A query that sees no key outputs 0, not the
+  reference's mean over all values: either is finite, and neither feeds a real token.
+  """
+  B, T, H, Dh = q_BxTxHxDh.shape
+  S = k_BxKxDhxS.shape[-1]
+  bq, bk = min(q_block, T), min(k_block, S)
+  pad_t, pad_s = -T % bq, -S % bk
+  pad = lambda x, axis, n, value=0: jnp.pad(  # noqa: E731
+      x, [(0, n if a == axis else 0) for a in range(x.ndim)], constant_values=value)
+  q_slot = jnp.broadcast_to(q_slot_BxT, (B, T))
+  if q_seg_BxT is None:  # one segment per row: the same masks
+    q_seg_BxT, k_seg_BxS = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
+  masks = (pad(kv_valid_BxS, 1, pad_s, False), pad(q_slot, 1, pad_t, -1),
+           pad(q_seg_BxT, 1, pad_t, 0), pad(k_seg_BxS, 1, pad_s, 0))
+  out = _flash(bq, bk, pad(q_BxTxHxDh, 1, pad_t), pad(k_BxKxDhxS, 3, pad_s),
+               pad(v_BxKxSxDh, 2, pad_s), masks)
+  return out[:, :T]
+
+
+def _blocks(x_BxTx___, bq):
+  """[B, T, ...] -> [T // bq, B, bq, ...]."""
+  B, T = x_BxTx___.shape[:2]
+  return jnp.moveaxis(x_BxTx___.reshape(B, T // bq, bq, *x_BxTx___.shape[2:]), 1, 0)
+
+
+def _query_blocks(q_BxTxHxDh, KV, bq):
+  """[B, T, H, Dh] -> [T // bq, B, KV, G, bq, Dh]."""
+  B, T, H, Dh = q_BxTxHxDh.shape
+  return _blocks(q_BxTxHxDh, bq).reshape(T // bq, B, bq, KV, H // KV, Dh).transpose(
+      0, 1, 3, 4, 2, 5)
+
+
+def _key_block(k_BxKxDhxS, v_BxKxSxDh, masks, j, bk):
+  kv_valid, _, _, k_seg = masks
+  k = jax.lax.dynamic_slice_in_dim(k_BxKxDhxS, j * bk, bk, axis=3)
+  v = jax.lax.dynamic_slice_in_dim(v_BxKxSxDh, j * bk, bk, axis=2)
+  return (k, v, jax.lax.dynamic_slice_in_dim(kv_valid, j * bk, bk, axis=1),
+          jax.lax.dynamic_slice_in_dim(k_seg, j * bk, bk, axis=1))
+
+
+def _scores(q_BxKxGxTxDh, k, valid, k_seg, slot, q_seg, j, bk):
+  """Masked fp32 scores of one query block against key block j."""
+  Dh = q_BxKxGxTxDh.shape[-1]
+  s = jnp.einsum("bkgtd,bkds->bkgts", q_BxKxGxTxDh, k.astype(q_BxKxGxTxDh.dtype),
+                 preferred_element_type=jnp.float32) * Dh ** -0.5
+  mask = visible(valid, slot, q_seg, k_seg, k_offset=j * bk)[:, None, None]
+  return jnp.where(mask, s, MASKED)
+
+
+def _key_blocks_seen(slot_Bxbq, bk, nk):
+  """How many leading key blocks a query block reaches: the rest it cannot see."""
+  return jnp.clip(jnp.max(slot_Bxbq) // bk + 1, 0, nk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash(bq, bk, q, k, v, masks):
+  return _flash_forward(bq, bk, q, k, v, masks)[0]
+
+
+def _flash_forward(bq, bk, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, masks):
+  B, T, H, Dh = q_BxTxHxDh.shape
+  KV, nk = k_BxKxDhxS.shape[1], k_BxKxDhxS.shape[-1] // bk
+  _, q_slot, q_seg, _ = masks
+
+  def query_block(_, xs):
+    q, slot, seg = xs
+
+    def key_block(j, carry):
+      m, l, acc = carry
+      k, v, valid, k_seg = _key_block(k_BxKxDhxS, v_BxKxSxDh, masks, j, bk)
+      s = _scores(q, k, valid, k_seg, slot, seg, j, bk)
+      m_new = jnp.maximum(m, s.max(-1))
+      p = jnp.exp(s - m_new[..., None])
+      corr = jnp.exp(m - m_new)
+      pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(q.dtype), v.astype(q.dtype),
+                      preferred_element_type=jnp.float32)
+      return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+    m = jnp.full(q.shape[:-1], MASKED, jnp.float32)
+    m, l, acc = jax.lax.fori_loop(0, _key_blocks_seen(slot, bk, nk), key_block,
+                                  (m, jnp.zeros_like(m), jnp.zeros(q.shape, jnp.float32)))
+    seen = l > 0
+    out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1)[..., None], 0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), MASKED)
+    return None, (out.astype(q.dtype), lse)
+
+  xs = (_query_blocks(q_BxTxHxDh, KV, bq), _blocks(q_slot, bq), _blocks(q_seg, bq))
+  _, (out, lse) = jax.lax.scan(query_block, None, xs)
+  # [nq, B, KV, G, bq, Dh] -> [B, T, H, Dh]
+  out_BxTxHxDh = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H, Dh)
+  return out_BxTxHxDh, (q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, masks, out, lse)
+
+
+def _flash_backward(bq, bk, residuals, d_out_BxTxHxDh):
+  q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, masks, out, lse = residuals
+  B, T, H, Dh = q_BxTxHxDh.shape
+  KV, nk, nq = k_BxKxDhxS.shape[1], k_BxKxDhxS.shape[-1] // bk, T // bq
+  _, q_slot, q_seg, _ = masks
+  qs = _query_blocks(q_BxTxHxDh, KV, bq)
+  d_outs = _query_blocks(d_out_BxTxHxDh, KV, bq)
+  # rowsum(dO * O): the softmax Jacobian's correction term, per query.
+  deltas = jnp.sum(d_outs.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  slots, segs = _blocks(q_slot, bq), _blocks(q_seg, bq)
+  seen = jax.vmap(lambda slot: _key_blocks_seen(slot, bk, nk))(slots)
+
+  def key_block(dq, j):
+    k, v, valid, k_seg = _key_block(k_BxKxDhxS, v_BxKxSxDh, masks, j, bk)
+
+    def query_block(i, carry):
+      dq, dk, dv = carry
+      q, d_o = qs[i], d_outs[i]
+      s = _scores(q, k, valid, k_seg, slots[i], segs[i], j, bk)
+      p = jnp.exp(s - lse[i][..., None])
+      dv = dv + jnp.einsum("bkgts,bkgtd->bksd", p.astype(q.dtype), d_o,
+                           preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bkgtd,bksd->bkgts", d_o, v.astype(d_o.dtype),
+                      preferred_element_type=jnp.float32)
+      ds = (p * (dp - deltas[i][..., None]) * Dh ** -0.5).astype(q.dtype)
+      dq_i = jnp.einsum("bkgts,bkds->bkgtd", ds, k.astype(q.dtype),
+                        preferred_element_type=jnp.float32)
+      dk = dk + jnp.einsum("bkgts,bkgtd->bkds", ds, q, preferred_element_type=jnp.float32)
+      return dq.at[i].add(dq_i), dk, dv
+
+    def maybe(i, carry):  # the forward pass skipped key block j for query block i
+      return jax.lax.cond(j < seen[i], query_block, lambda _, c: c, i, carry)
+
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+    dq, dk, dv = jax.lax.fori_loop(0, nq, maybe, (dq, dk, dv))
+    return dq, (dk, dv)
+
+  dq, (dks, dvs) = jax.lax.scan(key_block, jnp.zeros(qs.shape, jnp.float32), jnp.arange(nk))
+  dq = dq.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H, Dh)
+  dk = jnp.moveaxis(dks, 0, 3).reshape(k_BxKxDhxS.shape)  # [nk, B, KV, Dh, bk]
+  dv = jnp.moveaxis(dvs, 0, 2).reshape(v_BxKxSxDh.shape)  # [nk, B, KV, bk, Dh]
+  return (dq.astype(q_BxTxHxDh.dtype), dk.astype(k_BxKxDhxS.dtype),
+          dv.astype(v_BxKxSxDh.dtype), None)
+
+
+_flash.defvjp(lambda bq, bk, q, k, v, masks: _flash_forward(bq, bk, q, k, v, masks),
+              _flash_backward)
+
+
+def cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, *, implementation="cudnn"):
+  """Teacher-forced attention (query t in slot t, S == T) by jax.nn.dot_product_attention.
+
+  cuDNN's flash attention takes causal masking and right padding (sequence lengths) but
+  no mask array short of a quadratic bias, so each row is rotated to start at its first
+  valid slot; a row whose valid slots are not one contiguous run (or are none) sends the
+  whole call to `blockwise` instead. `implementation="xla"` runs the same arguments on
+  any backend (the tests check the rotation that way).
+  """
+  B, T, H, Dh = q_BxTxHxDh.shape
+  start_B = jnp.argmax(kv_valid_BxS, axis=1).astype(jnp.int32)
+  length_B = jnp.sum(kv_valid_BxS, axis=1, dtype=jnp.int32)
+  t = jnp.arange(T)
+  run_BxS = (t >= start_B[:, None]) & (t < (start_B + length_B)[:, None])
+  contiguous = jnp.all(run_BxS == kv_valid_BxS) & jnp.all(length_B > 0)
+
+  def rotate(x_BxTx___, sign):
+    return jax.vmap(lambda row, s: jnp.roll(row, sign * s, axis=0))(x_BxTx___, start_B)
+
+  def flash(q, k, v):
+    out = jax.nn.dot_product_attention(
+        rotate(q, -1), rotate(k.transpose(0, 3, 1, 2), -1), rotate(v.transpose(0, 2, 1, 3), -1),
+        is_causal=True, query_seq_lengths=length_B, key_value_seq_lengths=length_B,
+        implementation=implementation)
+    return jnp.where(kv_valid_BxS[:, :, None, None], rotate(out, 1), 0).astype(q.dtype)
+
+  def fallback(q, k, v):
+    return blockwise(q, k, v, kv_valid_BxS, t[None])
+
+  return jax.lax.cond(contiguous, flash, fallback, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh)
+
+
+# Up to this many key slots "auto" keeps the dense reference: its [B, H, T, S] scores
+# are small there and it is no slower (threshold to be confirmed by measurement).
+REFERENCE_MAX_KEYS = 1024
+IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn")
+
+
+def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
+              q_seg_BxT=None, k_seg_BxS=None, *, impl: str = "auto",
+              teacher_forced: bool = False):
+  """Attention output [B, T, H, Dh], by the implementation `impl` names or picks.
+
+  teacher_forced (static) says query t sits in slot t of S == T slots, which the kernels
+  that take only causal masks need. "auto": the dense reference for decoding (T == 1,
+  already linear in S) and short contexts; cuDNN on GPU where it applies (bfloat16 or
+  float16, no packed segments, teacher forced); blockwise everywhere else. "cudnn" forces
+  cuDNN where it applies and leaves the rest to "auto"'s choice.
+  """
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"attention={impl!r} is not one of {IMPLEMENTATIONS}")
+  args = (q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT, q_seg_BxT, k_seg_BxS)
+  T, S = q_BxTxHxDh.shape[1], k_BxKxDhxS.shape[-1]
+  if impl == "reference":
+    return reference(*args)
+  if impl == "blockwise":
+    return blockwise(*args)
+  cudnn_fits = (teacher_forced and q_seg_BxT is None and
+                q_BxTxHxDh.dtype in (jnp.bfloat16, jnp.float16) and
+                q_BxTxHxDh.shape[-1] % 8 == 0 and q_BxTxHxDh.shape[-1] <= 128)
+  if impl == "cudnn" and cudnn_fits:
+    return cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS)
+  if T == 1 or S <= REFERENCE_MAX_KEYS:
+    return reference(*args)
+  if cudnn_fits and jax.default_backend() == "gpu":
+    return cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS)
+  return blockwise(*args)

@@ -1,0 +1,242 @@
+"""Packed sequences, per-row decode slots, and attention implementations against the reference."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hflax.models import ModelConfig, attention, create, init_cache
+from hflax.models.transformer import forward, positions_from_segments
+
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, attention="reference")
+
+
+def _tokens(n, seed):
+  return np.random.RandomState(seed).randint(1, CFG.vocab_size, size=(1, n)).astype(np.int32)
+
+
+def test_positions_restart_at_each_packed_sequence():
+  seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [0, 1, 1, 1, 1, 2, 2, 0]])
+  np.testing.assert_array_equal(positions_from_segments(seg),
+                                [[0, 1, 2, 0, 1, 0, 0, 0], [0, 0, 1, 2, 3, 0, 1, 0]])
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_packed_row_matches_each_sequence_alone(remat):
+  cfg = CFG.replace(remat=remat)
+  graphdef, state = create(cfg)
+  a, b = _tokens(5, 1), _tokens(7, 2)
+  packed = np.concatenate([a, b, np.zeros((1, 2), np.int32)], axis=1)
+  seg = np.asarray([[1] * 5 + [2] * 7 + [0] * 2], np.int32)
+  _, hidden = forward(graphdef, state, jnp.asarray(packed), None,
+                      segment_ids_BxT=jnp.asarray(seg))
+  assert np.isfinite(np.asarray(hidden)).all()  # pad queries see no key, yet stay finite
+  for tokens, cols in ((a, slice(0, 5)), (b, slice(5, 12))):
+    _, alone = forward(graphdef, state, jnp.asarray(tokens), jnp.ones_like(tokens))
+    np.testing.assert_allclose(hidden[:, cols], alone, atol=2e-5, rtol=2e-5)
+
+
+def test_segment_ids_with_a_cache_are_refused():
+  model = nnx.merge(*create(CFG))
+  tokens = jnp.ones((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match="segment_ids_BxT"):
+    model(tokens, jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4), bool),
+          cache=init_cache(CFG, 1, 4), segment_ids_BxT=jnp.ones((1, 4), jnp.int32))
+
+
+def _prefill(model, prompt, S):
+  """The cache and kv_valid of one row prefilled with `prompt` at slots 0..len-1."""
+  L = prompt.shape[1]
+  kv_valid = jnp.zeros((1, S), bool).at[:, :L].set(True)
+  tokens = jnp.pad(jnp.asarray(prompt), ((0, 0), (0, S - L)))
+  _, cache = model(tokens[:, :L], jnp.arange(L)[None], kv_valid, cache=init_cache(CFG, 1, S))
+  return cache, kv_valid
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_rows_decoding_at_their_own_slots_match_each_row_alone(T):
+  model = nnx.merge(*create(CFG))
+  S, lengths = 16, (4, 9)
+  rows = [_prefill(model, _tokens(L, 10 + L), S) for L in lengths]
+  new = [_tokens(T, 20 + L) for L in lengths]
+  alone = []
+  for (cache, kv_valid), L, tok in zip(rows, lengths, new):
+    kv_valid = kv_valid.at[:, L:L + T].set(True)
+    hidden, _ = model(jnp.asarray(tok), L + jnp.arange(T)[None], kv_valid, cache=cache, slot0=L)
+    alone.append(model.logits(hidden))
+  cache = jax.tree.map(lambda *r: jnp.concatenate(r), *[c for c, _ in rows])
+  kv_valid = jnp.concatenate([v.at[:, L:L + T].set(True) for (_, v), L in zip(rows, lengths)])
+  slot0 = jnp.asarray(lengths, jnp.int32)
+  hidden, cache = model(jnp.asarray(np.concatenate(new)), slot0[:, None] + jnp.arange(T),
+                        kv_valid, cache=cache, slot0=slot0)
+  np.testing.assert_allclose(model.logits(hidden), np.concatenate(alone), atol=2e-5, rtol=2e-5)
+  # Each row's new K/V sit at its own columns, the other columns untouched.
+  for b, ((row_cache, _), L) in enumerate(zip(rows, lengths)):
+    np.testing.assert_array_equal(cache[0]["v"][b, :, :L], row_cache[0]["v"][0, :, :L])
+    assert np.abs(np.asarray(cache[0]["v"][b, :, L:L + T])).min() > 0
+    assert not np.asarray(cache[0]["k"][b, :, :, L + T:]).any()
+
+
+def test_a_shared_slot_writes_the_cache_with_dynamic_update_slice():
+  model = nnx.merge(*create(CFG))
+
+  def step(slot0):
+    return model(jnp.ones((2, 1), jnp.int32), jnp.ones((2, 1), jnp.int32),
+                 jnp.ones((2, 8), bool), cache=init_cache(CFG, 2, 8), slot0=slot0)[0]
+
+  shared = str(jax.make_jaxpr(step)(jnp.int32(3)))
+  per_row = str(jax.make_jaxpr(step)(jnp.asarray([3, 5], jnp.int32)))
+  assert "dynamic_update_slice" in shared and "scatter" not in shared
+  assert "scatter" in per_row
+
+
+# --- Attention implementations against the dense reference ---
+
+def _qkv(B, T, S, H, KV, Dh, seed=0):
+  r = np.random.RandomState(seed)
+  return (jnp.asarray(r.randn(B, T, H, Dh), jnp.float32),
+          jnp.asarray(r.randn(B, KV, Dh, S), jnp.float32),
+          jnp.asarray(r.randn(B, KV, S, Dh), jnp.float32))
+
+
+def _masks(case, B, T, S):
+  """kv_valid, q_slot, segment ids and which queries see a key, for each masking case."""
+  valid = np.ones((B, S), bool)
+  slot = np.arange(T)[None] + np.zeros((B, 1), int)
+  seg = None
+  if case == "left_padding":
+    valid[1, :7] = False
+    valid[2, :T - 2] = False  # a row with one real token
+  elif case == "segments":
+    seg = np.zeros((B, T), np.int32)
+    seg[0, :13], seg[0, 13:T - 3] = 1, 2
+    seg[1, 2:] = 1
+    seg[2, :5], seg[2, 5:11], seg[2, 11:] = 1, 2, 3
+    valid = seg > 0
+  elif case == "per_row_slots":  # T new tokens at each row's own slot of a longer cache
+    slot = np.asarray([[0], [S - T - 9], [S - T]]) + np.arange(T)
+    valid[1, :4] = False
+    valid[1, S - 9:] = False
+  seen = (valid[:, None, :] & (np.arange(S) <= slot[:, :, None]))
+  if seg is not None:
+    seen &= (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+  seg = None if seg is None else jnp.asarray(seg)
+  return jnp.asarray(valid), jnp.asarray(slot, jnp.int32), seg, seen.any(-1)
+
+
+@pytest.mark.parametrize("case,T,S", [("left_padding", 37, 37), ("segments", 37, 37),
+                                      ("per_row_slots", 21, 53)])
+@pytest.mark.parametrize("q_block,k_block", [(8, 8), (5, 7), (16, 32), (64, 64)])
+def test_blockwise_matches_reference_in_values_and_gradients(case, T, S, q_block, k_block):
+  B, H, KV, Dh = 3, 6, 2, 8  # GQA: 3 query heads per KV head
+  q, k, v = _qkv(B, T, S, H, KV, Dh)
+  valid, slot, seg, seen = _masks(case, B, T, S)
+  rows = jnp.asarray(seen)[:, :, None, None]
+  w = jnp.asarray(np.random.RandomState(1).randn(B, T, H, Dh), jnp.float32)
+
+  def loss(impl, q, k, v):
+    out = impl(q, k, v, valid, slot, seg, seg)
+    return jnp.sum(jnp.where(rows, out, 0) * w), out
+
+  blk = functools.partial(attention.blockwise, q_block=q_block, k_block=k_block)
+  (_, want), grads_want = jax.value_and_grad(functools.partial(loss, attention.reference),
+                                             (0, 1, 2), has_aux=True)(q, k, v)
+  (_, got), grads_got = jax.value_and_grad(functools.partial(loss, blk), (0, 1, 2),
+                                           has_aux=True)(q, k, v)
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_allclose(np.where(seen[:, :, None, None], got, 0),
+                             np.where(seen[:, :, None, None], want, 0), atol=2e-6)
+  for g, want_g in zip(grads_got, grads_want):
+    np.testing.assert_allclose(g, want_g, atol=1e-5)
+
+
+def test_cudnn_arguments_match_reference(monkeypatch):
+  """The rotation to right padding, run by XLA's implementation of the same call."""
+  B, T, H, KV, Dh = 3, 29, 4, 2, 8
+  q, k, v = _qkv(B, T, T, H, KV, Dh, seed=3)
+  valid = np.ones((B, T), bool)
+  valid[1, :6] = False  # left padding
+  valid[2, 20:] = False  # right padding
+  holes = valid.copy()
+  holes[0, 10] = False  # not one contiguous run: not for cuDNN
+  monkeypatch.setattr(attention, "blockwise", lambda q, *_: jnp.zeros_like(q))
+  slot = jnp.arange(T)[None]
+  for mask, expect_fallback in ((valid, False), (holes, True)):
+    want = attention.reference(q, k, v, jnp.asarray(mask), slot)
+    got = attention.cudnn(q, k, v, jnp.asarray(mask), implementation="xla")
+    if expect_fallback:
+      assert not np.asarray(got).any()
+      continue
+    rows = mask[:, :, None, None]
+    np.testing.assert_allclose(np.where(rows, got, 0), np.where(rows, want, 0), atol=2e-6)
+
+    def grad(f):
+      return jax.grad(lambda *a: jnp.sum(jnp.where(rows, f(*a), 0) ** 2), (0, 1, 2))(q, k, v)
+
+    for g, want_g in zip(grad(lambda *a: attention.cudnn(*a, jnp.asarray(mask),
+                                                         implementation="xla")),
+                         grad(lambda *a: attention.reference(*a, jnp.asarray(mask), slot))):
+      np.testing.assert_allclose(g, want_g, atol=1e-5)
+
+
+def test_unknown_attention_is_refused():
+  with pytest.raises(ValueError, match="attention='flash'"):
+    CFG.replace(attention="flash")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_model_loss_and_gradients_match_reference(monkeypatch, packed):
+  """Logits and the gradient of a whole tiny model's log-prob loss, blockwise vs reference."""
+  monkeypatch.setattr(attention, "blockwise",
+                      functools.partial(attention.blockwise, q_block=8, k_block=16))
+  tokens = np.random.RandomState(4).randint(1, CFG.vocab_size, size=(2, 45)).astype(np.int32)
+  mask = np.ones_like(tokens)
+  mask[1, :9] = 0
+  seg = np.asarray([[1] * 20 + [2] * 25, [0] * 3 + [1] * 30 + [2] * 12], np.int32)
+  seg_ids = jnp.asarray(seg) if packed else None
+  keep = jnp.asarray(seg > 0 if packed else mask > 0)
+
+  def loss(graphdef, state):
+    model, hidden = forward(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
+                            segment_ids_BxT=seg_ids)
+    logits = model.logits(hidden)
+    logp = jax.nn.log_softmax(logits)[:, :-1]
+    picked = jnp.take_along_axis(logp, jnp.asarray(tokens)[:, 1:, None], -1)[..., 0]
+    scored = keep[:, 1:] & keep[:, :-1]  # a pad's hidden state is no context (logprobs.py)
+    return -jnp.sum(jnp.where(scored, picked, 0)), jnp.where(keep[..., None], logits, 0)
+
+  results = []
+  for impl in ("reference", "blockwise"):
+    graphdef, state = create(CFG.replace(attention=impl))
+    results.append(jax.value_and_grad(functools.partial(loss, graphdef), has_aux=True)(state))
+  (_, logits_ref), grads_ref = results[0]
+  (_, logits_blk), grads_blk = results[1]
+  np.testing.assert_allclose(logits_blk, logits_ref, atol=2e-5)
+  for got, want in zip(jax.tree.leaves(grads_blk), jax.tree.leaves(grads_ref)):
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+def _train_step_temp_bytes(impl, T):
+  """XLA's temporary memory for one teacher-forced forward + backward of a small model."""
+  cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, attention=impl)
+  graphdef, state = create(cfg)
+  tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+
+  def loss(state, tokens):
+    _, hidden = forward(graphdef, state, tokens, jnp.ones_like(tokens))
+    return jnp.sum(hidden.astype(jnp.float32) ** 2)
+
+  compiled = jax.jit(jax.grad(loss)).lower(state, tokens).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_memory_grows_linearly_and_reference_quadratically():
+  blk = {T: _train_step_temp_bytes("blockwise", T) for T in (1024, 8192)}
+  ref = {T: _train_step_temp_bytes("reference", T) for T in (1024, 8192)}
+  assert blk[8192] <= 8 * 1.1 * blk[1024], blk
+  assert ref[8192] >= 32 * ref[1024], ref  # [B, H, T, T] scores: 64x for 8x the tokens
+  assert ref[8192] >= 20 * blk[8192], (ref, blk)
