@@ -95,12 +95,12 @@ def test_to_config_format():
   # 72 GB usable - actor 16 B/param over 8 shards - ref 2 B/param unsharded - weights
   # 2 B/param over t_g=2, in sequences of 2 x 32 layers x 16 KV heads x 128 x 2 B for
   # 2048 decode slots and the prompt's 1024 prefill slots (the sampler holds both while
-  # it grows the cache), plus the prefill's dense fp32 scores and probabilities of one
-  # layer: 2 x 16 heads x 1024 x 1024 x 4 B.
+  # it grows the cache), plus the prefill's four dense fp32 score-sized buffers of one
+  # layer: 4 x 16 heads x 1024 x 1024 x 4 B.
   P = wl.models["actor"].num_params
-  per_seq = 2 * 32 * 16 * 128 * 2 * (2048 + 1024) + 2 * 16 * 1024 * 1024 * 4
+  per_seq = 2 * 32 * 16 * 128 * 2 * (2048 + 1024) + 4 * 16 * 1024 * 1024 * 4
   fits = int((72e9 - 16 * P / 8 - 2 * P - 2 * P / 2) // per_seq)
-  assert fits == 40
+  assert fits == 35
   assert plan.to_config() == {
       "pools": {"pool0": 8, "pool1": 8},
       "roles": {"actor": {"pool": "pool0", "mesh": {"data": 1, "fsdp": 4, "tensor": 2},

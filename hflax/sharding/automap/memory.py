@@ -184,9 +184,11 @@ def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int) -> float:
 def generate_bytes(cfg: ModelConfig, prompts: int, prompt_len: int, new_tokens: int,
                    n: int = 1, attention: str | None = None) -> Footprint:
   """sampler._generate: prefill the prompts' bucket, then decode B * n rows into a cache
-  grown to P + new_tokens slots; the prefill's cache and attention are alive together."""
+  grown to P + new_tokens slots; the prefill's cache and attention are alive together.
+  The prefill keeps four score-sized fp32 buffers (scores, masked scores, exponentials,
+  probabilities: XLA:CPU allocated that many for hflax/models/attention.py's reference)."""
   P = length_bucket(prompt_len)
   prefill = (kv_cache_bytes(cfg, prompts, P)
-             + 2 * attention_scores_bytes(cfg, prompts, P, P, attention))
+             + 4 * attention_scores_bytes(cfg, prompts, P, P, attention))
   decode = kv_cache_bytes(cfg, prompts * n, P + new_tokens)
   return Footprint(weight_bytes(cfg), prefill + decode)
