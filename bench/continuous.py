@@ -47,33 +47,39 @@ def model_config() -> ModelConfig:
 
 
 def skewed_workload(model, rows: int, long: int, short: int, pool: int, seed: int = 0):
-  """(prompts, end token): rows // 8 prompts never reach the end token within `long`
-  greedy tokens, the rest reach it nearest to `short` tokens."""
+  """(prompts, end tokens): rows // 8 prompts reach no end token within `long` greedy
+  tokens, the others reach one after short * 3/4 .. 5/4 tokens.
+
+  End tokens are added one at a time, each the one that brings the most prompts into
+  that window while enough prompts still never end."""
   rs = np.random.RandomState(seed)
   candidates = [rs.randint(1, VOCAB, size=rs.randint(4, 17)).tolist() for _ in range(pool)]
   free = np.asarray(generate(*model, candidates, SamplingParams(max_new_tokens=long,
                                                                  temperature=0))["responses"])
-  want_long = rows // 8
-  best = None
-  for token in range(VOCAB):
-    hit = free == token
-    first = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, long + 1)  # response lengths
-    never = np.flatnonzero(first > long)
-    close = np.argsort(np.abs(first - short), kind="stable")
-    close = close[first[close] <= long][:rows - want_long]
-    if len(never) < want_long or len(close) < rows - want_long:
-      continue
-    spread = np.abs(first[close] - short).max()
-    if best is None or spread < best[0]:
-      best = (spread, token, never[:want_long], close)
-  if best is None:
-    raise SystemExit(f"no end token splits {pool} prompts into the skew: raise --pool")
-  _, token, never, close = best
-  order = []  # a long row every 8, as a batch of mixed prompts would have them
-  long_rows, short_rows = list(never), list(close)
-  for i in range(rows):
-    order.append(long_rows.pop() if i % 8 == 7 and long_rows else short_rows.pop())
-  return [candidates[i] for i in order], token
+  # first[t, p]: the response length of prompt p were t the end token (long + 1: never)
+  hit = free[None] == np.arange(VOCAB)[:, None, None]
+  first = np.where(hit.any(-1), hit.argmax(-1) + 1, long + 1)
+  lo, hi, want_long = short * 3 // 4, short * 5 // 4, rows // 8
+  ends, length = [], np.full(pool, long + 1)
+  while True:
+    trial = np.minimum(length[None], first)
+    fits = ((trial >= lo) & (trial <= hi)).sum(1)
+    fits[(trial > long).sum(1) < want_long] = -1
+    token = int(fits.argmax())
+    if fits[token] <= ((length >= lo) & (length <= hi)).sum():
+      break
+    ends.append(token)
+    length = trial[token]
+  close = np.flatnonzero((length >= lo) & (length <= hi))
+  never = np.flatnonzero(length > long)[:want_long]
+  if len(close) < rows - want_long:
+    raise SystemExit(f"{len(close)} of {pool} prompts end near {short} tokens, "
+                     f"{rows - want_long} needed: raise --pool")
+  close = list(close[np.argsort(np.abs(length[close] - short), kind="stable")]
+               [:rows - want_long])
+  never = list(never)
+  order = [never.pop() if i % 8 == 7 else close.pop() for i in range(rows)]  # mixed
+  return [candidates[i] for i in order], tuple(ends)
 
 
 def compare(name, model, prompts, params, slots, reps):
@@ -135,13 +141,13 @@ def main():
   args = ap.parse_args()
   if args.quick:
     args.rows, args.slots, args.long, args.short = 16, 4, 128, 16
-    args.uniform_tokens, args.pool, args.reps = 32, 96, 1
+    args.uniform_tokens, args.pool, args.reps = 32, 128, 1
   model = create(model_config(), seed=0)
   print(f"model: {model_config()}")
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; load {os.getloadavg()}")
-  prompts, token = skewed_workload(model, args.rows, args.long, args.short, args.pool)
-  skew = compare(f"skewed (end token {token})", model, prompts,
-                 SamplingParams(max_new_tokens=args.long, temperature=0, eos_ids=(token,)),
+  prompts, ends = skewed_workload(model, args.rows, args.long, args.short, args.pool)
+  skew = compare(f"skewed (end tokens {ends})", model, prompts,
+                 SamplingParams(max_new_tokens=args.long, temperature=0, eos_ids=ends),
                  args.slots, args.reps)
   uniform = compare("uniform (no end token)", model, prompts,
                     SamplingParams(max_new_tokens=args.uniform_tokens, temperature=0),

@@ -52,7 +52,7 @@ def sampling_cases(eos_ids):
                          eos_ids=eos_ids)]
 
 
-@pytest.mark.parametrize("case, slots", [(0, 1), (0, 3), (1, 3), (2, 4), (2, 64)])
+@pytest.mark.parametrize("case, slots", [(0, 1), (0, 3), (1, 3), (1, 13), (2, 4)])
 def test_slots_sample_what_waves_do(model, prompts, eos_ids, case, slots):
   params = sampling_cases(eos_ids)[case]
   key = jax.random.key(11)
@@ -100,14 +100,15 @@ def test_repeated_calls_compile_once(model, eos_ids):
   params = SamplingParams(max_new_tokens=N, temperature=0.9, eos_ids=eos_ids)
   rs = np.random.RandomState(4)
   batch = lambda: [rs.randint(3, 96, size=rs.randint(9, 17)).tolist() for _ in range(5)]  # noqa: E731
-  generate(*model, batch(), params, rng=jax.random.key(0), slots=5)
+  generate(*model, batch(), params, rng=jax.random.key(0), slots=2)
   before = compiled_variants()
   for seed in range(3):  # other prompts of the same bucket, other keys
-    generate(*model, batch(), params, rng=jax.random.key(seed), slots=5)
+    generate(*model, batch(), params, rng=jax.random.key(seed), slots=2)
+  assert compiled_variants() == before
+  generate(*model, batch(), params, rng=jax.random.key(0))
+  generate(*model, batch(), params, rng=jax.random.key(0), slots=5)
   generate(*model, batch(), params, rng=jax.random.key(0), slots=7)
-  assert compiled_variants() == before  # 7 slots for 5 rows: the 5-slot program
-  generate(*model, batch(), params, rng=jax.random.key(0), slots=2)
-  assert compiled_variants() == before + 1
+  assert compiled_variants() == before + 1  # slots for every row: the wave program
 
 
 def test_bad_slots_name_the_field(model, prompts):

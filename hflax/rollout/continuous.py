@@ -56,10 +56,9 @@ def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, row
     def copy_in(c):
       prompt = row // n
       cache, kv_valid = c["cache"], c["kv_valid"]
-      put = lambda old, new, axis: jnp.where(  # noqa: E731
-          take.reshape((K,) + (1,) * (old.ndim - 1)), jnp.concatenate(
-              [new[prompt], jax.lax.slice_in_dim(old, P, old.shape[axis], axis=axis)], axis),
-          old)
+      put = lambda old, new, axis: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+          old, jnp.where(take.reshape((K,) + (1,) * (old.ndim - 1)), new[prompt],
+                         jax.lax.slice_in_dim(old, 0, P, axis=axis)), 0, axis)
       cache = [{"k": put(o["k"], s["k"], 3), "v": put(o["v"], s["v"], 2)}
                for o, s in zip(cache, store)]
       # The response columns of the slot's previous row stay, unseen: only the mask resets.

@@ -290,10 +290,16 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
       state, tokens, mask = jax.device_put((state, tokens, mask), devices[0])
     return _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool),
                      rng, params=params, segments=decode_segments(params.max_new_tokens),
-                     slots=min(slots, len(tokens) * params.n))
+                     slots=_waiting_slots(slots, len(tokens) * params.n))
   mesh = _rows_mesh(devices)
   return generate_over_rows(graphdef, replicate(state, devices), np.asarray(tokens, np.int32),
                             np.asarray(mask, bool), rng, params, mesh, slots=slots)
+
+
+def _waiting_slots(slots: int, rows: int) -> int:
+  """slots, or 0 when a device's rows all fit in them: with no row ever waiting for a
+  slot, the wave program decodes the same tokens without the per-row bookkeeping."""
+  return int(slots) if slots < rows else 0
 
 
 def _check_slots(slots):
@@ -322,7 +328,7 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
   take = np.arange(count + pad) % count  # padding rows repeat real ones
   live = np.arange(count + pad) < count
   rows = NamedSharding(mesh, PartitionSpec("data"))
-  slots = min(int(slots), size // mesh.shape["data"] * params.n)  # more would idle
+  slots = _waiting_slots(slots, size // mesh.shape["data"] * params.n)
   segments = decode_segments(params.max_new_tokens)
   collect = collect or (lambda x: x)
   waves = []
