@@ -200,12 +200,16 @@ def test_token_budget_micro_batches_do_not_change_the_step():
   from hflax.controller.training import UpdateConfig
   batch = grpo_batch()
   whole = grpo_actor(UpdateConfig(mini_batch_size=8, remove_padding=True))
+  want_logp = np.asarray(whole.compute_log_prob(batch)["old_log_probs"])
   want = whole.update_actor(batch).meta["metrics"]
   # 2 devices, 112 tokens: [104, 7] and [7 x 6] in one micro-batch of 2 rows of 112.
   # 1 device, 104 tokens: [104], then [7 x 7] in a row of 64 (bucketed up from 49).
   for devices, budget, micro_batches, padded in ((2, 112, 1, 2 * 112 - 153),
                                                  (1, 104, 2, 104 + 64 - 153)):
-    actor = grpo_actor(UpdateConfig(mini_batch_size=8, max_token_len=budget), devices)
+    actor = grpo_actor(UpdateConfig(mini_batch_size=8, max_token_len=budget,
+                                    log_prob_max_token_len=budget), devices)
+    np.testing.assert_allclose(np.asarray(actor.compute_log_prob(batch)["old_log_probs"]),
+                               want_logp, atol=2e-5, rtol=1e-5)
     got = actor.update_actor(batch).meta["metrics"]
     assert_same_update(actor, whole, got, want)
     assert float(got["actor/update_micro_batches"]) == micro_batches

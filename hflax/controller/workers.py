@@ -217,7 +217,8 @@ class RoleWorker:
       live = np.concatenate([np.ones(len(index), np.float32), np.zeros(padded, np.float32)])
       index = np.concatenate([index, np.zeros(padded, index.dtype)]).astype(np.int32)
       groups = None if cfg.max_token_len else [np.arange(m, len(index), cuts) for m in range(cuts)]
-      plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), multiple=dp, budget=cfg.max_token_len, groups=groups,
+      plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), multiple=dp,
+                                budget=cfg.max_token_len, groups=groups,
                                 field=f"{self.placement.role}.ppo_max_token_len_per_gpu")
       sums = None
       for plan in plans:
@@ -271,7 +272,8 @@ class RoleWorker:
     mask[live_rows:] = 0  # the rows padding the batch to the data-parallel size
     plans = micro_batch_plans(mask, multiple=self.data_parallel_rows,
                               budget=self.log_prob_max_token_len,
-                              field=f"{self.placement.role}.log_prob_max_token_len_per_gpu")
+                              field=_FORWARD_BUDGET_FIELD.get(self.placement.role,
+                                                              "log_prob_max_token_len"))
     program = self._jit_packed(fn, _response_width(batch))
     total = None
     for plan in plans:
@@ -289,6 +291,12 @@ class RoleWorker:
       return jax.jit(self._on_mesh(packed), in_shardings=(self.shardings, rows_sharding, rep),
                      out_shardings=rows_sharding)
     return functools.lru_cache(maxsize=None)(build)
+
+
+# The config field that sets a role's forward-pass token budget (hflax.launch.roles).
+_FORWARD_BUDGET_FIELD = {"actor": "actor.log_prob_max_token_len_per_gpu",
+                         "ref": "actor.log_prob_max_token_len_per_gpu",
+                         "critic": "critic.ppo_max_token_len_per_gpu"}
 
 
 def _packed_fields(rows: dict, plan: dict, width: int) -> dict:
