@@ -157,7 +157,7 @@ def test_attention_term_follows_the_runtime():
   # What the runtime runs for this config here, traced: the quadratic scores of XLA's
   # scratch below must then be what the model charges.
   assert memory.runtime_attention(cfg) == "dense"
-  lengths = (512, 1024)  # a blockwise tile spans 512 keys
+  lengths = (512, 1024)  # the runtime's "auto" runs dense attention up to 1024 keys
   temps = [xla(compiled_forward(cfg, 1, n))[0] for n in lengths]
   dense = [memory.forward_bytes(cfg, 1, n, n // 2, "dense").transient for n in lengths]
   blockwise = [memory.forward_bytes(cfg, 1, n, n // 2, "blockwise").transient for n in lengths]
@@ -169,6 +169,20 @@ def test_attention_term_follows_the_runtime():
   assert blockwise[1] / blockwise[0] < 2.5
   for measured, predicted in zip(temps, dense):
     assert_within(predicted, measured, "attention-bound forward temp")
+
+
+def test_long_contexts_run_blockwise_and_the_model_follows():
+  """Past 1024 keys the runtime's "auto" runs blockwise attention: XLA's scratch grows
+  about linearly with the length, and the model (left to the runtime's pick) with it."""
+  cfg = config(layers=1, d=64, heads=4, kv=4)
+  lengths = (2048, 4096)
+  assert [memory.runtime_attention(cfg, n) for n in lengths] == ["blockwise"] * 2
+  temps = [xla(compiled_forward(cfg, 1, n))[0] for n in lengths]
+  assert temps[1] / temps[0] < 2.6
+  predicted = [memory.forward_bytes(cfg, 1, n, n // 2).transient for n in lengths]
+  for measured, model in zip(temps, predicted):
+    assert_within(model, measured, "blockwise forward temp")
+  assert predicted[1] < memory.forward_bytes(cfg, 1, 4096, 2048, "dense").transient / 4
 
 
 def test_remat_lowers_the_model_but_not_xla_cpu_peak():

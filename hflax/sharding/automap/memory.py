@@ -39,7 +39,8 @@ from hflax.rollout.sampler import length_bucket
 
 ATTENTIONS = ("dense", "blockwise")
 LOGPROB_CHUNK = 128  # hidden_log_probs' default
-ATTENTION_BLOCK = 512  # key columns one blockwise tile holds
+# hflax.models.attention.blockwise's default tile: query rows x key columns.
+ATTENTION_Q_BLOCK, ATTENTION_K_BLOCK = 256, 512
 F32 = 4
 
 
@@ -54,9 +55,9 @@ class Footprint:
 
 
 def runtime_attention(cfg: ModelConfig | None = None, length: int = 1024) -> str:
-  """What hflax.models runs for `cfg` (its `attention` setting) on this backend, found by
-  tracing the runtime's attention at `length` tokens: "dense" if some intermediate holds
-  length x length entries, else "blockwise"."""
+  """What hflax.models runs for `cfg` (its `attention` setting) on this backend at `length`
+  keys (its "auto" picks by length), found by tracing the runtime's attention: "dense" if
+  some intermediate holds length x length entries, else "blockwise"."""
   if importlib.util.find_spec("hflax.models.attention") is None:
     return "dense"  # the transformer's own attention, which stores the scores
   return _traced_attention(getattr(cfg, "attention", "auto"), length, jax.default_backend())
@@ -93,8 +94,8 @@ def _size(dtype: str) -> int:
   return jnp.dtype(dtype).itemsize
 
 
-def _check(attention: str | None, cfg: ModelConfig | None = None) -> str:
-  attention = attention or runtime_attention(cfg)
+def _check(attention: str | None, cfg: ModelConfig | None = None, keys: int = 1024) -> str:
+  attention = attention or runtime_attention(cfg, keys)
   if attention not in ATTENTIONS:
     raise ValueError(f"attention: {attention!r} is not one of {ATTENTIONS}")
   return attention
@@ -112,9 +113,12 @@ def optimizer_bytes(cfg: ModelConfig) -> float:
 
 def attention_scores_bytes(cfg: ModelConfig, rows: int, queries: int, keys: int,
                            attention: str | None = None) -> float:
-  """One layer's fp32 scores (or the blockwise tile) for `queries` x `keys`."""
-  columns = keys if _check(attention, cfg) == "dense" else min(keys, ATTENTION_BLOCK)
-  return rows * cfg.num_heads * queries * columns * F32
+  """One layer's fp32 scores (or the blockwise tile) for `queries` x `keys`; without
+  `attention`, what the runtime picks for this many keys."""
+  if _check(attention, cfg, keys) == "dense":
+    return rows * cfg.num_heads * queries * keys * F32
+  tile = min(queries, ATTENTION_Q_BLOCK) * min(keys, ATTENTION_K_BLOCK)
+  return rows * cfg.num_heads * tile * F32
 
 
 def layer_working_bytes(cfg: ModelConfig, rows: int, length: int,
