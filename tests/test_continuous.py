@@ -67,8 +67,9 @@ def test_rows_ending_at_their_first_token_or_step(model, prompts):
   """Rows that never need a slot (ended by their first token) and max_new_tokens=1."""
   first = np.asarray(generate(*model, prompts, SamplingParams(max_new_tokens=1, temperature=0))
                      ["responses"])[:, 0]
+  every_first = tuple(set(first.tolist()))
   for params in (SamplingParams(max_new_tokens=6, temperature=0, eos_ids=(int(first[1]),)),
-                 SamplingParams(max_new_tokens=6, temperature=0, eos_ids=tuple(set(first.tolist()))),
+                 SamplingParams(max_new_tokens=6, temperature=0, eos_ids=every_first),
                  SamplingParams(max_new_tokens=1, temperature=1.0, n=2)):
     key = jax.random.key(2)
     assert_same(generate(*model, prompts, params, rng=key, slots=2),
@@ -99,7 +100,8 @@ def test_slots_within_waves(model, prompts, eos_ids):
 def test_repeated_calls_compile_once(model, eos_ids):
   params = SamplingParams(max_new_tokens=N, temperature=0.9, eos_ids=eos_ids)
   rs = np.random.RandomState(4)
-  batch = lambda: [rs.randint(3, 96, size=rs.randint(9, 17)).tolist() for _ in range(5)]  # noqa: E731
+  batch = lambda: [rs.randint(3, 96, size=rs.randint(9, 17)).tolist()  # noqa: E731
+                   for _ in range(5)]
   generate(*model, batch(), params, rng=jax.random.key(0), slots=2)
   before = compiled_variants()
   for seed in range(3):  # other prompts of the same bucket, other keys
