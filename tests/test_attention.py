@@ -182,6 +182,35 @@ def test_cudnn_arguments_match_reference(monkeypatch):
       np.testing.assert_allclose(g, want_g, atol=1e-5)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_splash_kernel_matches_reference(packed):
+  """The TPU kernel's arguments (GQA, scaling, segment ids), run in Pallas interpret mode."""
+  B, T, H, KV, Dh = 2, 128, 4, 2, 64
+  q, k, v = _qkv(B, T, T, H, KV, Dh, seed=5)
+  valid = np.ones((B, T), bool)
+  valid[1, :7] = False
+  seg = None
+  if packed:
+    seg = np.where(valid, 1, 0).astype(np.int32)
+    seg[0, 50:], seg[1, 90:120], seg[1, 120:] = 2, 2, 0
+    valid = seg > 0
+    seg = jnp.asarray(seg)
+  rows = valid[:, :, None, None]
+  slot = jnp.arange(T)[None]
+
+  def loss(f):
+    return lambda *a: jnp.sum(jnp.where(rows, f(*a), 0) ** 2)
+
+  splash = lambda q, k, v: attention.splash(q, k, v, jnp.asarray(valid), seg, interpret=True)  # noqa: E731
+  ref = lambda q, k, v: attention.reference(q, k, v, jnp.asarray(valid), slot, seg, seg)  # noqa: E731
+  out = splash(q, k, v)
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_allclose(np.where(rows, out, 0), np.where(rows, ref(q, k, v), 0), atol=2e-6)
+  for g, want in zip(jax.grad(loss(splash), (0, 1, 2))(q, k, v),
+                     jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(g, want, atol=2e-5)
+
+
 def test_unknown_attention_is_refused():
   with pytest.raises(ValueError, match="attention='flash'"):
     CFG.replace(attention="flash")

@@ -9,9 +9,9 @@ _FAMILIES = {"Llama": dict(family="llama"), "Qwen2": dict(family="qwen2", qkv_bi
              "Qwen3": dict(family="qwen3", qk_norm=True)}
 ARCHITECTURES = {prefix + head: switches for prefix, switches in _FAMILIES.items()
                  for head in ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification")}
-# hflax.models.attention.IMPLEMENTATIONS ("cudnn": the GPU kernel), kept here so that
-# the config does not import jax.
-ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn")
+# hflax.models.attention.IMPLEMENTATIONS ("cudnn", "splash": the GPU and TPU kernels),
+# kept here so that the config does not import jax.
+ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "splash")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The linear layers LoRA can adapt, by their HF module names (PEFT's "all-linear" is all
 # of them: the output layer is never adapted).
