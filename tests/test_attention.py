@@ -269,3 +269,17 @@ def test_blockwise_memory_grows_linearly_and_reference_quadratically():
   assert blk[8192] <= 8 * 1.1 * blk[1024], blk
   assert ref[8192] >= 32 * ref[1024], ref  # [B, H, T, T] scores: 64x for 8x the tokens
   assert ref[8192] >= 20 * blk[8192], (ref, blk)
+
+
+def test_sampler_greedy_tokens_are_the_same_with_blockwise(monkeypatch):
+  from hflax.rollout import SamplingParams, generate
+  monkeypatch.setattr(attention, "blockwise",
+                      functools.partial(attention.blockwise, q_block=4, k_block=8))
+  rs = np.random.RandomState(6)
+  prompts = [rs.randint(1, CFG.vocab_size, size=n).tolist() for n in (5, 11, 2, 8)]
+  params = SamplingParams(max_new_tokens=12, temperature=0)
+  out = {impl: generate(*create(CFG.replace(attention=impl)), prompts, params)
+         for impl in ("reference", "blockwise")}
+  np.testing.assert_array_equal(out["blockwise"]["responses"], out["reference"]["responses"])
+  np.testing.assert_allclose(out["blockwise"]["rollout_log_probs"],
+                             out["reference"]["rollout_log_probs"], atol=1e-5)
