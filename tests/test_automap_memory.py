@@ -82,7 +82,7 @@ def assert_within(predicted, measured, what):
 def test_update_memory_within_factor(layers, batch, length, d, vocab):
   cfg = config(layers, d, vocab)
   temp, total = xla(compiled_update(cfg, batch, length))
-  predicted = memory.update_bytes(cfg, batch, length, length // 2, "dense")
+  predicted = memory.update_bytes(cfg, batch, length, length // 2)  # the runtime's attention
   assert_within(predicted.transient, temp, "update temp")
   assert_within(predicted.total, total, "update total")
 
@@ -92,7 +92,7 @@ def test_update_memory_within_factor(layers, batch, length, d, vocab):
 def test_forward_memory_within_factor(layers, batch, length, d, vocab):
   cfg = config(layers, d, vocab)
   temp, total = xla(compiled_forward(cfg, batch, length))
-  predicted = memory.forward_bytes(cfg, batch, length, length // 2, "dense")
+  predicted = memory.forward_bytes(cfg, batch, length, length // 2)
   assert_within(predicted.transient, temp, "forward temp")
   assert_within(predicted.total, total, "forward total")
 
@@ -107,7 +107,7 @@ def test_generate_memory_within_factor(batch, prompt, new_tokens):
                              jax.random.key(0), params=params,
                              segments=decode_segments(new_tokens)).compile()
   temp, total = xla(compiled)
-  predicted = memory.generate_bytes(cfg, batch, prompt, new_tokens, attention="dense")
+  predicted = memory.generate_bytes(cfg, batch, prompt, new_tokens)
   assert_within(predicted.transient, temp, "generate temp")
   assert_within(predicted.total, total, "generate total")
   # The cache is most of it, and it is the sampler's: the prompt's bucket (64 for 40) plus
@@ -153,13 +153,13 @@ def test_attention_kind_is_read_from_the_traced_program():
 
 
 def test_attention_term_follows_the_runtime():
-  cfg = config(layers=1, d=64, heads=4, kv=4)
-  # What the runtime runs for this config here, traced: the quadratic scores of XLA's
-  # scratch below must then be what the model charges.
-  assert memory.runtime_attention(cfg) == "dense"
-  lengths = (512, 1024)  # the runtime's "auto" runs dense attention up to 1024 keys
+  cfg = config(layers=1, d=64, heads=4, kv=4).replace(attention="reference")
+  lengths = (512, 1024)
+  # What the runtime runs for this config, traced: the quadratic scores of XLA's scratch
+  # below must then be what the model charges when left to the runtime's pick.
+  assert [memory.runtime_attention(cfg, n) for n in lengths] == ["dense"] * 2
   temps = [xla(compiled_forward(cfg, 1, n))[0] for n in lengths]
-  dense = [memory.forward_bytes(cfg, 1, n, n // 2, "dense").transient for n in lengths]
+  dense = [memory.forward_bytes(cfg, 1, n, n // 2).transient for n in lengths]
   blockwise = [memory.forward_bytes(cfg, 1, n, n // 2, "blockwise").transient for n in lengths]
   # Doubling the length: XLA's scratch grows about 4x (quadratic scores), as the dense
   # model says, and unlike the blockwise model's 2x.
@@ -172,8 +172,8 @@ def test_attention_term_follows_the_runtime():
 
 
 def test_long_contexts_run_blockwise_and_the_model_follows():
-  """Past 1024 keys the runtime's "auto" runs blockwise attention: XLA's scratch grows
-  about linearly with the length, and the model (left to the runtime's pick) with it."""
+  """At thousands of keys the runtime's "auto" runs blockwise attention: XLA's scratch
+  grows about linearly with the length, and the model (left to the runtime's pick) too."""
   cfg = config(layers=1, d=64, heads=4, kv=4)
   lengths = (2048, 4096)
   assert [memory.runtime_attention(cfg, n) for n in lengths] == ["blockwise"] * 2

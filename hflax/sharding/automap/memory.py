@@ -128,8 +128,10 @@ def layer_working_bytes(cfg: ModelConfig, rows: int, length: int,
   d, f = cfg.hidden_size, cfg.intermediate_size
   qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
   mlp = tokens * (d + 3 * f) * act
-  attn = tokens * (d + qkv) * act + 2 * attention_scores_bytes(cfg, rows, length, length,
-                                                               attention)
+  # Dense attention holds the scores and the probabilities; blockwise one tile at a time.
+  kind = _check(attention, cfg, length)
+  attn = tokens * (d + qkv) * act + (2 if kind == "dense" else 1) * attention_scores_bytes(
+      cfg, rows, length, length, kind)
   return max(mlp, attn)
 
 
