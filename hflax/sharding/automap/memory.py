@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import inspect
 import math
 
 import jax
@@ -39,8 +40,6 @@ from hflax.rollout.sampler import length_bucket
 
 ATTENTIONS = ("dense", "blockwise")
 LOGPROB_CHUNK = 128  # hidden_log_probs' default
-# hflax.models.attention.blockwise's default tile: query rows x key columns.
-ATTENTION_Q_BLOCK, ATTENTION_K_BLOCK = 256, 512
 F32 = 4
 
 
@@ -90,6 +89,15 @@ def _largest(jaxpr) -> int:
   return most
 
 
+@functools.lru_cache(maxsize=None)
+def blockwise_tile() -> tuple[int, int]:
+  """(query rows, key columns) of hflax.models.attention.blockwise's default tile."""
+  if importlib.util.find_spec("hflax.models.attention") is None:
+    return 256, 512  # no blockwise runtime: a flash kernel's usual tile
+  params = inspect.signature(importlib.import_module("hflax.models.attention").blockwise).parameters
+  return params["q_block"].default, params["k_block"].default
+
+
 def _size(dtype: str) -> int:
   return jnp.dtype(dtype).itemsize
 
@@ -117,7 +125,8 @@ def attention_scores_bytes(cfg: ModelConfig, rows: int, queries: int, keys: int,
   `attention`, what the runtime picks for this many keys."""
   if _check(attention, cfg, keys) == "dense":
     return rows * cfg.num_heads * queries * keys * F32
-  tile = min(queries, ATTENTION_Q_BLOCK) * min(keys, ATTENTION_K_BLOCK)
+  q_block, k_block = blockwise_tile()
+  tile = min(queries, q_block) * min(keys, k_block)
   return rows * cfg.num_heads * tile * F32
 
 
