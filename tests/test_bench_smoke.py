@@ -1,7 +1,8 @@
 """The CPU benchmarks' smoke runs print every row they promise.
 
-They run on the toy model (--toy): the real SmolLM2's quick runs take 5-15 minutes on a
-2-core machine (compiling its update alone takes over a minute), too long for the suite.
+They run on the toy model (--toy): the real SmolLM2's quick runs took 15-21 minutes on the
+shared 2-core machine (each hflax program of the 135M model compiles for 1-2.5 minutes there),
+too long for the suite; the toy runs took 3 minutes each.
 Each script runs in a process of its own, on the real core count: the suite's simulated
 devices would skew them and JAX's device count is fixed once a process starts."""
 import os
