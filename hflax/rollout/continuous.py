@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hflax.models.transformer import init_cache, positions_from_mask
-from hflax.rollout.sampler import (SamplingParams, _grow, _pick, _segment_ends, outputs,
-                                   pick_with_keys)
+from hflax.rollout.decoding import (SamplingParams, grow, outputs, pick, pick_with_keys,
+                                    segment_ends)
 
 
 def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, *,
@@ -36,7 +36,7 @@ def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, row
   hidden, store = model(prompts_BxP, prompt_pos_BxP, prompt_mask_BxP,
                         cache=init_cache(model.cfg, B, P), slot0=0)
   logits = jnp.repeat(model.logits(hidden[:, -1]), n, axis=0)
-  first, first_logp = _pick(logits, jax.random.fold_in(rng, 0), params, rows_R)
+  first, first_logp = pick(logits, jax.random.fold_in(rng, 0), params, rows_R)
   eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
   out_tokens = jnp.full((R, N), params.pad_id, jnp.int32).at[:, 0].set(first)
   out_logp = jnp.zeros((R, N), jnp.float32).at[:, 0].set(first_logp)
@@ -103,9 +103,9 @@ def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, row
 
   # A row's step never exceeds the loop's count of iterations, so the cache grows with
   # that count as the wave sampler's does; the last segment runs until every row is done.
-  ends = _segment_ends(N, segments)
+  ends = segment_ends(N, segments)
   for i, end in enumerate(ends):
-    cache, kv_valid = _grow(carry["cache"], carry["kv_valid"], P + end)
+    cache, kv_valid = grow(carry["cache"], carry["kv_valid"], P + end)
     last = i == len(ends) - 1
     cond = lambda c, end=end, last=last: c["active"].any() & (last | (c["it"] < end))  # noqa: E731
     carry = jax.lax.while_loop(cond, body, {**carry, "cache": cache, "kv_valid": kv_valid})

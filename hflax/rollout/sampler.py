@@ -10,7 +10,6 @@ rounding (~1e-3; the actor then recomputes them).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Sequence
 
@@ -21,73 +20,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hflax.models.transformer import init_cache, positions_from_mask
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-  max_new_tokens: int = 64
-  temperature: float = 1.0  # 0 means greedy
-  top_k: int = 0  # 0 keeps every token
-  top_p: float = 1.0
-  n: int = 1  # samples per prompt, interleaved: row i * n + j is sample j of prompt i
-  eos_ids: tuple[int, ...] = ()
-  pad_id: int = 0
-
-  def __post_init__(self):
-    checks = [(self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
-              (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
-              (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
-              (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-              (self.n >= 1, "n must be >= 1")]
-    for ok, message in checks:
-      if not ok:
-        raise ValueError(f"SamplingParams: {message}, got {self}")
-    object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
-
-  @property
-  def greedy(self) -> bool:
-    return self.temperature == 0
-
-
-def filter_logits(logits_BxV, top_k: int = 0, top_p: float = 1.0):
-  """Sets to -inf every logit outside the top-k and outside the top-p nucleus.
-
-  The nucleus is the smallest set of most likely tokens whose probability reaches top_p;
-  ties at either threshold are kept.
-  """
-  if top_k > 0:
-    kth = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0][..., -1:]
-    logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
-  if top_p < 1.0:
-    sorted_desc = -jnp.sort(-logits_BxV, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    kept = mass_before < top_p
-    threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    logits_BxV = jnp.where(logits_BxV < threshold, -jnp.inf, logits_BxV)
-  return logits_BxV
-
-
-def _pick(logits_BxV, key, params: SamplingParams, rows_B):
-  """Next tokens and their log-probs (see the module docstring for which distribution).
-
-  Row r draws from fold_in(key, rows_B[r]), its index in the whole batch, so a row samples
-  the same tokens whichever device, and beside whichever other rows, it is decoded.
-  """
-  keys = None if params.greedy else jax.vmap(jax.random.fold_in, (None, 0))(key, rows_B)
-  return pick_with_keys(logits_BxV, keys, params)
-
-
-def pick_with_keys(logits_BxV, keys_B, params: SamplingParams):
-  """_pick with each row's own key (unused when greedy)."""
-  scaled = logits_BxV if params.greedy else logits_BxV / params.temperature
-  log_probs = jax.nn.log_softmax(scaled, axis=-1)
-  if params.greedy:
-    tokens = jnp.argmax(logits_BxV, axis=-1)
-  else:
-    tokens = jax.vmap(jax.random.categorical)(
-        keys_B, filter_logits(scaled, params.top_k, params.top_p))
-  return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], -1)[:, 0]
+from hflax.rollout import continuous
+from hflax.rollout.decoding import (SamplingParams, decode_segments, grow, outputs, pick,
+                                    segment_ends)
 
 
 def length_bucket(length: int, minimum: int = 8) -> int:
@@ -113,23 +48,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = 
   return tokens, mask
 
 
-def _grow(cache, kv_valid_BxS, width):
-  """Widens a cache (and its validity mask) to `width` slots with empty slots on the right."""
-  extra = width - kv_valid_BxS.shape[1]
-  pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
-  return ([{"k": pad(c["k"], 3), "v": pad(c["v"], 2)} for c in cache], pad(kv_valid_BxS, 1))
-
-
-def decode_segments(max_new_tokens: int) -> int:
-  """Up to 4 loop segments, each at least 32 steps: fewer wasted reads, bounded code size."""
-  return max(1, min(4, max_new_tokens // 32))
-
-
-def _segment_ends(max_new_tokens: int, segments: int) -> list[int]:
-  """Decode steps at which the cache grows: attention reads only slots that can be filled."""
-  return sorted({-(-max_new_tokens * (i + 1) // segments) for i in range(segments)})
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments", "mesh", "slots"))
 def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: SamplingParams,
               segments: int = 1, live_B=None, mesh: Mesh | None = None, first_row=0,
@@ -142,7 +60,7 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   never keep the decode loop running.
 
   first_row: the index of prompt row 0 in a larger batch generated in waves; rows draw
-  their samples by that index (see _pick), so waves draw what one call would have (given
+  their samples by that index (see decoding.pick), so waves draw what one call would have (given
   the same logits, which a different batch shape can change in the last bits).
 
   mesh (optional): when its "data" axis has more than one device, the rows split over it
@@ -154,7 +72,6 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   args = (state, prompts_BxP, prompt_mask_BxP.astype(bool), rng, live_B,
           first_row + jnp.arange(B))
   if slots:
-    from hflax.rollout import continuous  # it builds on this module
     decode = functools.partial(continuous.decode_slots, graphdef, params=params,
                                segments=segments, slots=slots)
   else:
@@ -187,7 +104,7 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
                                                  model.logits(hidden[:, -1])))
 
   eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
-  tok, logp = _pick(logits, jax.random.fold_in(rng, 0), params, rows_R)
+  tok, logp = pick(logits, jax.random.fold_in(rng, 0), params, rows_R)
   out_tokens = jnp.full((R, N), params.pad_id, jnp.int32).at[:, 0].set(tok)
   out_logp = jnp.zeros((R, N), jnp.float32).at[:, 0].set(logp)
   out_mask = jnp.zeros((R, N), bool).at[:, 0].set(True)
@@ -199,7 +116,7 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
     slot = P + step - 1  # where the previous token's K/V go
     kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((R, 1), bool), (0, slot))
     hidden, cache = model(tok[:, None], pos[:, None], kv_valid, cache=cache, slot0=slot)
-    tok, logp = _pick(model.logits(hidden[:, 0]), jax.random.fold_in(rng, step), params,
+    tok, logp = pick(model.logits(hidden[:, 0]), jax.random.fold_in(rng, step), params,
                       rows_R)
     tok = jnp.where(done, params.pad_id, tok)
     write = lambda out, x: jax.lax.dynamic_update_slice(out, x[:, None], (0, step))  # noqa: E731
@@ -212,30 +129,14 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
   # The cache grows between segments of the decode loop, so early steps do not read (and
   # mask) slots that cannot hold anything yet; each segment is its own compiled loop.
   carry = (jnp.int32(1), cache, kv_valid, tok, pos, done, out_tokens, out_logp, out_mask)
-  for end in _segment_ends(N, segments):
+  for end in segment_ends(N, segments):
     step, cache, kv_valid, *rest = carry
-    cache, kv_valid = _grow(cache, kv_valid, P + end)
+    cache, kv_valid = grow(cache, kv_valid, P + end)
     cond = lambda c, end=end: (c[0] < end) & ~jnp.all(c[5])  # noqa: E731
     carry = jax.lax.while_loop(cond, body, (step, cache, kv_valid, *rest))
   *_, out_tokens, out_logp, out_mask = carry
 
   return outputs(widen(prompts_BxP), widen(prompt_mask_BxP), out_tokens, out_logp, out_mask)
-
-
-def outputs(prompts, prompt_mask, out_tokens, out_logp, out_mask) -> dict:
-  """The sampler's result fields from its prompt rows and response arrays."""
-  attention_mask = jnp.concatenate([prompt_mask, out_mask], axis=1)
-  return {
-      "prompts": prompts,
-      "prompt_mask": prompt_mask,
-      "responses": out_tokens,
-      "response_mask": out_mask,
-      "input_ids": jnp.concatenate([prompts, out_tokens], axis=1),
-      "attention_mask": attention_mask,
-      "position_ids": positions_from_mask(attention_mask),
-      "rollout_log_probs": out_logp,
-      "response_length": out_mask.sum(axis=1).astype(jnp.int32),
-  }
 
 
 def _check_left_padded(mask):

@@ -1,0 +1,117 @@
+"""The pieces of one decode step that the wave sampler (sampler.py) and continuous
+batching (continuous.py) share: sampling parameters, the token pick, the cache's growth
+between loop segments, and the result fields.
+
+The log-probs returned with each token are those of the sampled token under
+softmax(logits / temperature) (the raw model distribution for greedy decoding), before
+top-k/top-p truncation: what teacher-forced `sequence_log_probs` computes for the same
+sequences.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from hflax.models.transformer import positions_from_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  max_new_tokens: int = 64
+  temperature: float = 1.0  # 0 means greedy
+  top_k: int = 0  # 0 keeps every token
+  top_p: float = 1.0
+  n: int = 1  # samples per prompt, interleaved: row i * n + j is sample j of prompt i
+  eos_ids: tuple[int, ...] = ()
+  pad_id: int = 0
+
+  def __post_init__(self):
+    checks = [(self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+              (self.temperature >= 0, "temperature must be >= 0 (0 = greedy)"),
+              (self.top_k >= 0, "top_k must be >= 0 (0 = off)"),
+              (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+              (self.n >= 1, "n must be >= 1")]
+    for ok, message in checks:
+      if not ok:
+        raise ValueError(f"SamplingParams: {message}, got {self}")
+    object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+
+def filter_logits(logits_BxV, top_k: int = 0, top_p: float = 1.0):
+  """Sets to -inf every logit outside the top-k and outside the top-p nucleus.
+
+  The nucleus is the smallest set of most likely tokens whose probability reaches top_p;
+  ties at either threshold are kept.
+  """
+  if top_k > 0:
+    kth = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0][..., -1:]
+    logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
+  if top_p < 1.0:
+    sorted_desc = -jnp.sort(-logits_BxV, axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = mass_before < top_p
+    threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    logits_BxV = jnp.where(logits_BxV < threshold, -jnp.inf, logits_BxV)
+  return logits_BxV
+
+
+def pick(logits_BxV, key, params: SamplingParams, rows_B):
+  """Next tokens and their log-probs (see the module docstring for which distribution).
+
+  Row r draws from fold_in(key, rows_B[r]), its index in the whole batch, so a row samples
+  the same tokens whichever device, and beside whichever other rows, it is decoded.
+  """
+  keys = None if params.greedy else jax.vmap(jax.random.fold_in, (None, 0))(key, rows_B)
+  return pick_with_keys(logits_BxV, keys, params)
+
+
+def pick_with_keys(logits_BxV, keys_B, params: SamplingParams):
+  """pick with each row's own key (unused when greedy)."""
+  scaled = logits_BxV if params.greedy else logits_BxV / params.temperature
+  log_probs = jax.nn.log_softmax(scaled, axis=-1)
+  if params.greedy:
+    tokens = jnp.argmax(logits_BxV, axis=-1)
+  else:
+    tokens = jax.vmap(jax.random.categorical)(
+        keys_B, filter_logits(scaled, params.top_k, params.top_p))
+  return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], -1)[:, 0]
+
+
+def grow(cache, kv_valid_BxS, width):
+  """Widens a cache (and its validity mask) to `width` slots with empty slots on the right."""
+  extra = width - kv_valid_BxS.shape[1]
+  pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
+  return ([{"k": pad(c["k"], 3), "v": pad(c["v"], 2)} for c in cache], pad(kv_valid_BxS, 1))
+
+
+def decode_segments(max_new_tokens: int) -> int:
+  """Up to 4 loop segments, each at least 32 steps: fewer wasted reads, bounded code size."""
+  return max(1, min(4, max_new_tokens // 32))
+
+
+def segment_ends(max_new_tokens: int, segments: int) -> list[int]:
+  """Decode steps at which the cache grows: attention reads only slots that can be filled."""
+  return sorted({-(-max_new_tokens * (i + 1) // segments) for i in range(segments)})
+
+
+def outputs(prompts, prompt_mask, out_tokens, out_logp, out_mask) -> dict:
+  """The sampler's result fields from its prompt rows and response arrays."""
+  attention_mask = jnp.concatenate([prompt_mask, out_mask], axis=1)
+  return {
+      "prompts": prompts,
+      "prompt_mask": prompt_mask,
+      "responses": out_tokens,
+      "response_mask": out_mask,
+      "input_ids": jnp.concatenate([prompts, out_tokens], axis=1),
+      "attention_mask": attention_mask,
+      "position_ids": positions_from_mask(attention_mask),
+      "rollout_log_probs": out_logp,
+      "response_length": out_mask.sum(axis=1).astype(jnp.int32),
+  }
