@@ -61,28 +61,31 @@ def bf16_update(devices: int, update=None):
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_bf16_first_minibatch_on_policy_within_rounding(devices):
+def test_bf16_first_minibatch_exactly_on_policy(devices):
+  # The first mini-batch trains on the very policy that scored it, and its loss takes the
+  # update's own forward as the behaviour policy: exactly 0, whatever the compiler options
+  # of the log-prob pass (without YNN fusions) and of the training step (with them).
   metrics = bf16_update(devices)
-  # The first mini-batch trains on the very policy that scored it: nothing is clipped and
-  # the KL is bf16 rounding (measured 3e-5..1.2e-4), far below a step's (lr 1e-2) effect.
-  assert abs(metrics["actor/ppo_kl_first_minibatch"]) < 1e-3
+  assert metrics["actor/ppo_kl_first_minibatch"] == 0.0
   assert metrics["actor/pg_clipfrac_first_minibatch"] == 0.0
 
 
-def test_bf16_first_minibatch_ppo_kl_exactly_zero_with_one_dot_backend(monkeypatch):
-  # With one dot backend for both programs the update's first forward repeats the
-  # log-prob pass bit for bit, as long as its micro-batches are not narrower than 8 rows
-  # (micro-batches of 4 rows gave -1e-8: Eigen blocks a [4*T, D] dot otherwise).
-  monkeypatch.setenv("HFLAX_CPU_YNN", "0")
-  update = UpdateConfig(mini_batch_size=8, micro_batch_size=8, epochs=2)
-  assert bf16_update(1, update)["actor/ppo_kl_first_minibatch"] == 0.0
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "hflax/controller/training.py compiles CPU training steps with YNNPACK dot fusions "
-    "(train_compiler_options) and log-prob passes without; the two round bf16 dots "
-    "differently, so the first mini-batch's ppo_kl is 3e-5..1.2e-4 instead of 0 (compiling "
-    "the log-prob pass with the same options still leaves 6e-6..1e-4: the fusions differ "
-    "between a forward and a forward+backward program). See the bench report's fix"))
-def test_bf16_first_minibatch_ppo_kl_exactly_zero_default_options():
-  assert bf16_update(1)["actor/ppo_kl_first_minibatch"] == 0.0
+def test_bf16_one_step_per_batch_skips_the_old_log_prob_pass(monkeypatch):
+  # One optimizer step per batch: nothing else reads recomputed old log-probs, so the
+  # separate pass is not run (as TRL), and the step is still exactly on-policy.
+  worker = actor("bfloat16", 1, UpdateConfig(mini_batch_size=16, micro_batch_size=8))
+  batch = worker.generate_sequences(prompts_batch())
+  assert len(batch) == 16
+  calls = []
+  monkeypatch.setattr(worker, "compute_log_prob", lambda b: calls.append(b))
+  batch = batch.union(worker.old_log_probs(batch))
+  assert calls == []
+  mask = batch["response_mask"]
+  advantages = jnp.asarray(np.random.RandomState(0).randn(*mask.shape).astype(np.float32)) * mask
+  metrics = worker.update_actor(batch.union(Batch({"advantages": advantages}))).meta["metrics"]
+  assert float(metrics["actor/ppo_kl"]) == 0.0
+  assert float(metrics["actor/pg_clipfrac"]) == 0.0
+  # A KL penalty in the reward reads the old log-probs: then the pass runs.
+  worker.old_log_probs_in_reward = True
+  worker.old_log_probs(batch)
+  assert len(calls) == 1

@@ -126,3 +126,24 @@ def test_generation_slots_by_hand():
   assert generation_slots(7, 4, 1, 100) == 2   # 7 prompts over 4 replicas: 2 rows each
   with pytest.raises(ValueError, match="max_num_seqs must be >= 0"):
     generation_slots(4, 1, 1, -1)
+
+
+def test_actor_with_continuous_batching_samples_what_its_waves_do(model, prompts, eos_ids):
+  # rollout.continuous_batching through the actor: max_num_seqs=3 slots per replica on 2
+  # devices against the wave actor with the same cap (which then fits 1 prompt of n=2).
+  from hflax.controller.batch import Batch
+  from hflax.controller.workers import ActorRolloutWorker
+  from hflax.sharding.placement import build_placement, colocated
+  placed = build_placement(colocated(["actor"], 2))
+  params = sampling_cases(eos_ids)[1]
+  tokens, mask = left_pad(prompts + prompts[:1], 0)
+  batch = Batch({"prompts": jax.numpy.asarray(tokens), "prompt_mask": jax.numpy.asarray(mask)})
+  out = {}
+  for continuous in (False, True):
+    actor = ActorRolloutWorker(placed["actor"], *model, sampling=params, max_num_seqs=3,
+                               continuous_batching=continuous)
+    result = actor.generate_sequences(batch)
+    out[continuous] = ({k: result[k] for k in result.keys()},
+                       float(result.meta["metrics"]["rollout/waves"]))
+  assert out[False][1] == 4 and out[True][1] == 1  # 8 prompts, 2 replicas: 4 waves of 2
+  assert_same(out[True][0], out[False][0])

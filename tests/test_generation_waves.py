@@ -11,6 +11,7 @@ from hflax.launch.plan import workload
 from hflax.models import create
 from hflax.rollout import generation_waves, sampler
 from hflax.sharding import automap
+from hflax.sharding.automap import memory
 from hflax.sharding.automap.mesh import MeshShape
 from hflax.sharding.placement import build_placement
 
@@ -127,7 +128,10 @@ def test_the_simulators_waves_are_the_actors():
   c.rollout.n, c.data.train_batch_size = 2, 8
   c.data.max_prompt_length, c.data.max_response_length = 8, 8
   sim = automap.Simulator(workload(c, CFG), automap.get_profile("a100-80gb"))
-  kv_seq = 2 * CFG.num_layers * CFG.num_kv_heads * CFG.head_dim * 2 * 16  # bf16, 16 tokens
+  # Per sequence as the sampler allocates it (automap/memory.py, checked against XLA's
+  # compiled memory analysis): its bf16 decode cache of 16 slots and its share of the
+  # prompt's prefill cache and attention scores.
+  kv_seq = memory.generate_bytes(CFG.replace(dtype="bfloat16"), 1, 8, 8, 2).transient / 2
   weights = 2 * CFG.num_params
   mesh = MeshShape(2, 1, 1)  # 2 replicas of 4 prompts x 2 samples
   roomy = sim.generate(mesh, 1, free=weights + 100 * kv_seq)

@@ -8,10 +8,6 @@ def packing_defaults(c):
   8, rows 56 wide): measured on a 2-core CPU at load 12-13, the actor's update 1.8-2.4 s
   packed against 1.9-2.9 s padded, the log-prob pass 0.47-0.78 s against 0.62-0.69 s;
   with shorter prompts (14-18 tokens) 0.55-0.62 s against 1.1-1.3 s. Token-budget
-  micro-batches (use_dynamic_bsz) off, with verl's default budgets."""
+  micro-batches (use_dynamic_bsz) stay off."""
   c.model.use_remove_padding = True
-  for role in ("actor", "critic"):
-    c[role].use_dynamic_bsz = False
-    c[role].ppo_max_token_len_per_gpu = 16384
-  c.actor.log_prob_max_token_len_per_gpu = 16384
   return c

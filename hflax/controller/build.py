@@ -69,12 +69,16 @@ def build_roles(plan: RunPlan, policy, *, devices=None, reward_fn: Callable | No
         loss_fn=actor_loss(a.train.loss), loss_fields=("ref_log_prob",) if a.use_kl_loss else (),
         generate_dtype=a.generate_dtype, recompute_log_prob=a.recompute_log_prob,
         optimizer_offload=a.optimizer_offload, max_num_seqs=a.max_num_seqs,
+        continuous_batching=a.continuous_batching,
+        old_log_probs_in_reward=a.old_log_probs_in_reward,
         optim=a.train.optim, update=a.train.update, home=home, seed=seed)
     if plan.reference_in_actor:
       out.ref = out.actor
   if Role.REF in wanted:
     out.ref = ReferenceWorker(placed["ref"], graphdef, state, home=home,
-                              temperature=plan.ref_temperature)
+                              temperature=plan.ref_temperature,
+                              remove_padding=plan.ref_remove_padding,
+                              log_prob_max_token_len=plan.ref_log_prob_max_token_len)
   if Role.CRITIC in wanted:
     c = plan.critic
     out.critic = CriticWorker(placed["critic"], *value_model(c.model_path, policy, seed + 1,

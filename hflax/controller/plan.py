@@ -36,6 +36,8 @@ class ActorPlan:
   recompute_log_prob: bool = False
   optimizer_offload: bool = False
   max_num_seqs: int = 0
+  continuous_batching: bool = False  # max_num_seqs decode slots, refilled as rows end
+  old_log_probs_in_reward: bool = False  # a KL penalty in the reward reads them
   use_kl_loss: bool = False  # the loss reads the reference's log-probs
 
 

@@ -29,7 +29,7 @@ from hflax.models.logprobs import packed_log_probs, sequence_log_probs
 from hflax.models.transformer import create_abstract, forward
 from hflax.rewards.scorer import last_token_scores
 from hflax.rollout.sampler import SamplingParams, generate_over_rows
-from hflax.rollout.waves import generation_waves
+from hflax.rollout.waves import generation_slots, generation_waves
 from hflax.sharding.hybrid_engine import HybridEngine
 from hflax.sharding.layouts import (TRAIN_RULES, batch_sharding, data_parallel_size,
                                     state_shardings)
@@ -169,25 +169,27 @@ class RoleWorker:
       # The mini-batch is cut inside the step: a cut dispatched on its own would make the
       # controller wait (device_put of an unfinished array) behind this role's earlier
       # steps, and on a busy CPU behind other pools' work too.
-      def cut_and_step(params, opt_state, all_rows, index, live):
+      def cut_and_step(params, opt_state, all_rows, index, live, fresh):
         mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
         mask = mini["response_mask"]
         mini["response_mask"] = mask * live[:, None].astype(mask.dtype)
+        mini[FRESH] = jnp.broadcast_to(fresh, live.shape)
         return step(params, opt_state, jax.lax.with_sharding_constraint(mini, rows_sharding))
 
       self._steps[name] = jax.jit(
           self._on_mesh(cut_and_step), donate_argnums=(0, 1),
           in_shardings=(self.shardings, opt_shardings, rows_sharding, replicated(self.mesh),
-                        replicated(self.mesh)),
+                        replicated(self.mesh), replicated(self.mesh)),
           out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)),
           compiler_options=train_compiler_options(self.mesh.devices.flat))
     history = []
     for index in mini_batch_order(live_rows, cfg, self.seed + self.updates):
+      fresh = np.float32(not history)  # see FRESH
       padded = -len(index) % unit
       live = np.concatenate([np.ones(len(index), np.float32), np.zeros(padded, np.float32)])
       index = np.concatenate([index, np.zeros(padded, index.dtype)]).astype(np.int32)
       self.params, self.opt_state, metrics = self._steps[name](
-          self.params, self.opt_state, rows, index, live)
+          self.params, self.opt_state, rows, index, live, fresh)
       history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps))})
       self.optimizer_steps += 1
     self.updates += 1
@@ -213,6 +215,7 @@ class RoleWorker:
     cuts = cfg.mini_batch_size // (cfg.micro_batch_size or cfg.mini_batch_size)
     history = []
     for index in mini_batch_order(live_rows, cfg, self.seed + self.updates):
+      fresh = np.float32(not history)  # see FRESH
       padded = -len(index) % dp
       live = np.concatenate([np.ones(len(index), np.float32), np.zeros(padded, np.float32)])
       index = np.concatenate([index, np.zeros(padded, index.dtype)]).astype(np.int32)
@@ -222,7 +225,7 @@ class RoleWorker:
                                 field=f"{self.placement.role}.ppo_max_token_len_per_gpu")
       sums = None
       for plan in plans:
-        one = micro(self.params, rows, index, live, plan.arrays())
+        one = micro(self.params, rows, index, live, fresh, plan.arrays())
         sums = one if sums is None else add(sums, one)
       self.params, self.opt_state, metrics = apply(self.params, self.opt_state, sums)
       tokens, computed = sum(p.tokens for p in plans), sum(p.computed for p in plans)
@@ -241,17 +244,19 @@ class RoleWorker:
       grads_of = make_micro_step(loss_fn, weight_fn, self.trainable)
       rows_sharding, rep = self.rows_sharding, replicated(self.mesh)
 
-      def micro(params, all_rows, index, live, plan):
+      def micro(params, all_rows, index, live, fresh, plan):
         mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
         keep = (live * plan["member"]).astype(mini["response_mask"].dtype)
         mini["response_mask"] = mini["response_mask"] * keep[:, None]
+        mini[FRESH] = jnp.broadcast_to(fresh, live.shape)
         mini = jax.lax.with_sharding_constraint(mini, rows_sharding)
         return grads_of(params, {**mini, **_packed_fields(mini, plan, width)})
 
       options = train_compiler_options(self.mesh.devices.flat)
       opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
       self._steps[key] = (
-          jax.jit(self._on_mesh(micro), in_shardings=(self.shardings, rows_sharding, rep, rep, rep),
+          jax.jit(self._on_mesh(micro),
+                  in_shardings=(self.shardings, rows_sharding, rep, rep, rep, rep),
                   compiler_options=options),
           jax.jit(self._on_mesh(make_apply_step(self.tx, self.trainable)), donate_argnums=(0, 1),
                   out_shardings=(self.shardings, opt_shardings, rep), compiler_options=options),
@@ -320,12 +325,15 @@ class ActorRolloutWorker(RoleWorker):
   def __init__(self, placement, graphdef, state, *, sampling: SamplingParams,
                loss_fn: Callable | None = None, generate_dtype: str | None = None,
                recompute_log_prob: bool = False, loss_fields: tuple[str, ...] = (),
-               optimizer_offload: bool = False, max_num_seqs: int = 0, **kw):
+               optimizer_offload: bool = False, max_num_seqs: int = 0,
+               continuous_batching: bool = False, old_log_probs_in_reward: bool = False, **kw):
     super().__init__(placement, graphdef, state, **kw)
     self.sampling, self.loss_fn, self.loss_fields = sampling, loss_fn, tuple(loss_fields)
     # Sequences one generation replica holds at once (0: all of its rows): the tighter of
     # the config's rollout.max_num_seqs and the placement's (the KV cache the plan fits).
     self.max_num_seqs = min((c for c in (max_num_seqs, placement.max_num_seqs) if c), default=0)
+    # Continuous batching: that many decode slots per replica instead of waves of prompts.
+    self.continuous_batching = continuous_batching
     # Optimizer state in host memory from generation until the next update, so the KV
     # cache and the generation copy of the weights have the accelerator to themselves.
     self.optimizer_offload = optimizer_offload and self.opt_state is not None
@@ -336,6 +344,11 @@ class ActorRolloutWorker(RoleWorker):
     # forward pass that makes the first mini-batch exactly on-policy, as verl always runs.
     self.recompute_log_prob = (recompute_log_prob or self.cfg.dtype != "float32" or
                                generate_dtype not in (None, self.cfg.param_dtype))
+    # That pass is skipped where nothing reads its result: one optimizer step per batch
+    # (whose loss takes the update's own forward as the behaviour policy, see FRESH) and no
+    # KL penalty in the reward (which reads the old log-probs), unless asked for.
+    self.recompute_requested = recompute_log_prob
+    self.old_log_probs_in_reward = old_log_probs_in_reward
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.base_graphdef, shardings = graphdef, self.shardings
     if self.trainable is not None:
@@ -367,7 +380,11 @@ class ActorRolloutWorker(RoleWorker):
     count = len(prompts)
     # Generation replicas split the prompts, in waves when max_num_seqs caps them.
     replicas = self.engine.mesh.shape["data"]
-    wave = replicas * generation_waves(count, replicas, params.n, self.max_num_seqs)[1]
+    if self.continuous_batching:
+      wave, slots = 0, generation_slots(count, replicas, params.n, self.max_num_seqs)
+    else:
+      wave = replicas * generation_waves(count, replicas, params.n, self.max_num_seqs)[1]
+      slots = 0
     gen_state, metrics = self.engine.to_generate(self._generation_weights())
     if self.optimizer_offload:
       metrics.update(self._offload_optimizer())
@@ -376,9 +393,10 @@ class ActorRolloutWorker(RoleWorker):
       self.calls += 1
     out = generate_over_rows(self.base_graphdef, gen_state, prompts["prompts"],
                              prompts["prompt_mask"], rng, params, self.engine.mesh,
-                             wave_rows=wave, collect=lambda x: jax.device_put(x, self.home))
+                             wave_rows=wave, slots=slots,
+                             collect=lambda x: jax.device_put(x, self.home))
     del gen_state  # the generation copy is freed once the programs have consumed it
-    metrics["rollout/waves"] = float(-(-count // wave))
+    metrics["rollout/waves"] = float(-(-count // wave)) if wave else 1.0
     # samples of prompt i are rows i*n .. i*n + n - 1
     out["group_ids"] = jax.device_put(
         jnp.repeat(jnp.arange(count, dtype=jnp.int32), params.n), self.home)
@@ -386,9 +404,16 @@ class ActorRolloutWorker(RoleWorker):
 
   def old_log_probs(self, batch: Batch) -> Batch:
     """The behaviour policy's log-probs: the rollout's own, or recomputed when they differ."""
-    if self.recompute_log_prob:
+    if self.recompute_log_prob and not self._update_reads_only_its_own(len(batch)):
       return self.compute_log_prob(batch)
     return Batch({"old_log_probs": batch["rollout_log_probs"]})
+
+  def _update_reads_only_its_own(self, rows: int) -> bool:
+    """Whether nothing but the update's first (FRESH) mini-batch would read recomputed
+    old log-probs of `rows` rows: then the separate pass is skipped, as TRL does."""
+    cfg = self.update_cfg
+    return (cfg is not None and cfg.epochs == 1 and rows <= cfg.mini_batch_size
+            and not self.recompute_requested and not self.old_log_probs_in_reward)
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
   def compute_log_prob(self, rows, batch):
@@ -451,16 +476,33 @@ class ActorRolloutWorker(RoleWorker):
     weight_fn = getattr(loss, "micro_batch_weight", None)
     if self.update_cfg.packed:
       packed = _packed_log_probs_fn(graphdef, temperature)
-      return self._train_packed("update_actor", lambda p, f: loss(*packed(p, f), f), rows, batch,
-                                weight_fn)
+
+      def packed_loss(params, fields):
+        logp, entropy = packed(params, fields)
+        return loss(logp, entropy, _fresh_behaviour(logp, fields))
+      return self._train_packed("update_actor", packed_loss, rows, batch, weight_fn)
 
     def loss_fn(params, fields):
       logp, entropy = sequence_log_probs(graphdef, params, fields["input_ids"],
                                          fields["attention_mask"], temperature=temperature,
                                          last=width)
-      return loss(logp, entropy, fields)
+      return loss(logp, entropy, _fresh_behaviour(logp, fields))
 
     return self._train("update_actor", loss_fn, rows, batch, weight_fn)
+
+
+# A per-row field of every update's mini-batches: 1 in the first mini-batch of an update
+# call, whose parameters are still the behaviour policy's, so the actor's loss takes its own
+# forward (without gradient) as old_log_probs there. The first mini-batch is then exactly
+# on-policy (ppo_kl 0, nothing clipped) whatever the precision and however differently the
+# log-prob pass and the training step were compiled (bf16 dots round otherwise in each).
+FRESH = "fresh_minibatch"
+
+
+def _fresh_behaviour(logp, fields):
+  fresh = fields[FRESH][:, None] > 0
+  return {**fields, "old_log_probs": jnp.where(fresh, jax.lax.stop_gradient(logp),
+                                               fields["old_log_probs"])}
 
 
 class ReferenceWorker(RoleWorker):

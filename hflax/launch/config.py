@@ -55,6 +55,12 @@ def base_config() -> ml_collections.ConfigDict:
       # the built-in model. dtype: compute (e.g. "bfloat16" with float32 master weights in
       # param_dtype).
       path="", tokenizer="", dtype="float32", param_dtype="float32", remat=False,
+      # use_remove_padding (verl's name): training and log-prob passes on packed rows (the
+      # valid tokens of several sequences per row, segment ids keeping them apart), equal
+      # to the padded passes; the shipped configs turn it on. attention: "auto" (dense up
+      # to 512 keys, then blockwise, linear in memory; cuDNN on GPU, splash on TPU),
+      # "reference", "blockwise", "cudnn" or "splash".
+      use_remove_padding=False, attention="auto",
       # LoRA (verl's names): lora_rank 0 trains every weight; > 0 trains rank-r adapters
       # on target_modules ("all-linear", or HF names such as "q_proj,v_proj") and nothing
       # else, and the reference policy is the frozen base (no copy of its own).
@@ -71,18 +77,26 @@ def base_config() -> ml_collections.ConfigDict:
       kl_loss_coef=0.001, kl_loss_type="low_var_kl", recompute_log_prob=False,
       # Optimizer state in host memory from generation until the next update (verl's
       # optimizer_offload, for the KV cache's sake on accelerators).
-      optimizer_offload=False)
+      optimizer_offload=False,
+      # Token-budget micro-batches (verl's use_dynamic_bsz): packed micro-batches of at most
+      # ppo_max_token_len_per_gpu tokens per device (log_prob_max_token_len_per_gpu for
+      # the log-prob passes) instead of ppo_micro_batch_size rows; needs use_remove_padding.
+      use_dynamic_bsz=False, ppo_max_token_len_per_gpu=16384,
+      log_prob_max_token_len_per_gpu=16384)
   # val_*: how held-out prompts are sampled (verl's rollout.val_kwargs); val_n > 1 adds
   # best@k, worst@k and maj@N to the validation metrics. max_num_seqs (as vLLM's): at most
   # this many sequences per generation replica at once, the rest in further waves (0: all).
+  # continuous_batching: max_num_seqs decode slots per replica instead of waves, a finished
+  # sequence's slot taken by the next waiting one (same tokens and log-probs as waves).
   c.rollout = dict(n=1, temperature=1.0, top_k=0, top_p=1.0, generate_tensor=1,
                    dtype=config_dict.placeholder(str), val_n=1, val_temperature=0.0,
-                   val_top_k=0, val_top_p=1.0, max_num_seqs=0)
+                   val_top_k=0, val_top_p=1.0, max_num_seqs=0, continuous_batching=False)
   c.critic = dict(optim=_optim(1e-4), ppo_mini_batch_size=8, ppo_micro_batch_size=0,
                   ppo_epochs=1, shuffle=False, cliprange_value=0.5,
                   loss_agg_mode="token-mean", model_path="",
                   # LoRA for the critic (as model.lora_*): adapters and the value head train.
-                  lora_rank=0, lora_alpha=16.0, target_modules="all-linear")
+                  lora_rank=0, lora_alpha=16.0, target_modules="all-linear",
+                  use_dynamic_bsz=False, ppo_max_token_len_per_gpu=16384)
   # custom_fn: a Python file and a function in it (name "" is verl's default,
   # compute_score); timeout_s: the most seconds one batch's scoring may take (0: no limit).
   c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=0.0)
@@ -141,7 +155,9 @@ def _check_choices(c, fail):
   from hflax.controller.training import SCHEDULES
   from hflax.data.arithmetic import TEMPLATES
   from hflax.metrics.logger import BACKENDS
-  choices = {"algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+  from hflax.models.config import ATTENTION_IMPLEMENTATIONS
+  choices = {"model.attention": ATTENTION_IMPLEMENTATIONS,
+             "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
              "algorithm.kl_penalty": KL_KINDS, "actor.kl_loss_type": KL_KINDS,
              "actor.optim.schedule": SCHEDULES, "critic.optim.schedule": SCHEDULES,
              "data.builtin.data_source": tuple(TEMPLATES)}
@@ -170,6 +186,9 @@ def _check_choices(c, fail):
     _check_int(c, f"rollout.{prefix}top_k", 0, fail, "(0: no top-k filter)")
   _check_int(c, "rollout.val_n", 1, fail, "(samples per held-out prompt)")
   _check_int(c, "rollout.max_num_seqs", 0, fail, "(0: no cap)")
+  if not isinstance(c.rollout.get("continuous_batching", False), bool):
+    fail("rollout.continuous_batching", f"must be True or False, got "
+         f"{c.rollout.continuous_batching!r}")
   problem = generation_cap_problem(c, c.rollout.max_num_seqs)
   if problem:
     fail("rollout.max_num_seqs", problem)
@@ -306,6 +325,8 @@ def wandb_project(c) -> str:
 def generation_cap_problem(c, cap) -> str | None:
   """Why a max_num_seqs (the config's or a placement's) cannot hold one prompt's samples."""
   samples = max(c.rollout.n, c.rollout.val_n)
+  if c.rollout.get("continuous_batching", False):
+    return None  # a decode slot holds one sample, not a prompt's n
   if isinstance(cap, int) and 0 < cap < samples:
     return (f"{cap} is less than the {samples} samples of one prompt (rollout.n / val_n), "
             "which are generated together")

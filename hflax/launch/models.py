@@ -82,7 +82,8 @@ def policy_model(cfg, vocab_size: int, tokenizer=None):
   if cfg.model.path:
     try:
       return hf.load_checkpoint(cfg.model.path, param_dtype=cfg.model.param_dtype,
-                                dtype=cfg.model.dtype, remat=cfg.model.remat)
+                                dtype=cfg.model.dtype, remat=cfg.model.remat,
+                                attention=cfg.model.get("attention", "auto"))
     except (OSError, ValueError) as e:
       raise ValueError(f"config.model.path: {e}") from None
   model_cfg = builtin_config(cfg, vocab_size, tokenizer)
@@ -97,6 +98,7 @@ def builtin_config(cfg, vocab_size: int, tokenizer=None) -> ModelConfig:
       num_layers=b.num_layers, num_heads=b.num_heads, num_kv_heads=b.num_kv_heads,
       rope_theta=b.rope_theta, tie_word_embeddings=True, dtype=cfg.model.dtype,
       param_dtype=cfg.model.param_dtype, remat=cfg.model.remat,
+      attention=cfg.model.get("attention", "auto"),
       eos_token_id=tuple(tokenizer.eos_ids) if tokenizer else None,
       pad_token_id=tokenizer.pad_id if tokenizer else None)
 

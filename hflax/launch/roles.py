@@ -150,6 +150,8 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
   actor = ActorPlan(train=_train(cfg.actor, n, cfg.model), sampling=sampling, lora=lora_plan(cfg.model),
                     generate_dtype=r.dtype, recompute_log_prob=cfg.actor.recompute_log_prob,
                     optimizer_offload=cfg.actor.optimizer_offload, max_num_seqs=r.max_num_seqs,
+                    continuous_batching=bool(r.get("continuous_batching", False)),
+                    old_log_probs_in_reward=bool(cfg.algorithm.use_kl_in_reward),
                     use_kl_loss=bool(cfg.actor.use_kl_loss))
   critic = CriticPlan(train=_train(cfg.critic, n, cfg.model), model_path=cfg.critic.model_path,
                       lora=lora_plan(cfg.critic)) if algorithm.uses_critic else None

@@ -106,7 +106,8 @@ def _open(file: str):
 
 
 def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: str | None = None,
-                    dtype: str | None = None, remat: bool = False, seed: int = 0):
+                    dtype: str | None = None, remat: bool = False, seed: int = 0,
+                    attention: str = "auto"):
   """Loads a Llama/Qwen2/Qwen3 HF checkpoint directory.
 
   Args:
@@ -119,12 +120,13 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
       `(logical_axes, shape) -> Sharding`. Default: the first device.
     param_dtype / dtype: storage and compute dtypes (default: float32 for both).
     remat: recompute layer activations in the backward pass (less memory for training).
+    attention: the attention implementation (ModelConfig.attention).
   Returns:
     (config, graphdef, state).
   """
   cfg = read_config(path)
   cfg = cfg.replace(param_dtype=param_dtype or cfg.param_dtype, dtype=dtype or cfg.dtype,
-                    remat=remat)
+                    remat=remat, attention=attention)
   graphdef, abstract = create_abstract(cfg, head=head)
   gguf_file = gguf.resolve(path)
   index = gguf.TensorIndex(gguf_file) if gguf_file else _TensorIndex(path)
