@@ -183,17 +183,23 @@ class RoleWorker:
           out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)),
           compiler_options=train_compiler_options(self.mesh.devices.flat))
     history = []
-    for index in mini_batch_order(live_rows, cfg, self.seed + self.updates):
-      fresh = np.float32(not history)  # see FRESH
-      padded = -len(index) % unit
-      live = np.concatenate([np.ones(len(index), np.float32), np.zeros(padded, np.float32)])
-      index = np.concatenate([index, np.zeros(padded, index.dtype)]).astype(np.int32)
+    for fresh, index, live in self._mini_batches(live_rows, unit):
       self.params, self.opt_state, metrics = self._steps[name](
           self.params, self.opt_state, rows, index, live, fresh)
       history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps))})
       self.optimizer_steps += 1
     self.updates += 1
     return self._train_metrics(history)
+
+  def _mini_batches(self, live_rows: int, unit: int):
+    """(fresh, row indices, live) of each mini-batch of this update: indices padded to a
+    multiple of `unit` with row 0, live 0 there; fresh 1 for the first (see FRESH)."""
+    order = mini_batch_order(live_rows, self.update_cfg, self.seed + self.updates)
+    for i, index in enumerate(order):
+      padded = -len(index) % unit
+      live = np.concatenate([np.ones(len(index), np.float32), np.zeros(padded, np.float32)])
+      index = np.concatenate([index, np.zeros(padded, index.dtype)]).astype(np.int32)
+      yield np.float32(i == 0), index, live
 
   def _train_packed(self, name: str, loss_fn: Callable, rows: dict, batch: Batch,
                     weight_fn: Callable | None = None) -> Batch:
@@ -214,11 +220,7 @@ class RoleWorker:
     micro, apply, add = self._packed_steps(name, loss_fn, weight_fn, width)
     cuts = cfg.mini_batch_size // (cfg.micro_batch_size or cfg.mini_batch_size)
     history = []
-    for index in mini_batch_order(live_rows, cfg, self.seed + self.updates):
-      fresh = np.float32(not history)  # see FRESH
-      padded = -len(index) % dp
-      live = np.concatenate([np.ones(len(index), np.float32), np.zeros(padded, np.float32)])
-      index = np.concatenate([index, np.zeros(padded, index.dtype)]).astype(np.int32)
+    for fresh, index, live in self._mini_batches(live_rows, dp):
       groups = None if cfg.max_token_len else [np.arange(m, len(index), cuts) for m in range(cuts)]
       plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), multiple=dp,
                                 budget=cfg.max_token_len, groups=groups,
