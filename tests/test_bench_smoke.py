@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("trl", reason="the bench extra: pip install -e '.[bench]' -c constraints.txt")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,6 +23,8 @@ def run(script: str, *args: str) -> str:
 
 
 def test_rl_step_quick_prints_every_row():
+  pytest.importorskip("trl", reason="TRL is rl_step.py's peer, in the bench extra: "
+                      "pip install -e '.[bench]' -c constraints.txt")
   out = run("rl_step.py", "--quick", "--toy")
   for precision in ("fp32", "bf16"):
     assert f"[{precision}] GRPO step" in out
