@@ -89,7 +89,7 @@ def generation_flops(cfg: ModelConfig, batch: int, prompt_width: int, new_tokens
   body, head = matmul_params(cfg)
   per_slot = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
   prefill = batch * (prompt_width * (2 * body + per_slot * prompt_width) + 2 * head)
-  ends = sampler._segment_ends(new_tokens, sampler.decode_segments(new_tokens))
+  ends = sampler.segment_ends(new_tokens, sampler.decode_segments(new_tokens))
   widths = [prompt_width + next(e for e in ends if step < e) for step in range(1, new_tokens)]
   decode = batch * sum(2 * (body + head) + per_slot * w for w in widths)
   per_step = decode / max(1, len(widths))
