@@ -1,5 +1,15 @@
-"""Every test sees 8 simulated CPU devices, so every mesh layout can be exercised here."""
+"""Every test sees 8 simulated CPU devices, so every mesh layout can be exercised here.
+
+One persistent compilation cache per pytest run: most of the suite's time is XLA compiling
+the same small programs again in each xdist worker, each `python -m hflax.launch`
+subprocess and each Ray worker. The directory is fresh (nothing carries over between runs),
+shared through xdist's worker input and the environment, and removed when the run ends.
+"""
 import os
+import shutil
+import tempfile
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -11,6 +21,41 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+_CACHE_KEY = "hflax_jax_cache_dir"
+# Cache every program: on CPU the tests' programs compile in well under jax's default
+# threshold of one second, yet there are thousands of them.
+_CACHE_SETTINGS = {"jax_persistent_cache_min_compile_time_secs": 0,
+                   "jax_persistent_cache_min_entry_size_bytes": -1}
+_owned_cache = pytest.StashKey[str]()
+
+
+def _use_cache(path: str):
+  settings = {"jax_compilation_cache_dir": path, **_CACHE_SETTINGS}
+  for name, value in settings.items():
+    jax.config.update(name, value)
+    os.environ[name.upper()] = str(value)  # for subprocesses and Ray workers
+
+
+def pytest_configure(config):
+  worker = getattr(config, "workerinput", None)
+  if worker is not None:
+    _use_cache(worker[_CACHE_KEY])
+  else:
+    config.stash[_owned_cache] = tempfile.mkdtemp(prefix="hflax-test-jax-cache-")
+    _use_cache(config.stash[_owned_cache])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+  node.workerinput[_CACHE_KEY] = node.config.stash[_owned_cache]
+
+
+def pytest_unconfigure(config):
+  path = config.stash.get(_owned_cache, None)
+  if path is not None:
+    shutil.rmtree(path, ignore_errors=True)
+
 
 def pytest_report_header(config):
-  return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
+  return (f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}, "
+          f"compilation cache: {jax.config.jax_compilation_cache_dir}")
