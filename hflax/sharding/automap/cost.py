@@ -18,7 +18,7 @@ import dataclasses
 import math
 
 from hflax.models.config import ModelConfig
-from hflax.rollout.waves import generation_waves
+from hflax.rollout.waves import generation_slots, generation_waves
 from hflax.sharding.automap import comm, memory
 from hflax.sharding.automap.mesh import MeshShape
 from hflax.sharding.automap.profile import DeviceProfile
@@ -153,44 +153,67 @@ class Simulator:
       return problem
     return None
 
-  def _layer_comm(self, cfg, mesh, micro_seqs, passes):
-    """Per micro-batch: tensor-parallel all-reduces (2 per layer per pass) and the
-    all-gathers of the weights over fsdp, one per weight tensor (so a pass can run layer
-    by layer)."""
-    tokens = micro_seqs * self.wl.seq_len
+  def _layer_comm(self, cfg, mesh, tokens, passes):
+    """Per micro-batch of `tokens`: tensor-parallel all-reduces (2 per layer per pass) and
+    the all-gathers of the weights over fsdp, one per weight tensor (so a pass can run
+    layer by layer)."""
     tp = passes * 2 * cfg.num_layers * comm.all_reduce(
         self.prof, tokens * cfg.hidden_size * WEIGHT_BYTES, mesh.tensor, mesh.tensor)
     gather = comm.all_gather(self.prof, WEIGHT_BYTES * cfg.num_params / mesh.tensor,
                              mesh.fsdp, mesh.shards, pieces=weight_tensors(cfg))
     return tp, gather
 
-  def _activations(self, cfg, mesh, micro_seqs, train, remat):
+  def _activations(self, cfg, mesh, micro_seqs, train, remat, packed_tokens=0.0):
     """One micro-batch's transient bytes per device: what hflax's compiled pass allocates
     (memory.py: each layer's saved activations, dense or blockwise attention scores, one
     chunk of fp32 logits), split over the tensor axis, plus FSDP's gathered layers in
-    flight. Gradients are not here: `resident` counts them with the weights."""
+    flight. Gradients are not here: `resident` counts them with the weights.
+    packed_tokens: a packed micro-batch, one row of that many tokens holding as many
+    sequences as their mean length gives, instead of micro_seqs padded rows."""
     wl, t = self.wl, mesh.tensor
     gathered = 2 * WEIGHT_BYTES * layer_params(cfg) / t if mesh.fsdp > 1 else 0.0
+    rows, length, scored_rows = micro_seqs, wl.seq_len, None
+    if packed_tokens:
+      rows, length = 1, math.ceil(packed_tokens)
+      scored_rows = math.ceil(packed_tokens / wl.mean_seq_len)
     if not train:
-      return memory.forward_bytes(cfg, micro_seqs, wl.seq_len, wl.response_len,
-                                  wl.attention).transient / t + gathered
+      return memory.forward_bytes(cfg, rows, length, wl.response_len, wl.attention,
+                                  scored_rows).transient / t + gathered
     run = cfg.replace(remat=remat)
-    return (memory.activation_bytes(run, micro_seqs, wl.seq_len, wl.response_len,
-                                    wl.attention) / t + 2 * gathered)
+    return (memory.activation_bytes(run, rows, length, wl.response_len, wl.attention,
+                                    scored_rows) / t + 2 * gathered)
+
+  def _micro_batches(self, sequences, train):
+    """(calls, sequences per padded micro-batch, packed tokens per call or 0) for one
+    device's `sequences`: micro_batch_size padded rows each, or with packing about the
+    token budget of real tokens each (the last call takes the rest)."""
+    wl = self.wl
+    micro = min(wl.micro_batch_size, sequences)
+    if not wl.packed:
+      return math.ceil(sequences / micro), micro, 0.0
+    tokens = sequences * wl.mean_seq_len
+    row = min(wl.packed_row_tokens(train), tokens)
+    return math.ceil(tokens / row), micro, row
+
+  def pass_flops(self, cfg, sequences):
+    """One forward pass over `sequences`: padded rows compute the whole width; packed rows
+    the real tokens, and attention within each sequence (blockwise attention skips the
+    key blocks of a row's other sequences)."""
+    wl = self.wl
+    return sequences * forward_flops(cfg, wl.mean_seq_len if wl.packed else wl.seq_len)
 
   def forward(self, role: str, mesh: MeshShape, free: float) -> StageCost:
     """Log-probs, values or rewards of the whole batch: one micro-batched pass."""
     cfg, wl = self.wl.models[role], self.wl
     per_device = rows_per_shard(wl.sequences, mesh.batch_ways)
-    micro = min(wl.micro_batch_size, per_device)
-    calls = math.ceil(per_device / micro)
-    transient = self._activations(cfg, mesh, micro, train=False, remat=False)
+    calls, micro, packed = self._micro_batches(per_device, train=False)
+    transient = self._activations(cfg, mesh, micro, False, False, packed)
     if transient > free:
       return StageCost(reason=f"OOM: {role} forward needs {transient / 1e9:.1f} GB, "
                        f"{max(free, 0) / 1e9:.1f} GB free")
-    compute = (per_device * mesh.batch_ways * forward_flops(cfg, wl.seq_len)
+    compute = (mesh.batch_ways * self.pass_flops(cfg, per_device)
                / (mesh.size * self.flops_rate) * self.share(mesh))
-    tp, gather = self._layer_comm(cfg, mesh, micro, passes=1)
+    tp, gather = self._layer_comm(cfg, mesh, packed or micro * wl.seq_len, passes=1)
     time = (self.ovh.hide(compute, calls * gather) + calls * tp
             + self.ovh.call_time(mesh.size))
     return StageCost(time, transient)
@@ -200,20 +223,20 @@ class Simulator:
     are recomputed in the backward pass (remat) only when their activations do not fit."""
     cfg, wl = self.wl.models[role], self.wl
     per_device = rows_per_shard(wl.mini_batch_sequences, mesh.batch_ways)
-    micro = min(wl.micro_batch_size, per_device)
-    remat = self._activations(cfg, mesh, micro, train=True, remat=False) > free
-    transient = self._activations(cfg, mesh, micro, train=True, remat=remat)
+    calls, micro, packed = self._micro_batches(per_device, train=True)
+    remat = self._activations(cfg, mesh, micro, True, False, packed) > free
+    transient = self._activations(cfg, mesh, micro, True, remat, packed)
     if transient > free:
       return StageCost(reason=f"OOM: {role} training needs {transient / 1e9:.1f} GB, "
                        f"{max(free, 0) / 1e9:.1f} GB free")
     steps = wl.optimizer_steps
-    calls = steps * math.ceil(per_device / micro)
+    calls *= steps
     # forward, backward (2x: activation and weight gradients; LoRA's frozen weights need
     # no weight gradients), and the recomputed forward
     passes = (2 if cfg.lora_rank else 3) + remat
-    compute = (steps * per_device * mesh.batch_ways * passes * forward_flops(cfg, wl.seq_len)
+    compute = (steps * mesh.batch_ways * passes * self.pass_flops(cfg, per_device)
                / (mesh.size * self.flops_rate) * self.share(mesh))
-    tp, gather = self._layer_comm(cfg, mesh, micro, passes=2 + remat)
+    tp, gather = self._layer_comm(cfg, mesh, packed or micro * wl.seq_len, passes=2 + remat)
     fsdp = calls * gather * (2 + remat)  # gathers for forward and backward (+ recompute),
     # the reduce-scatter of gradients costing as much as one gather
     trained = trained_params(cfg)
@@ -255,55 +278,109 @@ class Simulator:
     """Reshard, then prefill and decode every sequence on n / t_g replicas of t_g-way
     tensor parallelism. The KV cache gets the memory left free; a replica whose
     sequences do not all fit (or exceed the workload's max_num_seqs) generates them in
-    waves, as the actor does when the plan's max_num_seqs caps it (rollout/waves.py)."""
-    cfg, wl, prof = self.wl.models["actor"], self.wl, self.prof
+    waves, as the actor does when the plan's max_num_seqs caps it (rollout/waves.py), or
+    with continuous batching in that many decode slots (rollout/continuous.py)."""
+    cfg, wl = self.wl.models["actor"], self.wl
     problem = shape_problem(cfg, gen_tensor, "actor generate")
     if problem:
       return StageCost(reason=problem)
-    replicas = mesh.size // gen_tensor
     if mesh.size % gen_tensor:
       return StageCost(reason=f"indivisible shape: t_g={gen_tensor} does not divide the "
                        f"pool's {mesh.size} devices")
     weights = WEIGHT_BYTES * cfg.num_params / gen_tensor
     kv_heads = max(1, cfg.num_kv_heads // gen_tensor)  # fewer than t_g: replicated
-    kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * WEIGHT_BYTES
+    # The model's shape on one device of a t_g group, as the sampler allocates for it.
+    split = cfg.replace(num_heads=max(1, cfg.num_heads // gen_tensor), num_kv_heads=kv_heads,
+                        dtype="bfloat16")
+    run = self._slots if wl.continuous_batching else self._waves
+    span = mesh.shards if strided else gen_tensor  # devices one tensor group spreads over
+    cost = run((mesh, gen_tensor, span), free - weights, split)
+    if cost.reason:
+      return cost
+    cost.time += self.reshard(mesh, gen_tensor, strided) + self.ovh.call_time(mesh.size)
+    cost.transient += weights
+    cost.note = ", ".join(filter(None, ["" if strided else "node-local t_g groups", cost.note]))
+    return cost
+
+  def _oom(self, free, per_seq, what):
+    return StageCost(reason=f"OOM: actor generate KV {per_seq / 1e9:.2f} GB/seq x {what}, "
+                     f"{max(free, 0) / 1e9:.1f} GB free beside the weights")
+
+  def _waves(self, layout, free, split) -> StageCost:
+    """Waves of whole prompts, each decoded until its longest row ends."""
+    wl, (mesh, gen_tensor, _) = self.wl, layout
+    n = wl.samples_per_prompt
     # Per sequence, as the sampler allocates (memory.generate_bytes): the decode cache of
     # the bucketed prompt plus the response, and its share of the prompt's prefill cache
     # and attention; the heads split t_g ways.
-    n = wl.samples_per_prompt
-    split = cfg.replace(num_heads=max(1, cfg.num_heads // gen_tensor), num_kv_heads=kv_heads,
-                        dtype="bfloat16")
     if wl.kv_cache == "paged":
-      kv_seq = kv_token * wl.seq_len
+      kv_seq = memory.kv_cache_bytes(split, 1, wl.seq_len)
     else:
       kv_seq = memory.generate_bytes(split, 1, wl.prompt_len, wl.response_len, n,
                                      wl.attention).transient / n
-    fits = int(max(free - weights, 0) // kv_seq)  # sequences the KV budget holds
+    fits = int(max(free, 0) // kv_seq)  # sequences the KV budget holds
     if fits < wl.samples_per_prompt_most:
-      return StageCost(reason=f"OOM: actor generate weights {weights / 1e9:.1f} GB + KV "
-                       f"{kv_seq / 1e9:.2f} GB/seq x {wl.samples_per_prompt_most} samples of "
-                       f"a prompt, {max(free, 0) / 1e9:.1f} GB free")
+      return self._oom(free, kv_seq, f"{wl.samples_per_prompt_most} samples of a prompt")
     cap = min(fits, wl.max_num_seqs) if wl.max_num_seqs else fits
-    waves, prompts = generation_waves(wl.prompts_per_step, replicas, n, cap)
+    waves, prompts = generation_waves(wl.prompts_per_step, mesh.size // gen_tensor, n, cap)
     batch = prompts * n
-    span = mesh.shards if strided else gen_tensor  # devices one tensor group spreads over
-    prefill = (batch * forward_flops(cfg, wl.prompt_len) / (gen_tensor * self.flops_rate)
-               * self.share(mesh)
-               + 2 * cfg.num_layers * comm.all_reduce(
-                   prof, batch * wl.prompt_len * cfg.hidden_size * WEIGHT_BYTES,
-                   gen_tensor, span))
-    # Decode: each step reads the weights and the KV cache (context averaged over the
-    # response) and all-reduces one token's activations twice per layer.
-    context = wl.prompt_len + wl.response_len / 2
-    read = weights + batch * kv_token * context
+    step = self._decode_step(layout, batch, wl.prompt_len + wl.response_len / 2)
+    time = waves * (self._prefill(layout, batch) + wl.response_len * step)
+    return StageCost(time, batch * kv_seq, note=f"waves={waves}" if waves > 1 else "",
+                     max_num_seqs=fits)
+
+  def _slots(self, layout, free, split) -> StageCost:
+    """Continuous batching: a replica prefills all of its prompts, then decodes them in
+    `slots` rows, a finished row's slot taking the next waiting sequence. The loop runs
+    until the waiting sequences have had their slots, (rows - slots) x mean / slots steps,
+    and then until the last admitted ends: counted as the longest response, as waves are."""
+    wl, (mesh, gen_tensor, _) = self.wl, layout
+    n, N = wl.samples_per_prompt, wl.response_len
+    prompts = -(-wl.prompts_per_step // (mesh.size // gen_tensor))  # per replica
+    rows = prompts * n
+    P = memory.length_bucket(wl.prompt_len)
+    if wl.kv_cache == "paged":  # each sequence's blocks hold its prompt and response
+      P, kept, per_slot = wl.prompt_len, 0.0, memory.kv_cache_bytes(split, 1, wl.seq_len)
+    else:
+      kept = memory.slots_generate_bytes(split, prompts, wl.prompt_len, N, 0,
+                                         wl.attention).transient
+      per_slot = memory.kv_cache_bytes(split, 1, P + N)
+    fits = int(max(free - kept, 0) // per_slot)
+    if fits < 1:
+      return self._oom(free - kept, per_slot, f"1 slot beside {kept / 1e9:.2f} GB of "
+                       f"{prompts} prompts' prefill cache")
+    cap = min(fits, wl.max_num_seqs) if wl.max_num_seqs else fits
+    slots = generation_slots(wl.prompts_per_step, mesh.size // gen_tensor, n, cap)
+    steps = (rows - slots) * wl.mean_response_len / slots + N
+    if wl.kv_cache == "paged":  # the blocks a row has filled
+      context = wl.prompt_len + wl.mean_response_len / 2
+    else:  # the whole cache, grown with the loop's step up to prompt + N
+      context = wl.prompt_len + (steps / 2 if steps <= N else N - N * N / (2 * steps))
+    # A slot taking a sequence copies its prompt's cache columns in (read and write).
+    copy = 2 * rows * memory.kv_cache_bytes(split, 1, P) / self.hbm_rate
+    time = (self._prefill(layout, rows) + copy * self.share(mesh)
+            + steps * self._decode_step(layout, slots, context))
+    return StageCost(time, kept + slots * per_slot, note=f"slots={slots}" if slots < rows else "",
+                     max_num_seqs=fits)
+
+  def _prefill(self, layout, batch) -> float:
+    (mesh, gen_tensor, span), cfg, wl = layout, self.wl.models["actor"], self.wl
+    return (batch * forward_flops(cfg, wl.prompt_len) / (gen_tensor * self.flops_rate)
+            * self.share(mesh)
+            + 2 * cfg.num_layers * comm.all_reduce(
+                self.prof, batch * wl.prompt_len * cfg.hidden_size * WEIGHT_BYTES,
+                gen_tensor, span))
+
+  def _decode_step(self, layout, batch, context) -> float:
+    """One decode step of `batch` rows: it reads the weights and the KV cache of `context`
+    tokens per row and all-reduces one token's activations twice per layer."""
+    (mesh, gen_tensor, span), cfg = layout, self.wl.models["actor"]
+    kv_heads = max(1, cfg.num_kv_heads // gen_tensor)
+    kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * WEIGHT_BYTES
+    read = WEIGHT_BYTES * cfg.num_params / gen_tensor + batch * kv_token * context
     flops = batch * (forward_flops(cfg, 1) + 4 * cfg.num_layers * cfg.num_heads *
                      cfg.head_dim * context) / gen_tensor
     token_comm = 2 * cfg.num_layers * comm.all_reduce(
-        prof, batch * cfg.hidden_size * WEIGHT_BYTES, gen_tensor, span)
-    step = (max(read / self.hbm_rate, flops / self.flops_rate) * self.share(mesh) + token_comm
+        self.prof, batch * cfg.hidden_size * WEIGHT_BYTES, gen_tensor, span)
+    return (max(read / self.hbm_rate, flops / self.flops_rate) * self.share(mesh) + token_comm
             + self.ovh.decode_step)
-    time = (self.reshard(mesh, gen_tensor, strided) + waves * (prefill + wl.response_len * step)
-            + self.ovh.call_time(mesh.size))
-    notes = ([] if strided else ["node-local t_g groups"]) + \
-        ([f"waves={waves}"] if waves > 1 else [])
-    return StageCost(time, weights + batch * kv_seq, note=", ".join(notes), max_num_seqs=fits)

@@ -18,6 +18,11 @@ Terms, and the runtime code each follows:
                  each layer keeps its dot operands for the backward pass
   KV cache       hflax/rollout/sampler.py: the prompt's power-of-two bucket P, the prefill
                  cache [B, P] and the decode cache grown to [B * n, P + new_tokens]
+  slots          hflax/rollout/continuous.py (continuous batching): every prompt's prefill
+                 cache [B, P] stays alive for the slots to copy from, beside `slots` rows of
+                 cache grown to P + new_tokens, and the prefill's working set before them
+  packed rows    hflax/models/logprobs.py packed_log_probs: one row of the micro-batch's
+                 real tokens; the logits block covers its sequences' response columns
 
 Checked against XLA's compiled memory analysis of the real programs in
 tests/test_automap_memory.py (CPU; within the factor stated there).
@@ -150,13 +155,14 @@ def logits_block_bytes(cfg: ModelConfig, rows: int, scored: int,
 
 
 def forward_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None = None,
-                  attention: str | None = None) -> Footprint:
+                  attention: str | None = None, scored_rows: int | None = None) -> Footprint:
   """sequence_log_probs(last=scored): the layers run one after another, then the chunked
-  vocabulary projection; the hidden states stay alive across both."""
+  vocabulary projection; the hidden states stay alive across both. scored_rows: the
+  sequences the projection covers (packed rows hold several; default `rows`)."""
   scored = length - 1 if scored is None else scored
   hidden = rows * length * cfg.hidden_size * _size(cfg.dtype)
   peak = max(layer_working_bytes(cfg, rows, length, attention),
-             logits_block_bytes(cfg, rows, scored))
+             logits_block_bytes(cfg, rows if scored_rows is None else scored_rows, scored))
   return Footprint(weight_bytes(cfg), hidden + peak)
 
 
@@ -173,22 +179,23 @@ def saved_layer_bytes(cfg: ModelConfig, rows: int, length: int,
 
 
 def update_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None = None,
-                 attention: str | None = None) -> Footprint:
+                 attention: str | None = None, scored_rows: int | None = None) -> Footprint:
   """One optimizer step over a micro-batch of `rows` (make_train_step, donated)."""
   trained = cfg.num_lora_params if cfg.lora_rank else cfg.num_params
   resident = weight_bytes(cfg) + optimizer_bytes(cfg)
   grads = trained * _size(cfg.param_dtype)
-  return Footprint(resident, grads + activation_bytes(cfg, rows, length, scored, attention))
+  return Footprint(resident, grads + activation_bytes(cfg, rows, length, scored, attention,
+                                                      scored_rows))
 
 
 def activation_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None = None,
-                     attention: str | None = None) -> float:
+                     attention: str | None = None, scored_rows: int | None = None) -> float:
   """A training pass's activations: what each layer saved (its input alone with remat),
   and the backward pass of one layer, which holds that layer's forward working set and
   its gradients (about as large again)."""
   per_layer = (rows * length * cfg.hidden_size * _size(cfg.dtype) if cfg.remat
                else saved_layer_bytes(cfg, rows, length, attention))
-  forward = forward_bytes(cfg, rows, length, scored, attention).transient
+  forward = forward_bytes(cfg, rows, length, scored, attention, scored_rows).transient
   return cfg.num_layers * per_layer + 2 * forward
 
 
@@ -207,3 +214,15 @@ def generate_bytes(cfg: ModelConfig, prompts: int, prompt_len: int, new_tokens: 
              + 4 * attention_scores_bytes(cfg, prompts, P, P, attention))
   decode = kv_cache_bytes(cfg, prompts * n, P + new_tokens)
   return Footprint(weight_bytes(cfg), prefill + decode)
+
+
+def slots_generate_bytes(cfg: ModelConfig, prompts: int, prompt_len: int, new_tokens: int,
+                         slots: int, attention: str | None = None) -> Footprint:
+  """continuous.decode_slots: all `prompts` prefilled at once into a cache of their bucket
+  P, kept while sequences wait for a slot (a slot copies its prompt's columns in), and
+  `slots` rows of cache grown to P + new_tokens. The prefill's working set (its hidden
+  states and one layer's, forward_bytes) is counted beside them: XLA:CPU's peak held it."""
+  P = length_bucket(prompt_len)
+  prefill = forward_bytes(cfg, prompts, P, 1, attention).transient
+  return Footprint(weight_bytes(cfg), kv_cache_bytes(cfg, prompts, P) + prefill
+                   + kv_cache_bytes(cfg, slots, P + new_tokens))

@@ -43,6 +43,21 @@ class Workload:
   # cache of the bucketed prompt, then a decode cache grown to prompt + response), "paged"
   # one cache of prompt + response slots per sequence (vLLM's, as the paper's system ran).
   kv_cache: str = "sampler"
+  # rollout.continuous_batching: max_num_seqs decode slots per replica, each taking the
+  # next pending sequence when its row ends (hflax/rollout/continuous.py), not waves.
+  continuous_batching: bool = False
+  # Expected lengths (None: the maximum, today's worst case). Continuous batching's decode
+  # time and packed passes' compute follow them; padded waves and rows do not.
+  mean_response_len: float | None = None
+  mean_prompt_len: float | None = None
+  # model.use_remove_padding: update and forward passes compute the real tokens laid end
+  # to end, a micro-batch per device of about `token_budget` tokens (actor.use_dynamic_bsz
+  # with ppo_max_token_len_per_gpu; 0: micro_batch_size sequences' tokens) and of
+  # `forward_token_budget` in the forward passes (log_prob_max_token_len_per_gpu; 0: the
+  # update's).
+  packed: bool = False
+  token_budget: int = 0
+  forward_token_budget: int = 0
 
   def __post_init__(self):
     roles = tuple(self.models)
@@ -62,16 +77,41 @@ class Workload:
       raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
     if self.val_samples_per_prompt < 1:
       raise ValueError(f"val_samples_per_prompt must be >= 1, got {self.val_samples_per_prompt}")
-    if self.max_num_seqs < 0 or 0 < self.max_num_seqs < self.samples_per_prompt_most:
-      raise ValueError(f"max_num_seqs must be 0 (no cap) or at least the "
-                       f"{self.samples_per_prompt_most} samples of one prompt, which are "
-                       f"generated together; got {self.max_num_seqs}")
+    self._check_runtime_modes()
+    # A decode slot holds one sample, so continuous batching takes any cap.
+    least = 1 if self.continuous_batching else self.samples_per_prompt_most
+    if self.max_num_seqs < 0 or 0 < self.max_num_seqs < least:
+      what = ("1 (one decode slot)" if self.continuous_batching else
+              f"the {least} samples of one prompt, which are generated together")
+      raise ValueError(f"max_num_seqs must be 0 (no cap) or at least {what}; "
+                       f"got {self.max_num_seqs}")
     if self.prompts_per_step % self.mini_batch_size:
       raise ValueError(f"mini_batch_size={self.mini_batch_size} must divide "
                        f"prompts_per_step={self.prompts_per_step}")
     # Canonical role order, so placements and reports read the same everywhere.
     object.__setattr__(self, "models", {r: self.models[r] for r in KNOWN_ROLES
                                         if r in self.models})
+
+  def _check_runtime_modes(self):
+    for name in ("continuous_batching", "packed"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+    for name, most in (("mean_response_len", self.response_len),
+                       ("mean_prompt_len", self.prompt_len)):
+      value = getattr(self, name)
+      if value is None:
+        object.__setattr__(self, name, most)
+      elif not 1 <= value <= most:
+        raise ValueError(f"{name} must be in [1, {most}] (at most the maximum), got {value}")
+    for name in ("token_budget", "forward_token_budget"):
+      value = getattr(self, name)
+      if value < 0:
+        raise ValueError(f"{name} must be >= 0 (0: by micro_batch_size), got {value}")
+      if value and not self.packed:
+        raise ValueError(f"{name}: token budgets cut packed passes; set packed=True")
+      if 0 < value < self.seq_len:  # the runtime refuses these too (launch/roles.py)
+        raise ValueError(f"{name}: {value} tokens is less than the longest sequence "
+                         f"({self.seq_len} tokens)")
 
   @property
   def roles(self) -> tuple[str, ...]:
@@ -89,6 +129,16 @@ class Workload:
   @property
   def seq_len(self) -> int:
     return self.prompt_len + self.response_len
+
+  @property
+  def mean_seq_len(self) -> float:
+    return self.mean_prompt_len + self.mean_response_len
+
+  def packed_row_tokens(self, train: bool) -> float:
+    """Tokens of one packed micro-batch per device (one row): the budget, or the real
+    tokens of micro_batch_size sequences."""
+    budget = self.token_budget if train else (self.forward_token_budget or self.token_budget)
+    return budget or self.micro_batch_size * self.mean_seq_len
 
   @property
   def mini_batch_sequences(self) -> int:
