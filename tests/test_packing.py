@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hflax.controller.packing import (bucket, first_fit_decreasing, micro_batch_plans, pack,
-                                      response_layout, row_bucket, unpack)
+from hflax.controller.packing import (balance, fine_bucket, micro_batch_plans, pack,
+                                      response_layout, unpack)
 
 
 def rollout_mask(prompt_lengths, response_lengths, prompt_width, response_width):
@@ -22,13 +22,16 @@ def random_mask(rng, rows, prompt_width=6, response_width=20):
                       rng.integers(0, response_width + 1, rows), prompt_width, response_width)
 
 
-def check_plan_covers(mask, width, plans):
-  """Every valid token exactly once, segments within one row, positions restart."""
+def check_plan_covers(mask, width, plans, multiple):
+  """Every valid token exactly once, segments within one row, positions restart; one
+  shape for all plans, `multiple` rows each; every live row in exactly one slot."""
   T = mask.shape[1]
   seen = np.zeros(mask.size, int)
   member = np.zeros(len(mask), int)
+  assert len({(p.segment_ids.shape, p.seq_rows.shape) for p in plans}) == 1
   for plan in plans:
-    member += plan.member
+    assert plan.segment_ids.shape[0] == multiple and len(plan.seq_rows) % multiple == 0
+    np.add.at(member, plan.seq_rows[plan.member], 1)
     valid = plan.segment_ids > 0
     np.add.at(seen, plan.token_index[valid], 1)
     for r in range(plan.segment_ids.shape[0]):
@@ -38,6 +41,8 @@ def check_plan_covers(mask, width, plans):
         rows = set((plan.token_index[r, at] // T).tolist())
         assert len(rows) == 1  # one sequence per segment
         np.testing.assert_array_equal(plan.positions[r, at], np.arange(len(at)))
+        slot = np.flatnonzero(plan.member & (plan.seq_rows == rows.pop()))
+        assert len(slot) == 1 and plan.seq_start[slot[0]] == r * plan.segment_ids.shape[1] + at[0]
   np.testing.assert_array_equal(seen, mask.reshape(-1))
   np.testing.assert_array_equal(member, mask.any(axis=1).astype(int))
 
@@ -47,14 +52,12 @@ def test_plans_hold_every_token_once_within_budget_and_round_trip():
   mask = random_mask(rng, 13)
   width, T = 20, mask.shape[1]
   lengths = mask.sum(1)
-  for plans in (micro_batch_plans(mask, multiple=2),
-                micro_batch_plans(mask, multiple=2, budget=40),
-                micro_batch_plans(mask, multiple=4, groups=[np.arange(0, 13, 2),
-                                                                   np.arange(1, 13, 2)])):
-    check_plan_covers(mask, width, plans)
-  for plan in micro_batch_plans(mask, multiple=2, budget=40):
-    assert plan.segment_ids.shape[0] == 2 and plan.segment_ids.shape[1] <= 40
-    assert (np.count_nonzero(plan.segment_ids, axis=1) <= 40).all()
+  for multiple, kw in ((2, {}), (2, {"budget": 40}), (4, {"micro_batches": 2}), (3, {"budget": 26})):
+    plans = micro_batch_plans(mask, multiple=multiple, **kw)
+    check_plan_covers(mask, width, plans, multiple)
+    assert sum(p.tokens for p in plans) == lengths.sum()
+    if "budget" in kw:
+      assert all(p.segment_ids.shape[1] <= kw["budget"] for p in plans)
   # Round trip: a per-token value written at packed positions comes back where it was.
   values = rng.normal(size=mask.shape)
   back = np.zeros((len(mask), width))
@@ -63,34 +66,43 @@ def test_plans_hold_every_token_once_within_budget_and_round_trip():
     back += unpack(packed, plan, mask, width)
   scored = (mask[:, T - width:] & mask[:, T - width - 1:-1]).astype(bool)
   np.testing.assert_array_equal(back, np.where(scored, values[:, T - width:], 0))
-  assert lengths.sum() == sum(p.tokens for p in micro_batch_plans(mask, multiple=2,
-                                                                  budget=40))
 
 
-def test_first_fit_decreasing_and_buckets():
-  assert first_fit_decreasing([5, 9, 2, 4, 6], 10) == [[1], [4, 3], [0, 2]]
-  assert [bucket(n) for n in (1, 16, 17, 24, 25, 33, 100)] == [16, 16, 24, 24, 32, 48, 128]
-  assert bucket(100, cap=110) == 110 and bucket(100, cap=90) == 100
-  assert [row_bucket(n, 2) for n in (1, 2, 3, 5, 9)] == [2, 2, 4, 8, 16]
+def test_balance_and_buckets():
+  # Longest first into the least-filled: 9 | 6, 5 -> 11 | 4 -> 13 | 2 (tie: the first).
+  assert balance([5, 9, 2, 4, 6], range(5), 2) == [[1, 3], [4, 0, 2]]
+  assert [fine_bucket(n) for n in (1, 16, 17, 100, 129, 145, 300, 513, 1000, 1025, 3000)] == [
+      16, 16, 32, 112, 144, 160, 320, 576, 1024, 1152, 3072]
+  assert [fine_bucket(n, quantum=8) for n in (1, 9, 17, 33, 65)] == [8, 16, 24, 40, 72]
+  assert fine_bucket(100, cap=110) == 110 and fine_bucket(100, cap=90) == 100
+  sizes = {fine_bucket(n) for n in range(1, 4097)}
+  assert len(sizes) == 8 + 8 * 5  # 16 .. 128, then 8 per doubling up to 4096
+  assert all(n <= fine_bucket(n) < n + max(16, n / 8) for n in range(1, 5000))
   with pytest.raises(ValueError, match=r"^actor.ppo_max_token_len_per_gpu: 8 tokens is less than "
                      r"the longest sequence \(9 tokens\)"):
-    first_fit_decreasing([5, 9], 8, field="actor.ppo_max_token_len_per_gpu")
+    micro_batch_plans(rollout_mask([4, 2], [5, 1], 4, 5), multiple=1, budget=8,
+                      field="actor.ppo_max_token_len_per_gpu")
 
 
 def test_packed_shapes_stay_few_however_lengths_vary():
-  """50 batches of random lengths: the programs they need (one per packed shape) stay few."""
+  """50 batches of random lengths: the programs they need (one per packed shape) stay few,
+  and the padding they compute stays under max(16, L / 8) per row."""
   rng = np.random.default_rng(3)
   shapes = {"rows": set(), "budget": set()}
   for _ in range(50):
     mask = random_mask(rng, 16, prompt_width=16, response_width=90)
-    groups = [np.arange(m, 16, 2) for m in range(2)]
-    shapes["rows"] |= {p.segment_ids.shape for p in micro_batch_plans(mask, multiple=2,
-                                                                       groups=groups)}
-    shapes["budget"] |= {p.segment_ids.shape for p in micro_batch_plans(mask, multiple=2,
-                                                                         budget=256)}
-  # Lengths 16, 24, 32, 48, 64, 96 and the caps (106 = the padded width, 256), rows 2 x 2^k.
-  assert len(shapes["rows"]) <= 10 and len(shapes["budget"]) <= 9, shapes
-  assert {r for r, _ in shapes["budget"]} == {2}
+    for key, kw in (("rows", {"micro_batches": 2}), ("budget", {"budget": 256})):
+      plans = micro_batch_plans(mask, multiple=2, **kw)
+      R, L = plans[0].segment_ids.shape
+      shapes[key].add((len(plans), R, L, len(plans[0].seq_rows)))
+      fullest = max(np.count_nonzero(p.segment_ids, axis=1).max() for p in plans)
+      assert L - fullest < max(16, L / 8)
+  # Rows of 144 .. 288 tokens (9 fine sizes), 8 or 16 slots, 2 or 3 micro-batches.
+  every = shapes["rows"] | shapes["budget"]
+  assert {s[2] for s in every} <= {fine_bucket(n) for n in range(129, 289)}
+  assert {s[3] for s in every} <= {8, 16} and {s[0] for s in every} <= {2, 3}
+  assert len(shapes["rows"]) <= 13 and len(shapes["budget"]) <= 13, shapes
+  assert {s[1] for s in every} == {2}
 
 
 def test_pack_refuses_rows_too_short():
@@ -124,16 +136,19 @@ def test_packed_log_probs_equal_the_padded_path():
                                            temperature=0.7, last=width)
   for plans in (micro_batch_plans(mask, multiple=1),
                 micro_batch_plans(mask, multiple=2, budget=32)):
-    logp, ent = 0.0, 0.0
+    logp, ent = np.zeros(want_logp.shape), np.zeros(want_ent.shape)
     for plan in plans:
       packed = jnp.asarray(tokens.reshape(-1)[plan.token_index] * (plan.segment_ids > 0))
-      index, valid = response_layout(mask, width, plan.seq_start, plan.member)
+      index, valid = response_layout(mask[plan.seq_rows], width, plan.seq_start, plan.member)
       lp, en = packed_log_probs(graphdef, state, packed, jnp.asarray(plan.segment_ids), index,
                                 valid, temperature=0.7)
-      logp, ent = logp + lp, ent + en
+      np.add.at(logp, plan.seq_rows, np.asarray(lp))
+      np.add.at(ent, plan.seq_rows, np.asarray(en))
     np.testing.assert_allclose(logp, want_logp, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(ent, want_ent, atol=2e-5, rtol=1e-5)
-  assert sum(p.computed for p in plans) < mask.size / 2  # and the packing saved the padding
+  # One row holds the whole batch, under half its padded size.
+  (one,) = micro_batch_plans(mask, multiple=1)
+  assert one.computed == fine_bucket(int(mask.sum())) < mask.size / 2
 
 
 def grpo_actor(update, devices=2, remove_padding=False):
@@ -151,72 +166,97 @@ def grpo_actor(update, devices=2, remove_padding=False):
                             remove_padding=remove_padding)
 
 
-def grpo_batch(response_width=100, rows=8):
-  """1 row with a 100-token response, the others 3; 4-token prompts left-padded to 6."""
+ROWS = 64
+# One 100-token response, the other 63 of 2 .. 8 tokens (2 + i % 7), all after 4-token
+# prompts left-padded to 6: 104 + 63 * 6 + 9 * (0 + 1 + ... + 6) = 671 real tokens, where
+# the padded path computes 64 x 106 = 6784.
+REAL_TOKENS = 671
+
+
+def grpo_batch():
   from hflax.controller.batch import Batch
   rng = np.random.default_rng(1)
-  mask = rollout_mask([4] * rows, [response_width] + [3] * (rows - 1), 6, response_width)
+  mask = rollout_mask([4] * ROWS, [100] + [2 + i % 7 for i in range(ROWS - 1)], 6, 100)
   tokens = np.where(mask > 0, rng.integers(1, 64, mask.shape), 0).astype(np.int32)
   response_mask = mask[:, 6:].astype(np.float32)
   old = np.where(response_mask > 0, rng.normal(-4.0, 0.3, response_mask.shape), 0)
-  advantages = rng.normal(size=(rows, 1)) * response_mask
+  advantages = rng.normal(size=(ROWS, 1)) * response_mask
   return Batch({"input_ids": jnp.asarray(tokens), "attention_mask": jnp.asarray(mask),
                 "responses": jnp.asarray(tokens[:, 6:]), "response_mask": jnp.asarray(response_mask),
                 "old_log_probs": jnp.asarray(old, jnp.float32),
                 "advantages": jnp.asarray(advantages, jnp.float32)})
 
 
-def assert_same_update(a, b, metrics_a, metrics_b):
+def assert_same_update(params, metrics, want_params, want_metrics):
   for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl",
               "actor/pg_clipfrac"):
-    np.testing.assert_allclose(float(metrics_a[key]), float(metrics_b[key]), rtol=1e-4,
+    np.testing.assert_allclose(float(metrics[key]), float(want_metrics[key]), rtol=1e-4,
                                atol=1e-6, err_msg=key)
-  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+  for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
     # Adam at lr 1e-2 turns float noise in near-zero gradients into ~lr/100 steps.
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4)
 
 
-def test_packed_grpo_update_equals_the_padded_one():
+@pytest.fixture(scope="module")
+def padded_grpo_step():
+  """The padded path's log-probs, then its update (2 devices, micro-batches of 32 rows)."""
   from hflax.controller.training import UpdateConfig
   batch = grpo_batch()
-  padded = grpo_actor(UpdateConfig(mini_batch_size=8, micro_batch_size=4))
-  packed = grpo_actor(UpdateConfig(mini_batch_size=8, micro_batch_size=4, remove_padding=True),
-                      remove_padding=True)
-  # The log-prob passes agree (before the updates, which leave float noise in the weights).
-  np.testing.assert_allclose(np.asarray(packed.compute_log_prob(batch)["old_log_probs"]),
-                             np.asarray(padded.compute_log_prob(batch)["old_log_probs"]),
-                             atol=2e-5, rtol=1e-5)
-  want = padded.update_actor(batch).meta["metrics"]
-  got = packed.update_actor(batch).meta["metrics"]
-  assert_same_update(packed, padded, got, want)
-  # Row groups {0, 2, 4, 6}: [104] and [7, 7, 7] in 2 rows of 106 (the padded width caps
-  # the 128 bucket); {1, 3, 5, 7}: 28 tokens in 2 rows of 32 (one per device). The padded
-  # path computes 8 x 106 = 848.
-  assert float(got["actor/update_tokens"]) == 104 + 7 * 7
-  assert float(got["actor/update_padded_tokens"]) == 2 * 106 + 2 * 32 - 153
+  actor = grpo_actor(UpdateConfig(mini_batch_size=ROWS, micro_batch_size=ROWS // 2))
+  logp = np.asarray(actor.compute_log_prob(batch)["old_log_probs"])
+  metrics = {k: float(v) for k, v in actor.update_actor(batch).meta["metrics"].items()}
+  return batch, logp, actor.params, metrics
 
 
-def test_token_budget_micro_batches_do_not_change_the_step():
+def test_unequal_grpo_update_computes_almost_no_padding(padded_grpo_step):
   from hflax.controller.training import UpdateConfig
-  batch = grpo_batch()
-  whole = grpo_actor(UpdateConfig(mini_batch_size=8, remove_padding=True))
-  want_logp = np.asarray(whole.compute_log_prob(batch)["old_log_probs"])
-  want = whole.update_actor(batch).meta["metrics"]
-  # 2 devices, 112 tokens: [104, 7] and [7 x 6] in one micro-batch of 2 rows of 112.
-  # 1 device, 104 tokens: [104], then [7 x 7] in a row of 64 (bucketed up from 49).
-  for devices, budget, micro_batches, padded in ((2, 112, 1, 2 * 112 - 153),
-                                                 (1, 104, 2, 104 + 64 - 153)):
-    actor = grpo_actor(UpdateConfig(mini_batch_size=8, max_token_len=budget,
+  batch, want_logp, want_params, want = padded_grpo_step
+  actor = grpo_actor(UpdateConfig(mini_batch_size=ROWS, micro_batch_size=ROWS // 2,
+                                  remove_padding=True))
+  # The log-prob pass: one cut, 2 rows (one per device) of 671 tokens balanced.
+  np.testing.assert_allclose(np.asarray(actor.compute_log_prob(batch)["old_log_probs"]),
+                             want_logp, atol=2e-5, rtol=1e-5)
+  got = actor.update_actor(batch).meta["metrics"]
+  assert_same_update(actor.params, got, want_params, want)
+  # 2 micro-batches x 2 devices = 4 rows, 167.75 tokens on average: the 104-token
+  # sequence, then the 6 .. 12-token ones longest first into the least-filled row, end
+  # below 167.75 + 12, so every row fits the fine bucket 176 (sizes 160, 176 at 1/8 of
+  # 128 .. 256): 4 x 176 = 704 computed, 33 of them padding (4.9%).
+  assert float(got["actor/update_tokens"]) == REAL_TOKENS
+  assert float(got["actor/update_micro_batches"]) == 2
+  assert float(got["actor/update_padded_tokens"]) == 4 * 176 - REAL_TOKENS
+  assert float(got["actor/update_padded_tokens"]) < 0.1 * REAL_TOKENS
+
+
+def test_token_budget_micro_batches_do_not_change_the_step(padded_grpo_step):
+  from hflax.controller.training import UpdateConfig
+  batch, want_logp, want_params, want = padded_grpo_step
+  # 2 devices, budget 176: ceil(671 / (2 x 176)) = 2 micro-batches, the rows above.
+  # 1 device, budget 200: ceil(671 / 200) = 4 micro-batches of one row each, the same 4
+  # rows. A budget of the longest sequence (104), 1 device: 7 micro-batches, rows of 104.
+  for devices, budget, micro_batches, padded in ((2, 176, 2, 4 * 176 - REAL_TOKENS),
+                                                 (1, 200, 4, 4 * 176 - REAL_TOKENS),
+                                                 (1, 104, None, None)):
+    actor = grpo_actor(UpdateConfig(mini_batch_size=ROWS, max_token_len=budget,
                                     log_prob_max_token_len=budget), devices)
     np.testing.assert_allclose(np.asarray(actor.compute_log_prob(batch)["old_log_probs"]),
                                want_logp, atol=2e-5, rtol=1e-5)
     got = actor.update_actor(batch).meta["metrics"]
-    assert_same_update(actor, whole, got, want)
-    assert float(got["actor/update_micro_batches"]) == micro_batches
-    assert float(got["actor/update_padded_tokens"]) == padded
+    assert_same_update(actor.params, got, want_params, want)
+    if micro_batches is None:  # ceil(671 / 104) = 7 rows; the balanced ones all fit 104
+      assert float(got["actor/update_micro_batches"]) >= 7
+      assert float(got["actor/update_padded_tokens"]) == (
+          float(got["actor/update_micro_batches"]) * 104 - REAL_TOKENS)
+    else:
+      assert float(got["actor/update_micro_batches"]) == micro_batches
+      assert float(got["actor/update_padded_tokens"]) == padded
   with pytest.raises(ValueError, match=r"^actor.ppo_max_token_len_per_gpu: 100 tokens is less "
                                        r"than the longest sequence \(104 tokens\)"):
-    grpo_actor(UpdateConfig(mini_batch_size=8, max_token_len=100)).update_actor(batch)
+    grpo_actor(UpdateConfig(mini_batch_size=ROWS, max_token_len=100)).update_actor(batch)
+  with pytest.raises(ValueError, match=r"^actor.log_prob_max_token_len_per_gpu: 50 tokens is "
+                                       r"less than the longest sequence \(104 tokens\)"):
+    grpo_actor(UpdateConfig(mini_batch_size=ROWS, log_prob_max_token_len=50)).compute_log_prob(
+        batch)
 
 
 def test_packed_ppo_step_equals_the_padded_one():

@@ -1,17 +1,21 @@
-"""Packing plans: the valid tokens of left-padded rows laid end to end in fewer, shorter rows.
+"""Packing plans: the valid tokens of left-padded rows laid end to end in a few long rows.
 
 A rollout row is [prompt (left-padded) | response (right-padded)]; with unequal response
 lengths most of it can be padding. A plan (host-side numpy, from the attention mask
 alone) says which token of the batch goes where in the packed rows, which sequence
-(segment) it belongs to, and where each response token's log-prob is read back, so
-results come back in the [rows, response_width] layout the losses use.
+(segment) it belongs to, and which batch rows it holds, so per-token results come back
+in the [rows, response_width] layout the losses use.
 
-Shapes are bucketed (a few row counts and lengths) so a run compiles a bounded number
-of programs however its lengths vary.
+Every micro-batch is `multiple` packed rows (one per data-parallel device), the sequences
+balanced across all rows of all micro-batches, and all micro-batches of a call share one
+shape, so they stack into one program that scans over them. Lengths and sequence counts
+are rounded up by `fine_bucket`: a run compiles a bounded number of shapes, and a row
+wastes fewer than max(16, L / 8) of its L tokens.
 """
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +26,9 @@ class PackedPlan:
   token_index: np.ndarray  # [R, L] int32: flat index (row * T + column) of the batch token there
   segment_ids: np.ndarray  # [R, L] int32: 0 padding, k the k-th sequence of that packed row
   positions: np.ndarray  # [R, L] int32: the token's position within its sequence
-  seq_start: np.ndarray  # [B] int32: flat packed index (r * L + l) of each sequence's first token
-  member: np.ndarray  # [B] bool: the batch rows this plan holds
+  seq_rows: np.ndarray  # [S] int32: the batch row of each sequence slot (0 for an empty slot)
+  seq_start: np.ndarray  # [S] int32: flat packed index (r * L + l) of the slot's first token
+  member: np.ndarray  # [S] bool: whether the slot holds a sequence
 
   @property
   def tokens(self) -> int:
@@ -34,43 +39,37 @@ class PackedPlan:
     return int(self.segment_ids.size)
 
   def arrays(self) -> dict:
-    """What a device program takes: the packed rows and two [B] maps (the [B, W] layout
-    is rebuilt there by response_layout, so no per-plan [B, W] array is sent)."""
+    """What a device program takes: the packed rows and the [S] slot maps (the [S, W]
+    layout is rebuilt there by response_layout)."""
     return {"token_index": self.token_index, "segment_ids": self.segment_ids,
-            "seq_start": self.seq_start, "member": self.member}
+            "seq_rows": self.seq_rows, "seq_start": self.seq_start, "member": self.member}
 
 
-def response_layout(mask_BxT, response_width: int, seq_start_B, member_B):
-  """([B, W] flat packed index of each response token, [B, W] whether it is scored), in
-  jnp (inside a program, or on host arrays). A token's place in its packed sequence is
-  its rank among its row's valid tokens; scored as the padded path scores: the token and
-  the one before it valid."""
-  mask = jnp.asarray(mask_BxT).astype(bool)
+def stack(plans: list[PackedPlan]) -> dict:
+  """The arrays of same-shaped plans stacked on a leading micro-batch axis (for a scan)."""
+  return {k: np.stack([p.arrays()[k] for p in plans]) for k in plans[0].arrays()}
+
+
+def response_layout(mask_SxT, response_width: int, seq_start_S, member_S):
+  """([S, W] flat packed index of each response token, [S, W] whether it is scored), in
+  jnp (inside a program, or on host arrays), for the slots' rows of the attention mask. A
+  token's place in its packed sequence is its rank among its row's valid tokens; scored
+  as the padded path scores: the token and the one before it valid."""
+  mask = jnp.asarray(mask_SxT).astype(bool)
   T, W = mask.shape[1], response_width
   rank = jnp.cumsum(mask.astype(jnp.int32), axis=1)[:, T - W:] - 1
-  scored = mask[:, T - W:] & mask[:, T - W - 1:T - 1] & jnp.asarray(member_B)[:, None]
-  index = jnp.asarray(seq_start_B, jnp.int32)[:, None] + jnp.maximum(rank, 0)
+  scored = mask[:, T - W:] & mask[:, T - W - 1:T - 1] & jnp.asarray(member_S)[:, None]
+  index = jnp.asarray(seq_start_S, jnp.int32)[:, None] + jnp.maximum(rank, 0)
   return jnp.where(scored, index, 0), scored
 
 
-def bucket(n: int, cap: int | None = None, quantum: int = 16) -> int:
-  """The smallest size of {q 2^k, 1.5 q 2^k} holding n (padding under a third), at most cap."""
-  size = quantum
-  while size < n:
-    half = size + size // 2
-    if half >= n:
-      size = half
-      break
-    size *= 2
+def fine_bucket(n: int, quantum: int = 16, cap: int | None = None) -> int:
+  """n rounded up to a step of 1/8 of the power of two above it, the step at least
+  `quantum`: fewer than max(quantum, n / 8) wasted, 8 sizes per doubling; at most cap
+  (but never below n)."""
+  step = max(quantum, 1 << max(int(n - 1).bit_length() - 4, 0))
+  size = max(-(-n // step) * step, quantum)
   return size if cap is None else max(min(size, cap), n)
-
-
-def row_bucket(n: int, multiple: int) -> int:
-  """Packed row counts: `multiple` (the data-parallel size) times a power of two."""
-  k = 1
-  while k * multiple < n:
-    k *= 2
-  return k * multiple
 
 
 def sequence_lengths(mask_BxT) -> np.ndarray:
@@ -84,39 +83,38 @@ def check_budget(lengths, budget: int, field: str):
                      f"({longest} tokens); raise it to at least {longest}")
 
 
-def first_fit_decreasing(lengths, capacity: int, rows=None, field: str = "token budget"):
-  """Bins (lists of row indices) of total length <= capacity, longest sequences first."""
-  rows = np.arange(len(lengths)) if rows is None else np.asarray(rows)
+def balance(lengths, rows, bins: int) -> list[list[int]]:
+  """`rows` into `bins` lists, longest first into the least-filled (LPT: the fullest is
+  at most 4/3 of the best possible)."""
   lengths = np.asarray(lengths)
-  check_budget(lengths[rows], capacity, field)
-  bins, fill = [], np.zeros(len(rows), np.int64)  # never more bins than sequences
+  rows = np.asarray(rows, int)
+  heap = [(0, b) for b in range(bins)]  # (fill, bin): ties go to the lower bin
+  out = [[] for _ in range(bins)]
   for row in rows[np.argsort(-lengths[rows], kind="stable")].tolist():
-    size = int(lengths[row])
-    fits = np.flatnonzero(fill[:len(bins)] <= capacity - size)  # a vector op per sequence
-    b = int(fits[0]) if len(fits) else len(bins)
-    if b == len(bins):
-      bins.append([])
-    bins[b].append(row)
-    fill[b] += size
-  return bins
+    fill, b = heapq.heappop(heap)
+    out[b].append(row)
+    heapq.heappush(heap, (fill + int(lengths[row]), b))
+  return out
 
 
-def pack(mask_BxT, bins, *, rows: int | None = None, length: int | None = None) -> PackedPlan:
+def pack(mask_BxT, bins, *, length: int | None = None, slots: int | None = None) -> PackedPlan:
   """Packed row r holds the sequences of bins[r] in order, each row padded to `length`
-  (default: the longest), `rows` rows in all (default: len(bins))."""
+  (default: the longest), with `slots` sequence slots (default: as many as sequences)."""
   mask = np.asarray(mask_BxT, bool)
-  B, T = mask.shape
+  T = mask.shape[1]
   fills = [int(sum(np.count_nonzero(mask[b]) for b in one)) for one in bins]
-  rows = len(bins) if rows is None else rows
+  count = sum(len(one) for one in bins)
   length = max(fills, default=1) if length is None else length
-  if rows < len(bins) or length < max(fills, default=0):
-    raise ValueError(f"pack: {len(bins)} bins up to {max(fills, default=0)} tokens do not fit "
-                     f"{rows} rows of {length}")
-  token_index = np.zeros((rows, length), np.int32)
-  segment_ids = np.zeros((rows, length), np.int32)
-  positions = np.zeros((rows, length), np.int32)
-  seq_start = np.zeros(B, np.int32)
-  member = np.zeros(B, bool)
+  slots = count if slots is None else slots
+  if length < max(fills, default=0) or slots < count:
+    raise ValueError(f"pack: {len(bins)} bins up to {max(fills, default=0)} tokens and "
+                     f"{count} sequences do not fit rows of {length} and {slots} slots")
+  token_index = np.zeros((len(bins), length), np.int32)
+  segment_ids = np.zeros((len(bins), length), np.int32)
+  positions = np.zeros((len(bins), length), np.int32)
+  seq_rows, seq_start = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+  member = np.zeros(slots, bool)
+  s = 0
   for r, seqs in enumerate(bins):
     at = 0
     for k, b in enumerate(seqs, start=1):
@@ -125,43 +123,50 @@ def pack(mask_BxT, bins, *, rows: int | None = None, length: int | None = None) 
       token_index[r, at:at + n] = b * T + cols
       segment_ids[r, at:at + n] = k
       positions[r, at:at + n] = np.arange(n)
-      seq_start[b], member[b] = r * length + at, True
-      at += n
-  return PackedPlan(token_index, segment_ids, positions, seq_start, member)
+      seq_rows[s], seq_start[s], member[s] = b, r * length + at, True
+      at, s = at + n, s + 1
+  return PackedPlan(token_index, segment_ids, positions, seq_rows, seq_start, member)
 
 
-def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0,
-                      groups=None, row_cap: int | None = None,
+def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches: int = 1,
                       field: str = "ppo_max_token_len_per_gpu") -> list[PackedPlan]:
-  """Plans of a batch's micro-batches.
+  """Same-shaped plans of a batch's micro-batches, each `multiple` packed rows.
 
-  With `budget` (verl's use_dynamic_bsz): micro-batches cut by tokens, each `multiple`
-  rows (one per data-parallel device) of at most `budget` tokens. Otherwise one plan per
-  group of rows (default: all rows), packed into rows of at most `row_cap` tokens
-  (default the padded width T, so no packed row is longer than a padded one).
+  The batch's sequences are balanced over all micro_batches x multiple rows. With
+  `budget` (verl's use_dynamic_bsz) micro_batches is only where the search starts: as
+  many micro-batches as it takes for no row to hold more than `budget` tokens, the
+  tokens spread evenly over them. Rows are `fine_bucket` of the fullest one (capped at
+  the budget); the sequence slots of every micro-batch `fine_bucket` of the most any
+  holds (a multiple of `multiple`, at most the batch's rows), so that each computes its
+  loss on those rows alone.
   """
   mask = np.asarray(mask_BxT, bool)
   lengths = sequence_lengths(mask)
-  # Rows with no token (padding rows of a batch) are left out: nothing to compute.
-  groups = [np.arange(len(mask))] if groups is None else groups
-  groups = [np.asarray(g, int)[lengths[np.asarray(g, int)] > 0] for g in groups]
+  live = np.flatnonzero(lengths > 0)  # rows with no token (a batch's padding): nothing to do
+  cuts = max(micro_batches, 1)
   if budget:
-    bins = first_fit_decreasing(lengths, budget, np.concatenate(groups), field)
-    cuts = [bins[i:i + multiple] for i in range(0, len(bins), multiple)]
-    return [pack(mask, cut, rows=multiple,
-                 length=bucket(max(sum(int(lengths[b]) for b in one) for one in cut), budget))
-            for cut in cuts]
-  cap = row_cap or mask.shape[1]
-  plans = []
-  for group in groups:
-    bins = first_fit_decreasing(lengths, cap, group, field)
-    fill = max((sum(int(lengths[b]) for b in one) for one in bins), default=1)
-    plans.append(pack(mask, bins, rows=row_bucket(len(bins), multiple), length=bucket(fill, cap)))
-  return plans
+    check_budget(lengths, budget, field)
+    cuts = max(cuts, -(-int(lengths.sum()) // (budget * multiple)))
+  while True:
+    bins = balance(lengths, live, cuts * multiple)
+    fullest = max(int(lengths[one].sum()) for one in bins)
+    if not budget or fullest <= budget:
+      break
+    cuts += 1  # ends: with a row per sequence each holds one, and none exceeds the budget
+  length = fine_bucket(max(fullest, 1), cap=budget or None)
+  most = max(sum(len(one) for one in bins[i:i + multiple]) for i in range(0, len(bins), multiple))
+  rows = -(-len(mask) // multiple) * multiple
+  slots = min(-(-fine_bucket(max(most, 1), quantum=8) // multiple) * multiple, rows)
+  return [pack(mask, bins[i:i + multiple], length=length, slots=slots)
+          for i in range(0, len(bins), multiple)]
 
 
-def unpack(packed_RxL, plan: PackedPlan, mask_BxT, response_width: int, fill=0):
-  """Per-token values of packed rows back at their response positions [B, W] (numpy)."""
-  index, scored = map(np.asarray, response_layout(mask_BxT, response_width, plan.seq_start,
-                                                  plan.member))
-  return np.where(scored, np.asarray(packed_RxL).reshape(-1)[index], fill)
+def unpack(packed_RxL, plan: PackedPlan, mask_BxT, response_width: int):
+  """Per-token values of packed rows back at their response positions [B, W] (numpy), 0
+  outside the plan's sequences."""
+  mask = np.asarray(mask_BxT)
+  index, scored = map(np.asarray, response_layout(mask[plan.seq_rows], response_width,
+                                                  plan.seq_start, plan.member))
+  out = np.zeros((len(mask), response_width), np.asarray(packed_RxL).dtype)
+  np.add.at(out, plan.seq_rows, np.where(scored, np.asarray(packed_RxL).reshape(-1)[index], 0))
+  return out

@@ -142,19 +142,34 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_b
   it every micro-batch counts equally. With `trainable` (see trained_part) only that part
   has gradients and optimizer state (`tx.init` of it); the rest passes through as is.
   """
-  grads_of, apply = _weighted_grads(loss_fn, weight_fn, trainable), _apply(tx, trainable)
+  scanned = make_scan_step(loss_fn, tx, lambda _, one: one, weight_fn, trainable)
 
   def step(params, opt_state, rows):
     # Micro-batch m takes rows m, m + k, m + 2k, ...: every device keeps its own rows.
     micro = jax.tree.map(
         lambda x: x.reshape(-1, micro_batches, *x.shape[1:]).swapaxes(0, 1), rows)
-    first = jax.tree.map(lambda x: x[0], micro)
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grads_of, params, first))
+    return scanned(params, opt_state, None, micro)
+
+  return step
+
+
+def make_scan_step(loss_fn: Callable, tx: optax.GradientTransformation,
+                   micro_rows: Callable, weight_fn: Callable | None = None, trainable=None):
+  """step(params, opt_state, shared, stacked) -> (params, opt_state, metrics): one
+  program that scans over the micro-batches stacked on stacked's leading axis, micro-batch
+  m seeing micro_rows(shared, stacked[m]) (e.g. a packed plan applied to the mini-batch's
+  rows), and applies the optimizer step, weighted as make_train_step."""
+  grads_of, apply = _weighted_grads(loss_fn, weight_fn, trainable), _apply(tx, trainable)
+
+  def step(params, opt_state, shared, stacked):
+    grads_one = lambda one: grads_of(params, micro_rows(shared, one))  # noqa: E731
+    first = jax.tree.map(lambda x: x[0], stacked)
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grads_one, first))
 
     def accumulate(sums, one):
-      return add_sums(sums, grads_of(params, one)), None
+      return add_sums(sums, grads_one(one)), None
 
-    sums, _ = jax.lax.scan(accumulate, zeros, micro)
+    sums, _ = jax.lax.scan(accumulate, zeros, stacked)
     return apply(params, opt_state, sums)
 
   return step
@@ -162,8 +177,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_b
 
 def make_micro_step(loss_fn: Callable, weight_fn: Callable | None = None, trainable=None):
   """micro(params, rows) -> one micro-batch's weighted sums, for micro-batches of varying
-  shapes (packed, token-budget) run one program call each; add_sums them and finish
-  with make_apply_step. Weighted as make_train_step, so the optimizer step is the same."""
+  shapes run one program call each; add_sums them and finish with make_apply_step. Weighted as make_train_step, so the optimizer step is the same."""
   return _weighted_grads(loss_fn, weight_fn, trainable)
 
 

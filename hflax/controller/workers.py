@@ -17,11 +17,10 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from hflax.controller.batch import Batch
-from hflax.controller.packing import micro_batch_plans, response_layout
+from hflax.controller.packing import micro_batch_plans, response_layout, stack
 from hflax.controller.protocol import LIVE_ROWS, Protocol, replicated, transfer
-from hflax.controller.training import (OptimConfig, UpdateConfig, add_sums, learning_rate,
-                                       make_apply_step, make_micro_step, make_optimizer,
-                                       make_train_step, mini_batch_order,
+from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
+                                       make_scan_step, make_train_step, mini_batch_order,
                                        train_compiler_options, trained_part)
 from hflax.models.lora import (base_config, merged_kernels, split_adapters, split_for_merge,
                                trainable_filter)
@@ -205,31 +204,27 @@ class RoleWorker:
                     weight_fn: Callable | None = None) -> Batch:
     """_train on packed micro-batches: loss_fn(params, fields) reads the packed rows
     (fields "packed_tokens", "segment_ids", "response_index", "response_valid") and the
-    mini-batch's [rows, width] fields, response_mask keeping this micro-batch's rows.
+    [slots, width] fields of the micro-batch's sequences, response_mask 0 in empty slots.
 
-    Micro-batches are today's row groups, or with update.max_token_len (verl's
-    use_dynamic_bsz) cut by tokens; either way weighted as _train, so the optimizer step
-    is the padded path's. Each micro-batch is one call of a program compiled per bucketed
-    packed shape (controller.packing)."""
+    Each mini-batch is balanced over mini/micro micro-batches of dp packed rows, or with
+    update.max_token_len (verl's use_dynamic_bsz) over as many as its token budget needs;
+    weighted as _train, so the optimizer step is the padded path's. The micro-batches of a
+    mini-batch share one shape and run in one program (scan, then the optimizer step),
+    compiled per (micro-batches, packed length, slots) (controller.packing)."""
     cfg, dp = self.update_cfg, self.data_parallel_rows
     live_rows = batch.meta.get(LIVE_ROWS, len(batch))
     if "response_mask" not in rows:
       raise KeyError(f"{self.placement.role}.{name}: updates need the 'response_mask' field")
     mask = np.asarray(batch["attention_mask"])  # the plan needs the lengths on the host
-    width = _response_width(batch)
-    micro, apply, add = self._packed_steps(name, loss_fn, weight_fn, width)
+    step = self._packed_step(name, loss_fn, weight_fn, _response_width(batch))
     cuts = cfg.mini_batch_size // (cfg.micro_batch_size or cfg.mini_batch_size)
     history = []
     for fresh, index, live in self._mini_batches(live_rows, dp):
-      groups = None if cfg.max_token_len else [np.arange(m, len(index), cuts) for m in range(cuts)]
       plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), multiple=dp,
-                                budget=cfg.max_token_len, groups=groups,
+                                budget=cfg.max_token_len, micro_batches=cuts,
                                 field=f"{self.placement.role}.ppo_max_token_len_per_gpu")
-      sums = None
-      for plan in plans:
-        one = micro(self.params, rows, index, live, fresh, plan.arrays())
-        sums = one if sums is None else add(sums, one)
-      self.params, self.opt_state, metrics = apply(self.params, self.opt_state, sums)
+      self.params, self.opt_state, metrics = step(self.params, self.opt_state, rows, index,
+                                                  live, fresh, stack(plans))
       tokens, computed = sum(p.tokens for p in plans), sum(p.computed for p in plans)
       history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps)),
                       "update_tokens": jnp.float32(tokens),
@@ -239,30 +234,35 @@ class RoleWorker:
     self.updates += 1
     return self._train_metrics(history)
 
-  def _packed_steps(self, name: str, loss_fn: Callable, weight_fn: Callable | None, width: int):
-    """(micro, apply, add) programs of a packed update; micro recompiles per plan shape."""
+  def _packed_step(self, name: str, loss_fn: Callable, weight_fn: Callable | None, width: int):
+    """The program of one packed mini-batch: its rows cut out, every micro-batch's
+    gradients scanned, the optimizer step; params and opt_state donated."""
     key = ("packed", name, width)
     if key not in self._steps:
-      grads_of = make_micro_step(loss_fn, weight_fn, self.trainable)
       rows_sharding, rep = self.rows_sharding, replicated(self.mesh)
 
-      def micro(params, all_rows, index, live, fresh, plan):
-        mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
-        keep = (live * plan["member"]).astype(mini["response_mask"].dtype)
-        mini["response_mask"] = mini["response_mask"] * keep[:, None]
-        mini[FRESH] = jnp.broadcast_to(fresh, live.shape)
-        mini = jax.lax.with_sharding_constraint(mini, rows_sharding)
-        return grads_of(params, {**mini, **_packed_fields(mini, plan, width)})
+      def micro_rows(mini, plan):
+        one = jax.tree.map(lambda v: jnp.take(v, plan["seq_rows"], axis=0), mini)
+        keep = plan["member"].astype(one["response_mask"].dtype)
+        one["response_mask"] = one["response_mask"] * keep[:, None]
+        one = jax.lax.with_sharding_constraint(one, rows_sharding)
+        return {**one, **_packed_fields(mini["input_ids"], one["attention_mask"], plan, width)}
 
-      options = train_compiler_options(self.mesh.devices.flat)
+      scanned = make_scan_step(loss_fn, self.tx, micro_rows, weight_fn, self.trainable)
+
+      def step(params, opt_state, all_rows, index, live, fresh, plans):
+        mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
+        mini["response_mask"] = mini["response_mask"] * live[:, None].astype(
+            mini["response_mask"].dtype)
+        mini[FRESH] = jnp.broadcast_to(fresh, live.shape)
+        return scanned(params, opt_state, mini, plans)
+
       opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
-      self._steps[key] = (
-          jax.jit(self._on_mesh(micro),
-                  in_shardings=(self.shardings, rows_sharding, rep, rep, rep, rep),
-                  compiler_options=options),
-          jax.jit(self._on_mesh(make_apply_step(self.tx, self.trainable)), donate_argnums=(0, 1),
-                  out_shardings=(self.shardings, opt_shardings, rep), compiler_options=options),
-          jax.jit(add_sums, donate_argnums=(0,)))
+      self._steps[key] = jax.jit(
+          self._on_mesh(step), donate_argnums=(0, 1),
+          in_shardings=(self.shardings, opt_shardings, rows_sharding, rep, rep, rep, rep),
+          out_shardings=(self.shardings, opt_shardings, rep),
+          compiler_options=train_compiler_options(self.mesh.devices.flat))
     return self._steps[key]
 
   def _train_metrics(self, history: list[dict]) -> Batch:
@@ -272,8 +272,9 @@ class RoleWorker:
                                    for k, v in {**averaged, **first}.items()}})
 
   def _packed_forward(self, fn: Callable, rows: dict, batch: Batch):
-    """fn(params, packed fields) -> [B, W] arrays, 0 outside its plan's rows, summed over
-    the plans of the batch (one, or token-budget cuts)."""
+    """fn(params, packed fields) -> [slots, W] arrays, scattered back to [B, W] (0 where a
+    token is not scored) and summed over the plans of the batch (one, or token-budget
+    cuts; all one shape, so one program)."""
     live_rows = batch.meta.get(LIVE_ROWS, len(batch))
     mask = np.asarray(batch["attention_mask"]).copy()
     mask[live_rows:] = 0  # the rows padding the batch to the data-parallel size
@@ -294,7 +295,12 @@ class RoleWorker:
 
     def build(fn, width):
       def packed(params, rows, plan):
-        return fn(params, _packed_fields(rows, plan, width))
+        slot_mask = jnp.take(rows["attention_mask"], plan["seq_rows"], axis=0)
+        out = fn(params, _packed_fields(rows["input_ids"], slot_mask, plan, width))
+        B = rows["input_ids"].shape[0]
+        # An empty slot reads row 0: its values are 0 (not scored), so adding is harmless.
+        return jax.tree.map(lambda x: jnp.zeros((B, *x.shape[1:]), x.dtype).at[
+            plan["seq_rows"]].add(x), out)
       return jax.jit(self._on_mesh(packed), in_shardings=(self.shardings, rows_sharding, rep),
                      out_shardings=rows_sharding)
     return functools.lru_cache(maxsize=None)(build)
@@ -306,11 +312,12 @@ _FORWARD_BUDGET_FIELD = {"actor": "actor.log_prob_max_token_len_per_gpu",
                          "critic": "critic.ppo_max_token_len_per_gpu"}
 
 
-def _packed_fields(rows: dict, plan: dict, width: int) -> dict:
-  """The packed rows of a plan (controller.packing) gathered from rows' input_ids, and
-  where each response token of `rows` sits in them."""
-  tokens = jnp.take(rows["input_ids"].reshape(-1), plan["token_index"])
-  index, valid = response_layout(rows["attention_mask"], width, plan["seq_start"], plan["member"])
+def _packed_fields(input_ids_BxT, slot_mask_SxT, plan: dict, width: int) -> dict:
+  """The packed rows of a plan (controller.packing) gathered from the batch's input_ids,
+  and where each response token of the plan's slots (attention mask slot_mask) sits in
+  them."""
+  tokens = jnp.take(input_ids_BxT.reshape(-1), plan["token_index"])
+  index, valid = response_layout(slot_mask_SxT, width, plan["seq_start"], plan["member"])
   return {"packed_tokens": jnp.where(plan["segment_ids"] > 0, tokens, 0),
           "segment_ids": plan["segment_ids"], "response_index": index, "response_valid": valid}
 
