@@ -313,7 +313,7 @@ def test_key_block_bounds_of_a_hand_built_packed_batch():
 
 
 def test_blockwise_computes_only_the_score_blocks_within_the_bounds(monkeypatch):
-  seg = _packed_segments([[2, 2, 6, 3, 1]], 16)  # the layout above: bounds [0, 1, 1, 2], [1, 2, 3, 4]
+  seg = _packed_segments([[2, 2, 6, 3, 1]], 16)  # above: lo [0, 1, 1, 2], hi [1, 2, 3, 4]
   computed = []
   scores = attention._scores
 
