@@ -68,16 +68,18 @@ def load_average() -> str:
 
 
 def decoder_flops(cfg, rows: int, tokens: int, *, logits_tokens: int | None = None,
-                  backward: bool = False) -> float:
+                  backward: bool = False, squares: float | None = None) -> float:
   """Matmul FLOPs of a teacher-forced pass of `rows` x `tokens` (causal attention counted
-  as the full square XLA computes), the LM head on `logits_tokens` per row (default all);
+  as the full square XLA computes, or over `squares` = the sum of each sequence's length
+  squared, for packed rows), the LM head on `logits_tokens` per row (default all);
   backward=True adds the backward pass (twice the forward)."""
   d, h, kv, hd, f, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                         cfg.intermediate_size, cfg.vocab_size)
   per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
   head_tokens = tokens if logits_tokens is None else logits_tokens
   forward = rows * (2 * cfg.num_layers * per_layer * tokens
-                    + 4 * cfg.num_layers * h * hd * tokens * tokens
+                    + 4 * cfg.num_layers * h * hd * (tokens * tokens if squares is None
+                                                     else squares / rows)
                     + 2 * d * v * head_tokens)
   return forward * (3 if backward else 1)
 

@@ -163,6 +163,7 @@ def hflax_config(args, ckpt: str, data_file: str, run_dir: str, prompt_len: int,
   c.model.path = c.model.tokenizer = ckpt
   c.model.param_dtype = "float32"
   c.model.dtype = "bfloat16" if precision == "bf16" else "float32"
+  c.model.use_remove_padding = args.packed == "on"  # verl's name: packed update passes
   c.actor.optim.update(lr=args.lr, weight_decay=0.0, b1=0.9, b2=0.999, grad_clip=1.0)
   c.actor.ppo_mini_batch_size = args.prompts  # one optimizer step per RL step
   c.critic.ppo_mini_batch_size = args.prompts  # GRPO has no critic; validation still checks it
@@ -230,7 +231,13 @@ class HflaxRunner:
     tokens = float(np.asarray(batch["attention_mask"]).sum())
     stages = {k.split("/", 1)[1]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")}
     rows, prompt_width = np.shape(batch["prompts"])
+    lengths = np.asarray(batch["attention_mask"]).sum(axis=1)
+    # A packed update logs the tokens it computed (real + its rows' padding), per mini-batch.
+    packed = {k: float(metrics[f"actor/update_{k}"]) for k in ("tokens", "padded_tokens")
+              if f"actor/update_{k}" in metrics}
     return dict(time=elapsed, tokens=tokens, prompt_tokens=prompt_tokens,
+                squares=float(np.sum(lengths.astype(np.float64) ** 2)),
+                update_computed=(packed["tokens"] + packed["padded_tokens"]) if packed else None,
                 response_tokens=tokens - prompt_tokens, stages=stages, rows=rows,
                 prompt_width=prompt_width, response_width=np.shape(batch["responses"])[1],
                 score=float(metrics["critic/score/mean"]))
@@ -311,12 +318,22 @@ def stage_flops(cfg, step: dict) -> dict:
   """Matmul FLOPs each stage executes for a step's padded shapes (common.decoder_flops):
   generation as one teacher-forced forward with the head on response positions (the
   decode steps' cache reads counted as causal attention), the update as forward +
-  backward, and the LM head's share of the update."""
+  backward (a packed update: over the tokens it computed), the update's useful FLOPs (its
+  real tokens only, the same count for both frameworks), and the LM head's share."""
   from common import decoder_flops, lm_head_flops
   rows, width = step["rows"], step["prompt_width"] + step["response_width"]
   resp = step["response_width"]
+  real = dict(tokens=step["tokens"], squares=step.get("squares", rows * width ** 2),
+              head=step["response_tokens"])
+  update = decoder_flops(cfg, rows, width, logits_tokens=resp, backward=True)
+  if step.get("update_computed") is not None:  # packed rows: the padding is only their tails
+    computed = step["update_computed"]
+    update = decoder_flops(cfg, 1, computed, logits_tokens=resp * rows, backward=True,
+                           squares=real["squares"])  # blockwise skips other sequences' keys
   return dict(gen=decoder_flops(cfg, rows, width, logits_tokens=resp),
-              update_actor=decoder_flops(cfg, rows, width, logits_tokens=resp, backward=True),
+              update_actor=update,
+              useful=decoder_flops(cfg, 1, real["tokens"], logits_tokens=real["head"],
+                                   backward=True, squares=real["squares"]),
               head=lm_head_flops(cfg, rows, resp, backward=True),
               real_fraction=step["tokens"] / (rows * width))
 
@@ -442,7 +459,10 @@ def report(pair: dict, model_cfg, args) -> dict:
     gen_fs = statistics.median(f["gen"] / s["stages"]["gen"] for f, s in zip(flops, steps))
     upd_fs = statistics.median(f["update_actor"] / s["stages"]["update_actor"]
                                for f, s in zip(flops, steps))
+    useful_fs = statistics.median(f["useful"] / s["stages"]["update_actor"]
+                                  for f, s in zip(flops, steps))
     out[name] = dict(tps=med(steps, "tps"), update_fraction=upd_fs / peak, stage=stage,
+                     useful_fraction=useful_fs / peak,
                      real_fraction=statistics.median(f["real_fraction"] for f in flops),
                      head_share=flops[0]["head"] / flops[0]["update_actor"])
     print(f"{name:>9} | {med(steps, 'tps'):>8.0f} | {med(steps, 'time'):>6.2f} | "
@@ -454,7 +474,9 @@ def report(pair: dict, model_cfg, args) -> dict:
   ratio = out["hflax"]["tps"] / out["TRL"]["tps"]
   frac = out["hflax"]["update_fraction"]
   print(f"[{precision}] ratio hflax/TRL tokens/s: {ratio:.2f}x; hflax update at {frac:.1%} of "
-        f"the {compute} matmul peak (TRL's: {out['TRL']['update_fraction']:.1%})")
+        f"the {compute} matmul peak (TRL's: {out['TRL']['update_fraction']:.1%}) counting the "
+        f"shapes each computes; counting real tokens only: hflax "
+        f"{out['hflax']['useful_fraction']:.1%}, TRL {out['TRL']['useful_fraction']:.1%}")
   print(f"[{precision}] matmul peak beside the pair ({args.peak_size}^3, jit, median of 5, "
         f"before/after averaged): fp32 {pair['peaks']['float32'] / 1e9:.1f}, bf16 "
         f"{pair['peaks']['bfloat16'] / 1e9:.1f} GFLOP/s; real tokens are "
@@ -485,6 +507,9 @@ def main(argv=None) -> int:
   parser.add_argument("--micro-batch", type=int, default=None,
                       help="rows per forward/backward pass on both sides (default 16 on the "
                       "real model, 0 = the whole batch on --toy)")
+  parser.add_argument("--packed", choices=("on", "off"), default="on",
+                      help="hflax's update and log-prob passes on packed rows "
+                      "(model.use_remove_padding, verl's use_remove_padding); default on")
   parser.add_argument("--lr", type=float, default=1e-5)
   parser.add_argument("--rounds", type=int, default=None,
                       help="alternating rounds after warm-up (default 2; toy 3)")
@@ -586,7 +611,7 @@ def main(argv=None) -> int:
         f"in micro-batches of {args.micro_batch or args.prompts * args.n}, prompts "
         f"{lengths[0]}-{prompt_len} tokens, max response {args.response_len}, temperature 1.0; "
         f"reward = fraction of digits; AdamW lr {args.lr:g}, clip-norm 1.0, token-mean clipped "
-        f"loss (0.2), beta 0, 1 optimizer step per RL step")
+        f"loss (0.2), beta 0, 1 optimizer step per RL step; hflax packed passes: {args.packed}")
 
   precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
   pairs = [run_pair(args, p, ckpt, rows, data_file, tmp.name, prompt_len) for p in precisions]
