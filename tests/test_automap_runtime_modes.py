@@ -14,35 +14,16 @@ from flax import nnx
 
 from hflax.algorithms.losses import ppo_clip_loss
 from hflax.controller.training import make_train_step
-from hflax.models import ModelConfig, create
+from hflax.models import create
 from hflax.models.logprobs import packed_log_probs
 from hflax.rollout.sampler import SamplingParams, _generate, decode_segments
 from hflax.sharding import automap
 from hflax.sharding.automap import MeshShape, Overheads, Planner, Simulator, Workload, memory
 from hflax.sharding.automap.cost import forward_flops
+from test_automap_memory import assert_within, config, xla
 
-LOW, HIGH = 0.7, 1.5
 A100 = automap.get_profile("a100-80gb")
 LLAMA_7B = automap.llama2_config("7b")
-
-
-def config(layers=2, d=64, vocab=512, heads=4, kv=2):
-  return ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_layers=layers,
-                     num_heads=heads, num_kv_heads=kv)
-
-
-def xla(compiled):
-  m = compiled.memory_analysis()
-  total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-           - m.alias_size_in_bytes)
-  return m.temp_size_in_bytes, total
-
-
-def assert_within(predicted, measured, what):
-  ratio = predicted / measured
-  assert LOW <= ratio <= HIGH, f"{what}: model {predicted:.3g} B / XLA {measured:.3g} B = {ratio:.2f}"
-
-
 GEN_CFG = config(d=256, heads=4, kv=4)
 
 

@@ -11,6 +11,11 @@ Bytes: bf16 weights (2 bytes/param) for inference and generation; a trained mode
 sharded over fsdp x tensor and replicated over data. With LoRA only the adapters have
 gradients and optimizer state (the frozen base costs 2 bytes/param), and the backward
 pass skips the base weights' gradient matmuls: 2 forward-equivalents, not 3.
+
+Runtime modes (Workload): padded passes compute every row at the full width and waves of
+generation last as long as their longest row; packed passes compute the mean length's
+real tokens, and continuous batching's decode steps follow the total generated tokens
+over its slots (its memory: the slots' cache beside every prompt's kept prefill cache).
 """
 from __future__ import annotations
 
