@@ -52,9 +52,14 @@ def test_plans_hold_every_token_once_within_budget_and_round_trip():
   mask = random_mask(rng, 13)
   width, T = 20, mask.shape[1]
   lengths = mask.sum(1)
-  for multiple, kw in ((2, {}), (2, {"budget": 40}), (4, {"micro_batches": 2}), (3, {"budget": 26})):
+  groups = [np.arange(0, 13, 2), np.arange(1, 13, 2)]
+  for multiple, kw in ((2, {}), (2, {"budget": 40}), (4, {"micro_batches": 2}), (3, {"budget": 26}),
+                       (2, {"groups": groups})):
     plans = micro_batch_plans(mask, multiple=multiple, **kw)
     check_plan_covers(mask, width, plans, multiple)
+    if "groups" in kw:  # each micro-batch holds its group's rows
+      for plan, group in zip(plans, groups):
+        assert set(plan.seq_rows[plan.member].tolist()) == set(group[lengths[group] > 0].tolist())
     assert sum(p.tokens for p in plans) == lengths.sum()
     if "budget" in kw:
       assert all(p.segment_ids.shape[1] <= kw["budget"] for p in plans)

@@ -129,7 +129,7 @@ def pack(mask_BxT, bins, *, length: int | None = None, slots: int | None = None)
 
 
 def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches: int = 1,
-                      field: str = "ppo_max_token_len_per_gpu") -> list[PackedPlan]:
+                      groups=None, field: str = "ppo_max_token_len_per_gpu") -> list[PackedPlan]:
   """Same-shaped plans of a batch's micro-batches, each `multiple` packed rows.
 
   The batch's sequences are balanced over all micro_batches x multiple rows. With
@@ -138,17 +138,23 @@ def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches
   tokens spread evenly over them. Rows are `fine_bucket` of the fullest one (capped at
   the budget); the sequence slots of every micro-batch `fine_bucket` of the most any
   holds (a multiple of `multiple`, at most the batch's rows), so that each computes its
-  loss on those rows alone.
+  loss on those rows alone. `groups` (row index arrays, no budget) fixes which rows each
+  micro-batch holds instead: each group balanced over its own `multiple` rows.
   """
   mask = np.asarray(mask_BxT, bool)
   lengths = sequence_lengths(mask)
   live = np.flatnonzero(lengths > 0)  # rows with no token (a batch's padding): nothing to do
   cuts = max(micro_batches, 1)
+  if budget and groups is not None:
+    raise ValueError(f"{field}: a token budget cuts micro-batches by tokens, not by row groups")
   if budget:
     check_budget(lengths, budget, field)
     cuts = max(cuts, -(-int(lengths.sum()) // (budget * multiple)))
   while True:
-    bins = balance(lengths, live, cuts * multiple)
+    if groups is None:
+      bins = balance(lengths, live, cuts * multiple)
+    else:
+      bins = [b for g in groups for b in balance(lengths, np.intersect1d(g, live), multiple)]
     fullest = max(int(lengths[one].sum()) for one in bins)
     if not budget or fullest <= budget:
       break

@@ -208,9 +208,10 @@ class RoleWorker:
 
     Each mini-batch is balanced over mini/micro micro-batches of dp packed rows, or with
     update.max_token_len (verl's use_dynamic_bsz) over as many as its token budget needs;
-    weighted as _train, so the optimizer step is the padded path's. The micro-batches of a
-    mini-batch share one shape and run in one program (scan, then the optimizer step),
-    compiled per (micro-batches, packed length, slots) (controller.packing)."""
+    weighted as _train, so the optimizer step is the padded path's (for a loss without
+    weight_fn only with the padded path's row groups, which are then kept). The
+    micro-batches of a mini-batch share one shape and run in one program (scan, then the
+    optimizer step), compiled per (micro-batches, packed length, slots) (controller.packing)."""
     cfg, dp = self.update_cfg, self.data_parallel_rows
     live_rows = batch.meta.get(LIVE_ROWS, len(batch))
     if "response_mask" not in rows:
@@ -220,8 +221,12 @@ class RoleWorker:
     cuts = cfg.mini_batch_size // (cfg.micro_batch_size or cfg.mini_batch_size)
     history = []
     for fresh, index, live in self._mini_batches(live_rows, dp):
+      # Without weights micro-batch means count equally: only the padded path's row groups
+      # (m, m + cuts, ...) then give its step; with them any cut does.
+      groups = (None if weight_fn is not None or cfg.max_token_len else
+                [np.arange(m, len(index), cuts) for m in range(cuts)])
       plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), multiple=dp,
-                                budget=cfg.max_token_len, micro_batches=cuts,
+                                budget=cfg.max_token_len, micro_batches=cuts, groups=groups,
                                 field=f"{self.placement.role}.ppo_max_token_len_per_gpu")
       self.params, self.opt_state, metrics = step(self.params, self.opt_state, rows, index,
                                                   live, fresh, stack(plans))
