@@ -150,3 +150,19 @@ def test_the_simulators_waves_are_the_actors():
                                      *create(CFG, seed=0), sampling=SAMPLING)
   out = actor.generate_sequences(prompts_batch(8), rng=jax.random.key(0))
   assert out.meta["metrics"]["rollout/waves"] == 2
+
+
+def test_the_plans_workload_reads_what_the_runtime_will_do():
+  c = base_config()
+  c.algorithm.name, c.algorithm.adv_estimator = "grpo", "grpo"
+  c.rollout.n, c.data.train_batch_size = 2, 8
+  c.data.max_prompt_length, c.data.max_response_length = 8, 8
+  plain = workload(c, CFG)
+  assert not plain.continuous_batching and not plain.packed and plain.token_budget == 0
+  c.rollout.continuous_batching = True
+  c.model.use_remove_padding = True
+  c.actor.update(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=64,
+                 log_prob_max_token_len_per_gpu=128)
+  wl = workload(c, CFG)
+  assert wl.continuous_batching and wl.packed
+  assert (wl.token_budget, wl.forward_token_budget) == (64, 128)

@@ -29,13 +29,18 @@ def workload(cfg, policy_cfg):
   models["actor"] = actor_config(cfg, policy_cfg)
   if "critic" in models:
     models["critic"] = with_lora(models["critic"], cfg.critic)
+  from hflax.launch.roles import remove_padding, token_budgets
   micro = cfg.actor.ppo_micro_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+  budget, forward_budget = token_budgets(cfg.actor)
   return automap.Workload(
       models=models, prompts_per_step=cfg.data.train_batch_size, samples_per_prompt=cfg.rollout.n,
       prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
       mini_batch_size=cfg.actor.ppo_mini_batch_size, ppo_epochs=cfg.actor.ppo_epochs,
       micro_batch_size=micro, reference_in_actor=reference_in_actor(cfg),
-      max_num_seqs=cfg.rollout.max_num_seqs, val_samples_per_prompt=cfg.rollout.val_n)
+      max_num_seqs=cfg.rollout.max_num_seqs, val_samples_per_prompt=cfg.rollout.val_n,
+      # What the runtime will do: slots refilled as rows end, passes on packed rows.
+      continuous_batching=bool(cfg.rollout.get("continuous_batching", False)),
+      packed=remove_padding(cfg.model), token_budget=budget, forward_token_budget=forward_budget)
 
 
 def profile(name: str, devices):
