@@ -5,11 +5,17 @@ from hflax.sharding.automap import Overheads, paper
 
 # One search per cell; the fixture shares them across the tests.
 SIZES, GPUS = ("7b", "13b", "34b"), (16, 32, 64, 96, 128)
+# 7B is asserted on up to 64 GPUs only: its 96- and 128-GPU searches (a third of the
+# fixture's time) are left out; the table shows them as any cell without plans.
+SEARCHED = {"7b": (16, 32, 64), "13b": GPUS, "34b": GPUS}
 
 
 @pytest.fixture(scope="module")
 def results():
-  return paper.winners(sizes=SIZES, gpus=GPUS)
+  out = {}
+  for size, gpus in SEARCHED.items():
+    out.update(paper.winners(sizes=(size,), gpus=gpus))
+  return out
 
 
 def winner(results, size, n):
