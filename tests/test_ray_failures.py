@@ -58,11 +58,10 @@ class Job:
   def __init__(self, tmp_path, *overrides):
     (tmp_path / "tiny_grpo.py").write_text(CONFIG)
     self.tag, self.run_dir = uuid.uuid4().hex, tmp_path / "run"
+    # os.environ carries the run's compilation cache (conftest): restarted workers (and the
+    # second job) load what the first ones compiled.
     env = {**os.environ, "PYTHONPATH": ROOT, "HFLAX_RAY_TEST_TAG": self.tag,
-           "PYTHONUNBUFFERED": "1",
-           # Restarted workers (and the second job) load what the first ones compiled.
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path.parent / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+           "PYTHONUNBUFFERED": "1"}
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "hflax.launch", "--config", str(tmp_path / "tiny_grpo.py"),
          f"--config.trainer.run_dir={self.run_dir}", *TEST_CLUSTER, *overrides],
