@@ -363,3 +363,94 @@ def test_blockwise_matches_reference_on_packed_rows(q_block, k_block):
   np.testing.assert_allclose(np.where(rows, got, 0), np.where(rows, want, 0), atol=2e-6)
   for g, want_g in zip(grads_got, grads_want):
     np.testing.assert_allclose(g, want_g, atol=1e-5)
+
+
+# --- Shared prompts: responses also see their prompt's segment (prefix ids) ---
+
+def _shared_rows(rows, T):
+  """Packed rows of units: an int is an unshared sequence of that length; (p, [r1, ...])
+  a prompt of p tokens packed once, then its responses. Returns segment ids, prefix ids
+  and the [B, T, T] visibility written out unit by unit (what each token may attend to)."""
+  B = len(rows)
+  seg, prefix = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+  seen = np.zeros((B, T, T), bool)
+  for b, units in enumerate(rows):
+    at, k = 0, 0
+    for unit in units:
+      prompt, responses = (unit, []) if isinstance(unit, int) else unit
+      k += 1
+      p0 = at
+      seg[b, at:at + prompt], prefix[b, at:at + prompt] = k, k
+      for t in range(at, at + prompt):
+        seen[b, t, p0:t + 1] = True
+      at += prompt
+      for n in responses:
+        k += 1
+        seg[b, at:at + n], prefix[b, at:at + n] = k, seg[b, p0]
+        for t in range(at, at + n):
+          seen[b, t, p0:p0 + prompt] = True
+          seen[b, t, at:t + 1] = True
+        at += n
+  return seg, prefix, seen
+
+
+def _dense(q, k, v, seen_BxTxS):
+  """Attention under an explicit boolean mask, fp32, a query seeing nothing outputs 0."""
+  B, T, H, Dh = q.shape
+  G = H // k.shape[1]
+  k_BxSxHxDh = jnp.repeat(k.transpose(0, 3, 1, 2), G, axis=2)
+  v_BxSxHxDh = jnp.repeat(v.transpose(0, 2, 1, 3), G, axis=2)
+  s = jnp.einsum("bthd,bshd->bhts", q, k_BxSxHxDh) * Dh ** -0.5
+  mask = jnp.asarray(seen_BxTxS)[:, None]
+  p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+  p = jnp.where(mask.any(-1, keepdims=True), p, 0)
+  return jnp.einsum("bhts,bshd->bthd", p, v_BxSxHxDh)
+
+
+SHARED_ROWS = [[(9, [5, 0, 14, 3]), 6, (4, [2, 7]), 1, (3, [11])],
+               [11, (13, [1, 20, 4, 6]), (5, [5]), 2]]
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise_8x16", "blockwise_16x8",
+                                  "blockwise_5x7", "auto"])
+def test_prefix_ids_match_a_dense_mask_in_values_and_gradients(impl):
+  B, T, H, KV, Dh = 2, 100, 6, 2, 8  # GQA, tail padding, responses of 0 and 1 tokens
+  seg, prefix, seen = _shared_rows(SHARED_ROWS, T)
+  q, k, v = _qkv(B, T, T, H, KV, Dh, seed=3)
+  real = jnp.asarray(seg > 0)[:, :, None, None]
+  w = jnp.asarray(np.random.RandomState(4).randn(B, T, H, Dh), jnp.float32)
+  fns = {"reference": attention.reference, "auto": attention.attention}
+  for qb, kb in ((8, 16), (16, 8), (5, 7)):
+    fns[f"blockwise_{qb}x{kb}"] = functools.partial(attention.blockwise, q_block=qb, k_block=kb)
+  args = (jnp.asarray(seg > 0), jnp.arange(T)[None], jnp.asarray(seg), jnp.asarray(seg),
+          jnp.asarray(prefix))
+
+  def loss(out):
+    return jnp.sum(jnp.where(real, out, 0) * w)
+
+  want, grads_want = jax.value_and_grad(lambda q, k, v: loss(_dense(q, k, v, seen)),
+                                        (0, 1, 2))(q, k, v)
+  got, grads_got = jax.value_and_grad(lambda q, k, v: loss(fns[impl](q, k, v, *args)),
+                                      (0, 1, 2))(q, k, v)
+  out = fns[impl](q, k, v, *args)
+  assert np.isfinite(np.asarray(out)).all()
+  np.testing.assert_allclose(np.where(real, out, 0), np.where(real, _dense(q, k, v, seen), 0),
+                             atol=2e-6)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  for g, want_g in zip(grads_got, grads_want):
+    np.testing.assert_allclose(g, want_g, atol=1e-5)
+  # Without prefix ids every response sees only itself: a different result.
+  alone = fns[impl](q, k, v, *args[:4])
+  assert np.abs(np.where(real, alone - out, 0)).max() > 1e-2
+
+
+def test_key_block_bounds_reach_back_to_the_shared_prompt():
+  seg, prefix, _ = _shared_rows([[3, (5, [2, 6])]], 16)
+  # seg 1 1 1 2 | 2 2 2 2 | 3 3 4 4 | 4 4 4 4 ; prefix 1 1 1 2 | 2 2 2 2 | 2 2 2 2 | 2 2 2 2
+  np.testing.assert_array_equal(seg[0], [1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 4, 4, 4, 4, 4, 4])
+  slot = jnp.arange(16)[None]
+  bounds = lambda *ids: [np.asarray(x) for x in attention.key_block_bounds(  # noqa: E731
+      slot, jnp.asarray(seg), jnp.asarray(seg), 4, 4, *ids)]
+  # Responses of segments 3 and 4 reach back to their prompt (segment 2, from key block 0).
+  np.testing.assert_array_equal(bounds(jnp.asarray(prefix)), [[0, 0, 0, 0], [1, 2, 3, 4]])
+  np.testing.assert_array_equal(bounds(), [[0, 0, 2, 2], [1, 2, 3, 4]])

@@ -3,7 +3,8 @@
 K is stored as [B, kv_heads, head_dim, S] and V as [B, kv_heads, S, head_dim] (the cache's
 layouts). Key slot s is visible to query t of row b iff kv_valid[b, s], s <= q_slot[b, t]
 (the slot the query itself was written to) and, with packed sequences, both carry the
-same nonzero segment id. Masks are never passed around as [B, T, S] arrays: `visible`
+same nonzero segment id, or the key carries the query's prefix id (a prompt that several
+packed responses share: hflax.controller.packing). Masks are never passed around as [B, T, S] arrays: `visible`
 builds the part a computation needs from those [B, T] / [B, S] vectors.
 """
 from __future__ import annotations
@@ -16,18 +17,24 @@ import jax.numpy as jnp
 MASKED = -1e30  # finite, so rows with no visible key (pad queries) stay NaN-free
 
 
-def visible(kv_valid_BxS, q_slot_BxT, q_seg_BxT=None, k_seg_BxS=None, k_offset=0):
-  """Boolean [B, T, S] (B may be 1) visibility of the keys at slots k_offset.. to the queries."""
+def visible(kv_valid_BxS, q_slot_BxT, q_seg_BxT=None, k_seg_BxS=None, k_offset=0,
+            q_prefix_BxT=None):
+  """Boolean [B, T, S] (B may be 1) visibility of the keys at slots k_offset.. to the
+  queries; with q_prefix a query also sees the keys of segment q_prefix (its prompt)."""
   S = kv_valid_BxS.shape[-1]
   slots_S = k_offset + jnp.arange(S)
   mask = kv_valid_BxS[:, None, :] & (slots_S[None, None, :] <= q_slot_BxT[:, :, None])
   if q_seg_BxT is not None:
-    mask &= (q_seg_BxT[:, :, None] == k_seg_BxS[:, None, :]) & (q_seg_BxT[:, :, None] > 0)
+    k_seg = k_seg_BxS[:, None, :]
+    same = q_seg_BxT[:, :, None] == k_seg
+    if q_prefix_BxT is not None:
+      same |= q_prefix_BxT[:, :, None] == k_seg
+    mask &= same & (q_seg_BxT[:, :, None] > 0)
   return mask
 
 
 def reference(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
-              q_seg_BxT=None, k_seg_BxS=None):
+              q_seg_BxT=None, k_seg_BxS=None, q_prefix_BxT=None):
   """Dense attention, [B, T, H, Dh]: materialises [B, kv_heads, groups, T, S] fp32 scores."""
   B, T, H, Dh = q_BxTxHxDh.shape
   KV = k_BxKxDhxS.shape[1]
@@ -35,7 +42,8 @@ def reference(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   q_BxKxGxTxDh = q_BxTxHxDh.reshape(B, T, KV, G, Dh).transpose(0, 2, 3, 1, 4)
   scores = jnp.einsum("bkgtd,bkds->bkgts", q_BxKxGxTxDh, k_BxKxDhxS.astype(q_BxTxHxDh.dtype),
                       preferred_element_type=jnp.float32) * Dh ** -0.5
-  mask = visible(kv_valid_BxS, q_slot_BxT, q_seg_BxT, k_seg_BxS)[:, None, None]
+  mask = visible(kv_valid_BxS, q_slot_BxT, q_seg_BxT, k_seg_BxS,
+                 q_prefix_BxT=q_prefix_BxT)[:, None, None]
   probs = jax.nn.softmax(jnp.where(mask, scores, MASKED), axis=-1)
   # Batch-major output order keeps this a plain batched matmul (XLA's fast kernels);
   # asking for [b, t, ...] directly made it swap operands onto a slow generic dot.
@@ -45,7 +53,8 @@ def reference(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
 
 
 def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
-              q_seg_BxT=None, k_seg_BxS=None, *, q_block: int = 64, k_block: int = 128):
+              q_seg_BxT=None, k_seg_BxS=None, q_prefix_BxT=None, *, q_block: int = 64,
+              k_block: int = 128):
   """Attention by query x key blocks with an online softmax (running max and sum in fp32).
 
   Forward and backward (a custom VJP that recomputes each block's probabilities from the
@@ -71,8 +80,11 @@ def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   q_slot = jnp.broadcast_to(q_slot_BxT, (B, T))
   if q_seg_BxT is None:  # one segment per row: the same masks
     q_seg_BxT, k_seg_BxS = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
+  if q_prefix_BxT is None:  # a query's prefix its own segment: no other keys
+    q_prefix_BxT = q_seg_BxT
   masks = (pad(kv_valid_BxS, 1, pad_s, False), pad(q_slot, 1, pad_t, -1),
-           pad(q_seg_BxT, 1, pad_t, 0), pad(k_seg_BxS, 1, pad_s, 0))
+           pad(q_seg_BxT, 1, pad_t, 0), pad(k_seg_BxS, 1, pad_s, 0),
+           pad(jnp.broadcast_to(q_prefix_BxT, (B, T)), 1, pad_t, 0))
   out = _flash(bq, bk, pad(q_BxTxHxDh, 1, pad_t), pad(k_BxKxDhxS, 3, pad_s),
                pad(v_BxKxSxDh, 2, pad_s), masks)
   return out[:, :T]
@@ -92,36 +104,37 @@ def _query_blocks(q_BxTxHxDh, KV, bq):
 
 
 def _key_block(k_BxKxDhxS, v_BxKxSxDh, masks, j, bk):
-  kv_valid, _, _, k_seg = masks
+  kv_valid, _, _, k_seg, _ = masks
   k = jax.lax.dynamic_slice_in_dim(k_BxKxDhxS, j * bk, bk, axis=3)
   v = jax.lax.dynamic_slice_in_dim(v_BxKxSxDh, j * bk, bk, axis=2)
   return (k, v, jax.lax.dynamic_slice_in_dim(kv_valid, j * bk, bk, axis=1),
           jax.lax.dynamic_slice_in_dim(k_seg, j * bk, bk, axis=1))
 
 
-def _scores(q_BxKxGxTxDh, k, valid, k_seg, slot, q_seg, j, bk):
+def _scores(q_BxKxGxTxDh, k, valid, k_seg, slot, q_seg, q_prefix, j, bk):
   """Masked fp32 scores of one query block against key block j."""
   Dh = q_BxKxGxTxDh.shape[-1]
   s = jnp.einsum("bkgtd,bkds->bkgts", q_BxKxGxTxDh, k.astype(q_BxKxGxTxDh.dtype),
                  preferred_element_type=jnp.float32) * Dh ** -0.5
-  mask = visible(valid, slot, q_seg, k_seg, k_offset=j * bk)[:, None, None]
+  mask = visible(valid, slot, q_seg, k_seg, k_offset=j * bk, q_prefix_BxT=q_prefix)[:, None, None]
   return jnp.where(mask, s, MASKED)
 
 
-def key_block_bounds(q_slot_BxT, q_seg_BxT, k_seg_BxS, bq, bk):
+def key_block_bounds(q_slot_BxT, q_seg_BxT, k_seg_BxS, bq, bk, q_prefix_BxT=None):
   """[T // bq] int32 (lo, hi): query block i sees no key outside key blocks lo[i] <= j < hi[i].
 
   hi: one past the block of the highest slot a query of the block sits at (causality).
-  lo: the first key block holding a segment id >= the block's smallest nonzero query
-  segment, the earliest over the batch's rows: no key before it can share a segment with
-  those queries. That holds for any order of segment ids (non-decreasing ones make it
+  lo: the first key block holding a segment id >= the block's smallest segment a query
+  sees (its own or its prefix), the earliest over the batch's rows: no key before it can
+  share a segment with those queries. That holds for any order of segment ids (non-decreasing ones make it
   tight). Pads (id 0) see nothing, so they take no part; a block of pads gets lo = nk.
   T and S are multiples of bq and bk.
   """
   B, S = k_seg_BxS.shape
   nk = S // bk
   hi = jnp.clip(_blocks(q_slot_BxT, bq).max((1, 2)) // bk + 1, 0, nk)
-  lowest_NxB = _blocks(jnp.where(q_seg_BxT > 0, q_seg_BxT, jnp.iinfo(jnp.int32).max), bq).min(-1)
+  seen = q_seg_BxT if q_prefix_BxT is None else jnp.minimum(q_seg_BxT, q_prefix_BxT)
+  lowest_NxB = _blocks(jnp.where(q_seg_BxT > 0, seen, jnp.iinfo(jnp.int32).max), bq).min(-1)
   reached_BxNk = jax.lax.cummax(k_seg_BxS.reshape(B, nk, bk).max(-1), axis=1)
   lo = jnp.sum(reached_BxNk[None] < lowest_NxB[..., None], axis=-1).min(-1)
   return lo.astype(jnp.int32), hi.astype(jnp.int32)
@@ -135,15 +148,15 @@ def _flash(bq, bk, q, k, v, masks):
 def _flash_forward(bq, bk, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, masks):
   B, T, H, Dh = q_BxTxHxDh.shape
   KV = k_BxKxDhxS.shape[1]
-  _, q_slot, q_seg, _ = masks
+  _, q_slot, q_seg, k_seg, q_prefix = masks
 
   def query_block(_, xs):
-    q, slot, seg, lo, hi = xs
+    q, slot, seg, prefix, lo, hi = xs
 
     def key_block(j, carry):
       m, l, acc = carry
       k, v, valid, k_seg = _key_block(k_BxKxDhxS, v_BxKxSxDh, masks, j, bk)
-      s = _scores(q, k, valid, k_seg, slot, seg, j, bk)
+      s = _scores(q, k, valid, k_seg, slot, seg, prefix, j, bk)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.exp(s - m_new[..., None])
       corr = jnp.exp(m - m_new)
@@ -162,7 +175,7 @@ def _flash_forward(bq, bk, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, masks):
     return None, (out.astype(q.dtype), lse)
 
   xs = (_query_blocks(q_BxTxHxDh, KV, bq), _blocks(q_slot, bq), _blocks(q_seg, bq),
-        *key_block_bounds(q_slot, q_seg, masks[3], bq, bk))
+        _blocks(q_prefix, bq), *key_block_bounds(q_slot, q_seg, k_seg, bq, bk, q_prefix))
   _, (out, lse) = jax.lax.scan(query_block, None, xs)
   # [nq, B, KV, G, bq, Dh] -> [B, T, H, Dh]
   out_BxTxHxDh = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H, Dh)
@@ -173,13 +186,13 @@ def _flash_backward(bq, bk, residuals, d_out_BxTxHxDh):
   q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, masks, out, lse = residuals
   B, T, H, Dh = q_BxTxHxDh.shape
   KV, nk, nq = k_BxKxDhxS.shape[1], k_BxKxDhxS.shape[-1] // bk, T // bq
-  _, q_slot, q_seg, _ = masks
+  _, q_slot, q_seg, k_seg, q_prefix = masks
   qs = _query_blocks(q_BxTxHxDh, KV, bq)
   d_outs = _query_blocks(d_out_BxTxHxDh, KV, bq)
   # rowsum(dO * O): the softmax Jacobian's correction term, per query.
   deltas = jnp.sum(d_outs.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  slots, segs = _blocks(q_slot, bq), _blocks(q_seg, bq)
-  lo, hi = key_block_bounds(q_slot, q_seg, masks[3], bq, bk)
+  slots, segs, prefixes = _blocks(q_slot, bq), _blocks(q_seg, bq), _blocks(q_prefix, bq)
+  lo, hi = key_block_bounds(q_slot, q_seg, k_seg, bq, bk, q_prefix)
 
   def key_block(dq, j):
     k, v, valid, k_seg = _key_block(k_BxKxDhxS, v_BxKxSxDh, masks, j, bk)
@@ -187,7 +200,7 @@ def _flash_backward(bq, bk, residuals, d_out_BxTxHxDh):
     def query_block(i, carry):
       dq, dk, dv = carry
       q, d_o = qs[i], d_outs[i]
-      s = _scores(q, k, valid, k_seg, slots[i], segs[i], j, bk)
+      s = _scores(q, k, valid, k_seg, slots[i], segs[i], prefixes[i], j, bk)
       p = jnp.exp(s - lse[i][..., None])
       dv = dv + jnp.einsum("bkgts,bkgtd->bksd", p.astype(q.dtype), d_o,
                            preferred_element_type=jnp.float32)
@@ -291,7 +304,7 @@ IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "splash")
 
 
 def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
-              q_seg_BxT=None, k_seg_BxS=None, *, impl: str = "auto",
+              q_seg_BxT=None, k_seg_BxS=None, q_prefix_BxT=None, *, impl: str = "auto",
               teacher_forced: bool = False):
   """Attention output [B, T, H, Dh], by the implementation `impl` names or picks.
 
@@ -299,12 +312,13 @@ def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   that take only causal masks need. "auto": the dense reference for decoding (T == 1,
   already linear in S) and short contexts; cuDNN on GPU where it applies (bfloat16 or
   float16, no packed segments, teacher forced); the splash kernel on TPU (teacher forced,
-  T % 128 == 0); blockwise everywhere else. "cudnn" and "splash" force their kernel
+  T % 128 == 0, no prefix ids: it takes no such mask); blockwise everywhere else. "cudnn" and "splash" force their kernel
   where it applies and leave the other calls (decoding, ...) to "auto"'s choice.
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention={impl!r} is not one of {IMPLEMENTATIONS}")
-  args = (q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT, q_seg_BxT, k_seg_BxS)
+  args = (q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT, q_seg_BxT, k_seg_BxS,
+          q_prefix_BxT)
   T, S = q_BxTxHxDh.shape[1], k_BxKxDhxS.shape[-1]
   if impl == "reference":
     return reference(*args)
@@ -313,7 +327,8 @@ def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   cudnn_fits = (teacher_forced and q_seg_BxT is None and
                 q_BxTxHxDh.dtype in (jnp.bfloat16, jnp.float16) and
                 q_BxTxHxDh.shape[-1] % 8 == 0 and q_BxTxHxDh.shape[-1] <= 128)
-  splash_fits = teacher_forced and T % 128 == 0 and _splash_importable()
+  splash_fits = (teacher_forced and q_prefix_BxT is None and T % 128 == 0 and
+                 _splash_importable())
   if impl == "cudnn" and cudnn_fits:
     return cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS)
   if impl == "splash" and splash_fits:

@@ -74,18 +74,23 @@ def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: fl
 
 
 def packed_log_probs(graphdef, state, tokens_RxL, segment_ids_RxL, response_index_BxW,
-                     response_valid_BxW, *, temperature: float = 1.0, chunk: int = 128):
+                     response_valid_BxW, *, temperature: float = 1.0, chunk: int = 128,
+                     positions_RxL=None, prefix_ids_RxL=None, before_index_BxW=None):
   """sequence_log_probs(..., last=W) of sequences packed into rows (hflax.controller.packing).
 
   tokens/segment ids [R, L] are the packed rows; response_index [B, W] is the flat packed
   index (r * L + l) of each response token. Only response tokens are projected onto the
-  vocabulary, from the hidden state before each in its packed row. Returns [B, W], 0 where
+  vocabulary, from the hidden state of the token before each: before_index [B, W] (a
+  response packed after a shared prompt, prefix_ids, is predicted from the prompt's last
+  token), by default the one before it in its packed row. Returns [B, W], 0 where
   response_valid is False.
   """
   model, hidden = forward(graphdef, state, tokens_RxL, segment_ids_RxL > 0,
-                          segment_ids_BxT=segment_ids_RxL)
+                          segment_ids_BxT=segment_ids_RxL, positions_BxT=positions_RxL,
+                          prefix_ids_BxT=prefix_ids_RxL)
   flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-  before = jnp.maximum(response_index_BxW - 1, 0)
+  before = (jnp.maximum(response_index_BxW - 1, 0) if before_index_BxW is None
+            else before_index_BxW)
   logp, ent = hidden_log_probs(model, jnp.take(flat_hidden, before, axis=0),
                                jnp.take(tokens_RxL.reshape(-1), response_index_BxW, axis=0),
                                temperature=temperature, chunk=chunk)

@@ -78,7 +78,8 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
     self.k_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
 
-  def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache, segment_ids_BxT=None):
+  def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache, segment_ids_BxT=None,
+               prefix_ids_BxT=None):
     cfg = self.cfg
     teacher_forced = cache is None and isinstance(slot0, int) and slot0 == 0
     B, T, _ = x_BxTxD.shape
@@ -100,7 +101,7 @@ class Attention(nnx.Module):
     # The slot each query was written to: [1, T] for a shared slot0, [B, T] per row.
     q_slot_BxT = jnp.reshape(slot0, (-1, 1)) + jnp.arange(T)
     out_BxTxHxDh = attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
-                             segment_ids_BxT, segment_ids_BxT, impl=cfg.attention,
+                             segment_ids_BxT, segment_ids_BxT, prefix_ids_BxT, impl=cfg.attention,
                              teacher_forced=teacher_forced)
     return self.o(out_BxTxHxDh.reshape(B, T, H * Dh)), cache
 
@@ -145,8 +146,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
     self.mlp = MLP(cfg, rngs)
 
-  def __call__(self, x, cos, sin, kv_valid, slot0, cache, segment_ids=None):
-    h, cache = self.attn(self.attn_norm(x), cos, sin, kv_valid, slot0, cache, segment_ids)
+  def __call__(self, x, cos, sin, kv_valid, slot0, cache, segment_ids=None, prefix_ids=None):
+    h, cache = self.attn(self.attn_norm(x), cos, sin, kv_valid, slot0, cache, segment_ids,
+                         prefix_ids)
     x = x + h
     return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -169,7 +171,7 @@ class DecoderLM(nnx.Module):
                   if head == "value" else None)
 
   def __call__(self, tokens_BxT, positions_BxT, kv_valid_BxS, *, cache=None, slot0=0,
-               segment_ids_BxT=None):
+               segment_ids_BxT=None, prefix_ids_BxT=None):
     """Final-norm hidden states [B, T, D] and the updated cache (a list, one dict per layer).
 
     Positions must be below S, the number of KV slots (kv_valid_BxS.shape[1]): true of
@@ -177,7 +179,9 @@ class DecoderLM(nnx.Module):
     the T new tokens' K/V go: one int for all rows, or an int32 [B] with each row's own.
     segment_ids_BxT (teacher forcing only) packs sequences in a row: 0 marks padding,
     1..k the k-th sequence; a token sees only earlier tokens of its own sequence, and
-    positions_BxT should restart at 0 for each (positions_from_segments).
+    positions_BxT should restart at 0 for each (positions_from_segments). prefix_ids_BxT
+    (with segment ids) is a second segment each token also sees: a prompt packed once for
+    the responses that continue it (hflax.controller.packing), positions then explicit.
     """
     if segment_ids_BxT is not None and cache is not None:
       raise ValueError("segment_ids_BxT is for teacher forcing: pass cache=None with it")
@@ -190,10 +194,11 @@ class DecoderLM(nnx.Module):
       x = rows_split(x)
       if self.cfg.remat and cache is None:
         x, layer_cache = nnx.remat(Block.__call__)(layer, x, cos, sin, kv_valid_BxS, slot0, None,
-                                                   segment_ids_BxT)
+                                                   segment_ids_BxT, prefix_ids_BxT)
       else:
         x, layer_cache = layer(x, cos, sin, kv_valid_BxS, slot0,
-                               None if cache is None else cache[i], segment_ids_BxT)
+                               None if cache is None else cache[i], segment_ids_BxT,
+                               prefix_ids_BxT)
       new_cache.append(layer_cache)
     return self.final_norm(x), (None if cache is None else new_cache)
 
@@ -274,18 +279,22 @@ def logical_axes(state):
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def forward(graphdef, state, tokens_BxT, mask_BxT, *, segment_ids_BxT=None):
+def forward(graphdef, state, tokens_BxT, mask_BxT, *, segment_ids_BxT=None, positions_BxT=None,
+            prefix_ids_BxT=None):
   """Hidden states [B, T, D] of full sequences (teacher forcing); pads are masked out.
 
   With segment_ids_BxT (packed rows, see DecoderLM.__call__) the mask is segment_ids > 0
-  and mask_BxT is not read.
+  and mask_BxT is not read; positions_BxT, if given, replace positions_from_segments (a
+  response packed after a shared prompt, prefix_ids_BxT, continues the prompt's).
   """
   model = nnx.merge(graphdef, state)
   if segment_ids_BxT is None:
     hidden, _ = model(tokens_BxT, positions_from_mask(mask_BxT), mask_BxT.astype(bool))
   else:
-    hidden, _ = model(tokens_BxT, positions_from_segments(segment_ids_BxT),
-                      segment_ids_BxT > 0, segment_ids_BxT=segment_ids_BxT)
+    if positions_BxT is None:
+      positions_BxT = positions_from_segments(segment_ids_BxT)
+    hidden, _ = model(tokens_BxT, positions_BxT, segment_ids_BxT > 0,
+                      segment_ids_BxT=segment_ids_BxT, prefix_ids_BxT=prefix_ids_BxT)
   return model, hidden
 
 
