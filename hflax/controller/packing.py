@@ -6,6 +6,12 @@ alone) says which token of the batch goes where in the packed rows, which sequen
 (segment) it belongs to, and which batch rows it holds, so per-token results come back
 in the [rows, response_width] layout the losses use.
 
+Rows that repeat one prompt (GRPO's n samples of it) and land in the same micro-batch
+share it: the prompt is packed once, as a segment of its own, and each response follows
+as a segment whose prefix id is the prompt's (it attends to the prompt and to itself,
+positions continuing the prompt's), so the prompt's activations are computed once, and
+its gradient sums its responses' contributions as the padded rows' would.
+
 Every micro-batch is `multiple` packed rows (one per data-parallel device), the sequences
 balanced across all rows of all micro-batches, and all micro-batches of a call share one
 shape, so they stack into one program that scans over them. Lengths and sequence counts
@@ -25,10 +31,16 @@ import numpy as np
 class PackedPlan:
   token_index: np.ndarray  # [R, L] int32: flat index (row * T + column) of the batch token there
   segment_ids: np.ndarray  # [R, L] int32: 0 padding, k the k-th sequence of that packed row
-  positions: np.ndarray  # [R, L] int32: the token's position within its sequence
+  positions: np.ndarray  # [R, L] int32: its position in its sequence (after a shared prompt's)
   seq_rows: np.ndarray  # [S] int32: the batch row of each sequence slot (0 for an empty slot)
-  seq_start: np.ndarray  # [S] int32: flat packed index (r * L + l) of the slot's first token
+  # [S] int32: flat packed index (r * L + l) where the slot's row's token of rank 0 is or,
+  # after a shared prompt, would be (its response tokens then sit at seq_start + rank)
+  seq_start: np.ndarray
   member: np.ndarray  # [S] bool: whether the slot holds a sequence
+  prefix_ids: np.ndarray  # [R, L] int32: the segment a token also sees (its own unless shared)
+  # [S] int32: flat packed index of the shared prompt's last token, -1 for a slot not sharing
+  prompt_last: np.ndarray
+  shared_prompt_tokens: int = 0  # prompt tokens not computed thanks to sharing
 
   @property
   def tokens(self) -> int:
@@ -38,16 +50,40 @@ class PackedPlan:
   def computed(self) -> int:
     return int(self.segment_ids.size)
 
-  def arrays(self) -> dict:
+  def arrays(self, shared: bool | None = None) -> dict:
     """What a device program takes: the packed rows and the [S] slot maps (the [S, W]
-    layout is rebuilt there by response_layout)."""
-    return {"token_index": self.token_index, "segment_ids": self.segment_ids,
-            "seq_rows": self.seq_rows, "seq_start": self.seq_start, "member": self.member}
+    layout is rebuilt there by response_layout); with `shared` (default: whether this
+    plan shares prompts) the prefix ids and explicit positions too."""
+    out = {"token_index": self.token_index, "segment_ids": self.segment_ids,
+           "seq_rows": self.seq_rows, "seq_start": self.seq_start, "member": self.member,
+           "prompt_last": self.prompt_last}
+    if self.shared_prompt_tokens > 0 if shared is None else shared:
+      out.update(prefix_ids=self.prefix_ids, positions=self.positions)
+    return out
 
 
 def stack(plans: list[PackedPlan]) -> dict:
   """The arrays of same-shaped plans stacked on a leading micro-batch axis (for a scan)."""
-  return {k: np.stack([p.arrays()[k] for p in plans]) for k in plans[0].arrays()}
+  shared = any(p.shared_prompt_tokens > 0 for p in plans)
+  arrays = [p.arrays(shared) for p in plans]
+  return {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+
+
+def prompt_groups(input_ids_BxT, mask_BxT, prompt_width: int) -> np.ndarray:
+  """[B] int32: rows with the same id hold the same prompt (the tokens and mask of the
+  first prompt_width columns)."""
+  mask = np.asarray(mask_BxT, bool)[:, :prompt_width]
+  prompts = np.where(mask, np.asarray(input_ids_BxT)[:, :prompt_width], -1)
+  return np.unique(prompts, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int32)
+
+
+def response_before(index_SxW, prompt_last_S, scored_SxW):
+  """[S, W] flat packed index of the token that predicts each response token (jnp): the
+  one before it, or for the first response token of a slot sharing a prompt the
+  prompt's last; 0 where not scored."""
+  prompt_last = jnp.asarray(prompt_last_S)[:, None]
+  first = (jnp.arange(index_SxW.shape[1]) == 0)[None] & (prompt_last >= 0)
+  return jnp.where(scored_SxW, jnp.where(first, prompt_last, index_SxW - 1), 0)
 
 
 def response_layout(mask_SxT, response_width: int, seq_start_S, member_S):
@@ -88,22 +124,94 @@ def balance(lengths, rows, bins: int) -> list[list[int]]:
   at most 4/3 of the best possible)."""
   lengths = np.asarray(lengths)
   rows = np.asarray(rows, int)
+  return [rows[one].tolist() for one in _lpt(lengths[rows], bins)]
+
+
+def _lpt(sizes, bins: int) -> list[list[int]]:
+  """Indices of `sizes` into `bins` lists, largest first into the least-filled."""
+  sizes = np.asarray(sizes)
   heap = [(0, b) for b in range(bins)]  # (fill, bin): ties go to the lower bin
   out = [[] for _ in range(bins)]
-  for row in rows[np.argsort(-lengths[rows], kind="stable")].tolist():
+  for i in np.argsort(-sizes, kind="stable").tolist():
     fill, b = heapq.heappop(heap)
-    out[b].append(row)
-    heapq.heappush(heap, (fill + int(lengths[row]), b))
+    out[b].append(i)
+    heapq.heappush(heap, (fill + int(sizes[i]), b))
   return out
 
 
-def pack(mask_BxT, bins, *, length: int | None = None, slots: int | None = None) -> PackedPlan:
+def _unit_size(unit, lengths, prompt_lengths) -> int:
+  """Tokens of a packing unit: a row, or a tuple of rows sharing their prompt."""
+  if not isinstance(unit, tuple):
+    return int(lengths[unit])
+  p = int(prompt_lengths[unit[0]])
+  return p + sum(int(lengths[b]) - p for b in unit)
+
+
+def _units(lengths, prompt_lengths, prompts, rows, limit: int | None) -> list:
+  """`rows` as packing units: the rows of one prompt (same id in `prompts`) as tuples
+  of at most `limit` tokens each (the prompt counted once), the others alone."""
+  if prompts is None:
+    return [int(b) for b in rows]
+  by_prompt = {}
+  for b in rows:
+    by_prompt.setdefault(int(prompts[b]), []).append(int(b))
+  units = []
+  for members in by_prompt.values():
+    p = int(prompt_lengths[members[0]])
+    if len(members) < 2 or p == 0:
+      units += members
+      continue
+    cap = max(limit or 0, *(int(lengths[b]) for b in members)) if limit else None
+    chunk, fill = [], p
+    for b in members:
+      n = int(lengths[b]) - p
+      if chunk and cap is not None and fill + n > cap:
+        units.append(tuple(chunk) if len(chunk) > 1 else chunk[0])
+        chunk, fill = [], p
+      chunk.append(b)
+      fill += n
+    units.append(tuple(chunk) if len(chunk) > 1 else chunk[0])
+  return units
+
+
+def _balance_units(lengths, prompt_lengths, prompts, rows, bins: int, budget: int) -> list:
+  """`rows` into `bins` lists of units (see _units), LPT by unit size. A large prompt
+  group may leave other bins empty while the fullest sets every row's length, so the
+  rows of a prompt are cut into units of at most 1 to 4 mean bin fills (plus a prompt),
+  or not cut (capped at the budget), whichever fills the fullest bin least (ties: the
+  most sharing)."""
+  size = lambda u: _unit_size(u, lengths, prompt_lengths)  # noqa: E731
+  whole = _units(lengths, prompt_lengths, prompts, rows, None)
+  mean = sum(size(u) for u in whole) / max(bins, 1)
+  longest_prompt = int(max(prompt_lengths[rows], default=0)) if prompts is not None else 0
+  limits = sorted({int(np.ceil(mean * f)) + extra for f in (4, 2, 1.5, 1.25, 1)
+                   for extra in (longest_prompt, 0)}, reverse=True)
+  best, fullest = None, None
+  for limit in [budget or None] + (limits if prompts is not None else []):
+    units = whole if limit is None else _units(lengths, prompt_lengths, prompts, rows,
+                                                min(limit, budget or limit))
+    split = [[units[i] for i in one] for one in _lpt([size(u) for u in units], bins)]
+    most = max((sum(size(u) for u in one) for one in split), default=0)
+    if best is None or most < fullest:
+      best, fullest = split, most
+  return best
+
+
+def _rows_of(units) -> list[int]:
+  return [b for u in units for b in (u if isinstance(u, tuple) else (u,))]
+
+
+def pack(mask_BxT, bins, *, length: int | None = None, slots: int | None = None,
+         prompt_width: int = 0) -> PackedPlan:
   """Packed row r holds the sequences of bins[r] in order, each row padded to `length`
-  (default: the longest), with `slots` sequence slots (default: as many as sequences)."""
+  (default: the longest), with `slots` sequence slots (default: as many as sequences).
+  An entry of a bin is a batch row, or a tuple of rows whose first prompt_width columns
+  are the same prompt: packed once, then each row's response columns."""
   mask = np.asarray(mask_BxT, bool)
   T = mask.shape[1]
-  fills = [int(sum(np.count_nonzero(mask[b]) for b in one)) for one in bins]
-  count = sum(len(one) for one in bins)
+  lengths, prompt_lengths = mask.sum(axis=1), mask[:, :prompt_width].sum(axis=1)
+  fills = [sum(_unit_size(u, lengths, prompt_lengths) for u in one) for one in bins]
+  count = sum(len(_rows_of(one)) for one in bins)
   length = max(fills, default=1) if length is None else length
   slots = count if slots is None else slots
   if length < max(fills, default=0) or slots < count:
@@ -112,24 +220,46 @@ def pack(mask_BxT, bins, *, length: int | None = None, slots: int | None = None)
   token_index = np.zeros((len(bins), length), np.int32)
   segment_ids = np.zeros((len(bins), length), np.int32)
   positions = np.zeros((len(bins), length), np.int32)
+  prefix_ids = np.zeros((len(bins), length), np.int32)
   seq_rows, seq_start = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+  prompt_last = np.full(slots, -1, np.int32)
   member = np.zeros(slots, bool)
-  s = 0
-  for r, seqs in enumerate(bins):
-    at = 0
-    for k, b in enumerate(seqs, start=1):
-      cols = np.flatnonzero(mask[b])
+  s, saved = 0, 0
+  for r, units in enumerate(bins):
+    at, k = 0, 0
+
+    def lay(b, cols, prefix, position0):
+      nonlocal at, k
       n = len(cols)
+      k += 1
       token_index[r, at:at + n] = b * T + cols
       segment_ids[r, at:at + n] = k
-      positions[r, at:at + n] = np.arange(n)
-      seq_rows[s], seq_start[s], member[s] = b, r * length + at, True
-      at, s = at + n, s + 1
-  return PackedPlan(token_index, segment_ids, positions, seq_rows, seq_start, member)
+      prefix_ids[r, at:at + n] = k if prefix is None else prefix
+      positions[r, at:at + n] = position0 + np.arange(n)
+      at += n
+
+    for unit in units:
+      if not isinstance(unit, tuple):
+        seq_rows[s], seq_start[s], member[s] = unit, r * length + at, True
+        lay(unit, np.flatnonzero(mask[unit]), None, 0)
+        s += 1
+        continue
+      cols = np.flatnonzero(mask[unit[0], :prompt_width])
+      p, prompt_segment = len(cols), k + 1
+      lay(unit[0], cols, None, 0)
+      for b in unit:
+        seq_rows[s], seq_start[s], member[s] = b, r * length + at - p, True
+        prompt_last[s] = r * length + at - 1 if b == unit[0] else prompt_last[s - 1]
+        lay(b, prompt_width + np.flatnonzero(mask[b, prompt_width:]), prompt_segment, p)
+        s += 1
+      saved += (len(unit) - 1) * p
+  return PackedPlan(token_index, segment_ids, positions, seq_rows, seq_start, member,
+                    prefix_ids, prompt_last, saved)
 
 
 def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches: int = 1,
-                      groups=None, field: str = "ppo_max_token_len_per_gpu") -> list[PackedPlan]:
+                      groups=None, field: str = "ppo_max_token_len_per_gpu", prompts=None,
+                      prompt_width: int = 0) -> list[PackedPlan]:
   """Same-shaped plans of a batch's micro-batches, each `multiple` packed rows.
 
   The batch's sequences are balanced over all micro_batches x multiple rows. With
@@ -140,30 +270,37 @@ def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches
   holds (a multiple of `multiple`, at most the batch's rows), so that each computes its
   loss on those rows alone. `groups` (row index arrays, no budget) fixes which rows each
   micro-batch holds instead: each group balanced over its own `multiple` rows.
+  `prompts` (prompt_groups of the first prompt_width columns) lets the rows of one prompt
+  in one micro-batch share it (see the module's doc); None packs every row alone.
   """
   mask = np.asarray(mask_BxT, bool)
   lengths = sequence_lengths(mask)
   live = np.flatnonzero(lengths > 0)  # rows with no token (a batch's padding): nothing to do
+  prompt_lengths = mask[:, :prompt_width].sum(axis=1)
   cuts = max(micro_batches, 1)
   if budget and groups is not None:
     raise ValueError(f"{field}: a token budget cuts micro-batches by tokens, not by row groups")
   if budget:
     check_budget(lengths, budget, field)
-    cuts = max(cuts, -(-int(lengths.sum()) // (budget * multiple)))
+    total = sum(_unit_size(u, lengths, prompt_lengths)
+                for u in _units(lengths, prompt_lengths, prompts, live, None))
+    cuts = max(cuts, -(-total // (budget * multiple)))
   while True:
     if groups is None:
-      bins = balance(lengths, live, cuts * multiple)
+      bins = _balance_units(lengths, prompt_lengths, prompts, live, cuts * multiple, budget)
     else:
-      bins = [b for g in groups for b in balance(lengths, np.intersect1d(g, live), multiple)]
-    fullest = max(int(lengths[one].sum()) for one in bins)
+      bins = [b for g in groups for b in _balance_units(
+          lengths, prompt_lengths, prompts, np.intersect1d(g, live), multiple, budget)]
+    fullest = max(sum(_unit_size(u, lengths, prompt_lengths) for u in one) for one in bins)
     if not budget or fullest <= budget:
       break
     cuts += 1  # ends: with a row per sequence each holds one, and none exceeds the budget
   length = fine_bucket(max(fullest, 1), cap=budget or None)
-  most = max(sum(len(one) for one in bins[i:i + multiple]) for i in range(0, len(bins), multiple))
+  most = max(sum(len(_rows_of(one)) for one in bins[i:i + multiple])
+             for i in range(0, len(bins), multiple))
   rows = -(-len(mask) // multiple) * multiple
   slots = min(-(-fine_bucket(max(most, 1), quantum=8) // multiple) * multiple, rows)
-  return [pack(mask, bins[i:i + multiple], length=length, slots=slots)
+  return [pack(mask, bins[i:i + multiple], length=length, slots=slots, prompt_width=prompt_width)
           for i in range(0, len(bins), multiple)]
 
 

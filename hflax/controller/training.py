@@ -43,6 +43,9 @@ class UpdateConfig:
   # Tokens per device of the role's forward passes (log-probs, values) on packed rows
   # (verl's log_prob_max_token_len_per_gpu); 0: one pass, rows at most the padded width.
   log_prob_max_token_len: int = 0
+  # Packed passes lay a prompt shared by several rows of a micro-batch (GRPO's n samples)
+  # once, its responses attending to it (model.share_prompts; hflax.controller.packing).
+  share_prompts: bool = True
 
   @property
   def packed(self) -> bool:

@@ -17,7 +17,8 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from hflax.controller.batch import Batch
-from hflax.controller.packing import micro_batch_plans, response_layout, stack
+from hflax.controller.packing import (micro_batch_plans, prompt_groups, response_before,
+                                      response_layout, stack)
 from hflax.controller.protocol import LIVE_ROWS, Protocol, replicated, transfer
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
                                        make_scan_step, make_train_step, mini_batch_order,
@@ -42,7 +43,8 @@ class RoleWorker:
 
   def __init__(self, placement: RolePlacement, graphdef, state, *, home=None,
                optim: OptimConfig | None = None, update: UpdateConfig | None = None,
-               seed: int = 0, remove_padding: bool = False, log_prob_max_token_len: int = 0):
+               seed: int = 0, remove_padding: bool = False, log_prob_max_token_len: int = 0,
+               share_prompts: bool = True):
     self.placement, self.mesh, self.graphdef = placement, placement.mesh, graphdef
     model = nnx.merge(graphdef, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
@@ -63,6 +65,7 @@ class RoleWorker:
       log_prob_max_token_len = log_prob_max_token_len or update.log_prob_max_token_len
     self.remove_padding = remove_padding or log_prob_max_token_len > 0
     self.log_prob_max_token_len = log_prob_max_token_len
+    self.share_prompts = share_prompts and (update is None or update.share_prompts)
     # With LoRA adapters only they are trained (and have optimizer state).
     self.trainable = trainable_filter(self.cfg, model.head)
     self.opt_state = None  # roles that train get one below
@@ -217,7 +220,9 @@ class RoleWorker:
     if "response_mask" not in rows:
       raise KeyError(f"{self.placement.role}.{name}: updates need the 'response_mask' field")
     mask = np.asarray(batch["attention_mask"])  # the plan needs the lengths on the host
-    step = self._packed_step(name, loss_fn, weight_fn, _response_width(batch))
+    width = _response_width(batch)
+    prompts = self._prompt_groups(batch, mask)
+    step = self._packed_step(name, loss_fn, weight_fn, width)
     cuts = cfg.mini_batch_size // (cfg.micro_batch_size or cfg.mini_batch_size)
     history = []
     for fresh, index, live in self._mini_batches(live_rows, dp):
@@ -227,13 +232,17 @@ class RoleWorker:
                 [np.arange(m, len(index), cuts) for m in range(cuts)])
       plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), multiple=dp,
                                 budget=cfg.max_token_len, micro_batches=cuts, groups=groups,
-                                field=f"{self.placement.role}.ppo_max_token_len_per_gpu")
+                                field=f"{self.placement.role}.ppo_max_token_len_per_gpu",
+                                prompts=None if prompts is None else prompts[index],
+                                prompt_width=mask.shape[1] - width)
       self.params, self.opt_state, metrics = step(self.params, self.opt_state, rows, index,
                                                   live, fresh, stack(plans))
       tokens, computed = sum(p.tokens for p in plans), sum(p.computed for p in plans)
       history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps)),
                       "update_tokens": jnp.float32(tokens),
                       "update_padded_tokens": jnp.float32(computed - tokens),
+                      "update_shared_prompt_tokens": jnp.float32(
+                          sum(p.shared_prompt_tokens for p in plans)),
                       "update_micro_batches": jnp.float32(len(plans))})
       self.optimizer_steps += 1
     self.updates += 1
@@ -270,6 +279,13 @@ class RoleWorker:
           compiler_options=train_compiler_options(self.mesh.devices.flat))
     return self._steps[key]
 
+  def _prompt_groups(self, batch: Batch, mask: np.ndarray):
+    """prompt_groups of the batch's rows when packed passes share prompts, else None."""
+    if not self.share_prompts:
+      return None
+    return prompt_groups(np.asarray(batch["input_ids"]), mask,
+                         mask.shape[1] - _response_width(batch))
+
   def _train_metrics(self, history: list[dict]) -> Batch:
     first = {f"{k}_first_minibatch": v for k, v in history[0].items() if k in ("ppo_kl", "pg_clipfrac")}
     averaged = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
@@ -286,11 +302,14 @@ class RoleWorker:
     plans = micro_batch_plans(mask, multiple=self.data_parallel_rows,
                               budget=self.log_prob_max_token_len,
                               field=_FORWARD_BUDGET_FIELD.get(self.placement.role,
-                                                              "log_prob_max_token_len"))
+                                                              "log_prob_max_token_len"),
+                              prompts=self._prompt_groups(batch, mask),
+                              prompt_width=mask.shape[1] - _response_width(batch))
     program = self._jit_packed(fn, _response_width(batch))
+    shared = any(plan.shared_prompt_tokens > 0 for plan in plans)  # one program for all
     total = None
     for plan in plans:
-      out = program(self.params, rows, plan.arrays())
+      out = program(self.params, rows, plan.arrays(shared))
       total = out if total is None else jax.tree.map(jnp.add, total, out)
     return total
 
@@ -323,8 +342,10 @@ def _packed_fields(input_ids_BxT, slot_mask_SxT, plan: dict, width: int) -> dict
   them."""
   tokens = jnp.take(input_ids_BxT.reshape(-1), plan["token_index"])
   index, valid = response_layout(slot_mask_SxT, width, plan["seq_start"], plan["member"])
+  shared = {k: plan[k] for k in ("prefix_ids", "positions") if k in plan}  # prompts shared
   return {"packed_tokens": jnp.where(plan["segment_ids"] > 0, tokens, 0),
-          "segment_ids": plan["segment_ids"], "response_index": index, "response_valid": valid}
+          "segment_ids": plan["segment_ids"], "response_index": index, "response_valid": valid,
+          "response_before": response_before(index, plan["prompt_last"], valid), **shared}
 
 
 def _response_width(batch: Batch) -> int:
@@ -591,7 +612,9 @@ def _packed_log_probs_fn(graphdef, temperature: float):
   def fn(params, fields):
     return packed_log_probs(graphdef, params, fields["packed_tokens"], fields["segment_ids"],
                             fields["response_index"], fields["response_valid"],
-                            temperature=temperature)
+                            temperature=temperature, positions_RxL=fields.get("positions"),
+                            prefix_ids_RxL=fields.get("prefix_ids"),
+                            before_index_BxW=fields["response_before"])
   return fn
 
 
@@ -623,9 +646,9 @@ def _packed_values_fn(graphdef):
   def fn(params, fields):
     segments = fields["segment_ids"]
     model, hidden = forward(graphdef, params, fields["packed_tokens"], segments > 0,
-                            segment_ids_BxT=segments)
-    before = jnp.maximum(fields["response_index"] - 1, 0)
-    values = jnp.take(model.values(hidden).reshape(-1), before)
+                            segment_ids_BxT=segments, positions_BxT=fields.get("positions"),
+                            prefix_ids_BxT=fields.get("prefix_ids"))
+    values = jnp.take(model.values(hidden).reshape(-1), fields["response_before"])
     return jnp.where(fields["response_valid"], values, 0.0)
   return fn
 

@@ -59,8 +59,10 @@ def base_config() -> ml_collections.ConfigDict:
       # valid tokens of several sequences per row, segment ids keeping them apart), equal
       # to the padded passes; the shipped configs turn it on. attention: "auto" (dense up
       # to 512 keys, then blockwise, linear in memory; cuDNN on GPU, splash on TPU),
-      # "reference", "blockwise", "cudnn" or "splash".
-      use_remove_padding=False, attention="auto",
+      # "reference", "blockwise", "cudnn" or "splash". share_prompts: packed passes lay a
+      # prompt that several rows of a micro-batch repeat (GRPO's n samples) once, its
+      # responses attending to it (the same results, fewer tokens).
+      use_remove_padding=False, attention="auto", share_prompts=True,
       # LoRA (verl's names): lora_rank 0 trains every weight; > 0 trains rank-r adapters
       # on target_modules ("all-linear", or HF names such as "q_proj,v_proj") and nothing
       # else, and the reference policy is the frozen base (no copy of its own).
@@ -186,6 +188,8 @@ def _check_choices(c, fail):
     _check_int(c, f"rollout.{prefix}top_k", 0, fail, "(0: no top-k filter)")
   _check_int(c, "rollout.val_n", 1, fail, "(samples per held-out prompt)")
   _check_int(c, "rollout.max_num_seqs", 0, fail, "(0: no cap)")
+  if not isinstance(c.model.get("share_prompts", True), bool):
+    fail("model.share_prompts", f"must be True or False, got {c.model.share_prompts!r}")
   if not isinstance(c.rollout.get("continuous_batching", False), bool):
     fail("rollout.continuous_batching", f"must be True or False, got "
          f"{c.rollout.continuous_batching!r}")

@@ -87,7 +87,8 @@ def _update(section, n: int, model=None) -> UpdateConfig:
   return UpdateConfig(mini_batch_size=rows, micro_batch_size=section.ppo_micro_batch_size or rows,
                       epochs=section.ppo_epochs, shuffle=section.shuffle,
                       remove_padding=remove_padding(model), max_token_len=budget,
-                      log_prob_max_token_len=forward)
+                      log_prob_max_token_len=forward,
+                      share_prompts=bool(model is None or model.get("share_prompts", True)))
 
 
 def remove_padding(model) -> bool:

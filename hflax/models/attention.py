@@ -4,8 +4,9 @@ K is stored as [B, kv_heads, head_dim, S] and V as [B, kv_heads, S, head_dim] (t
 layouts). Key slot s is visible to query t of row b iff kv_valid[b, s], s <= q_slot[b, t]
 (the slot the query itself was written to) and, with packed sequences, both carry the
 same nonzero segment id, or the key carries the query's prefix id (a prompt that several
-packed responses share: hflax.controller.packing). Masks are never passed around as [B, T, S] arrays: `visible`
-builds the part a computation needs from those [B, T] / [B, S] vectors.
+packed responses share: hflax.controller.packing). Masks are never passed around as
+[B, T, S] arrays: `visible` builds the part a computation needs from those [B, T] / [B, S]
+vectors.
 """
 from __future__ import annotations
 
@@ -116,8 +117,8 @@ def _scores(q_BxKxGxTxDh, k, valid, k_seg, slot, q_seg, q_prefix, j, bk):
   Dh = q_BxKxGxTxDh.shape[-1]
   s = jnp.einsum("bkgtd,bkds->bkgts", q_BxKxGxTxDh, k.astype(q_BxKxGxTxDh.dtype),
                  preferred_element_type=jnp.float32) * Dh ** -0.5
-  mask = visible(valid, slot, q_seg, k_seg, k_offset=j * bk, q_prefix_BxT=q_prefix)[:, None, None]
-  return jnp.where(mask, s, MASKED)
+  mask = visible(valid, slot, q_seg, k_seg, k_offset=j * bk, q_prefix_BxT=q_prefix)
+  return jnp.where(mask[:, None, None], s, MASKED)
 
 
 def key_block_bounds(q_slot_BxT, q_seg_BxT, k_seg_BxS, bq, bk, q_prefix_BxT=None):
@@ -126,9 +127,9 @@ def key_block_bounds(q_slot_BxT, q_seg_BxT, k_seg_BxS, bq, bk, q_prefix_BxT=None
   hi: one past the block of the highest slot a query of the block sits at (causality).
   lo: the first key block holding a segment id >= the block's smallest segment a query
   sees (its own or its prefix), the earliest over the batch's rows: no key before it can
-  share a segment with those queries. That holds for any order of segment ids (non-decreasing ones make it
-  tight). Pads (id 0) see nothing, so they take no part; a block of pads gets lo = nk.
-  T and S are multiples of bq and bk.
+  share a segment with those queries. That holds for any order of segment ids
+  (non-decreasing ones make it tight). Pads (id 0) see nothing, so they take no part; a
+  block of pads gets lo = nk. T and S are multiples of bq and bk.
   """
   B, S = k_seg_BxS.shape
   nk = S // bk
