@@ -178,10 +178,10 @@ ROWS = 64
 REAL_TOKENS = 671
 
 
-def grpo_batch():
+def grpo_batch(longest: int = 100):
   from hflax.controller.batch import Batch
   rng = np.random.default_rng(1)
-  mask = rollout_mask([4] * ROWS, [100] + [2 + i % 7 for i in range(ROWS - 1)], 6, 100)
+  mask = rollout_mask([4] * ROWS, [longest] + [2 + i % 7 for i in range(ROWS - 1)], 6, 100)
   tokens = np.where(mask > 0, rng.integers(1, 64, mask.shape), 0).astype(np.int32)
   response_mask = mask[:, 6:].astype(np.float32)
   old = np.where(response_mask > 0, rng.normal(-4.0, 0.3, response_mask.shape), 0)
@@ -231,6 +231,22 @@ def test_unequal_grpo_update_computes_almost_no_padding(padded_grpo_step):
   assert float(got["actor/update_micro_batches"]) == 2
   assert float(got["actor/update_padded_tokens"]) == 4 * 176 - REAL_TOKENS
   assert float(got["actor/update_padded_tokens"]) < 0.1 * REAL_TOKENS
+
+
+def test_a_shorter_batch_reuses_the_longer_ones_program():
+  """Packed shapes only grow within a run (shape_floor): the second update's 40-token
+  shorter batch is packed at the first's length and runs the compiled program again."""
+  from hflax.controller.training import UpdateConfig
+  actor = grpo_actor(UpdateConfig(mini_batch_size=ROWS, micro_batch_size=ROWS // 2,
+                                  remove_padding=True))
+  first = actor.update_actor(grpo_batch())
+  second = actor.update_actor(grpo_batch(longest=60)).meta["metrics"]
+  (key,) = [k for k in actor._steps if k[0] == "packed"]
+  assert actor._steps[key]._cache_size() == 1
+  assert float(first.meta["metrics"]["actor/update_padded_tokens"]) == 4 * 176 - REAL_TOKENS
+  shorter = REAL_TOKENS - 40  # alone it would fit 4 rows of 160 (the bucket below 176)
+  assert float(second["actor/update_tokens"]) == shorter
+  assert float(second["actor/update_padded_tokens"]) == 4 * 176 - shorter
 
 
 def test_token_budget_micro_batches_do_not_change_the_step(padded_grpo_step):

@@ -259,7 +259,7 @@ def pack(mask_BxT, bins, *, length: int | None = None, slots: int | None = None,
 
 def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches: int = 1,
                       groups=None, field: str = "ppo_max_token_len_per_gpu", prompts=None,
-                      prompt_width: int = 0) -> list[PackedPlan]:
+                      prompt_width: int = 0, floor: tuple[int, int] = (0, 0)) -> list[PackedPlan]:
   """Same-shaped plans of a batch's micro-batches, each `multiple` packed rows.
 
   The batch's sequences are balanced over all micro_batches x multiple rows. With
@@ -272,6 +272,8 @@ def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches
   micro-batch holds instead: each group balanced over its own `multiple` rows.
   `prompts` (prompt_groups of the first prompt_width columns) lets the rows of one prompt
   in one micro-batch share it (see the module's doc); None packs every row alone.
+  `floor` (length, slots): the least of each to use, e.g. the largest a run has compiled
+  so far (shape_floor), so that lengths that drift up and down reuse one program.
   """
   mask = np.asarray(mask_BxT, bool)
   lengths = sequence_lengths(mask)
@@ -295,13 +297,22 @@ def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches
     if not budget or fullest <= budget:
       break
     cuts += 1  # ends: with a row per sequence each holds one, and none exceeds the budget
-  length = fine_bucket(max(fullest, 1), cap=budget or None)
+  length = max(fine_bucket(max(fullest, 1), cap=budget or None), min(floor[0], budget or floor[0]))
   most = max(sum(len(_rows_of(one)) for one in bins[i:i + multiple])
              for i in range(0, len(bins), multiple))
   rows = -(-len(mask) // multiple) * multiple
-  slots = min(-(-fine_bucket(max(most, 1), quantum=8) // multiple) * multiple, rows)
+  slots = min(max(-(-fine_bucket(max(most, 1), quantum=8) // multiple) * multiple, floor[1]),
+              rows)
   return [pack(mask, bins[i:i + multiple], length=length, slots=slots, prompt_width=prompt_width)
           for i in range(0, len(bins), multiple)]
+
+
+def shape_floor(plans: list[PackedPlan], floor: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+  """The (length, slots) high-water mark of `floor` and these plans' shape. A run whose
+  packed lengths drift (each step's responses differ) would otherwise compile a program
+  for every new bucket, tens of seconds each for a 135M model on a CPU; packing later
+  micro-batches at least this large costs a little padding instead."""
+  return (max(floor[0], plans[0].token_index.shape[1]), max(floor[1], len(plans[0].seq_rows)))
 
 
 def unpack(packed_RxL, plan: PackedPlan, mask_BxT, response_width: int):

@@ -18,7 +18,7 @@ from jax.sharding import SingleDeviceSharding
 
 from hflax.controller.batch import Batch
 from hflax.controller.packing import (micro_batch_plans, prompt_groups, response_before,
-                                      response_layout, stack)
+                                      response_layout, shape_floor, stack)
 from hflax.controller.protocol import LIVE_ROWS, Protocol, replicated, transfer
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
                                        make_scan_step, make_train_step, mini_batch_order,
@@ -82,6 +82,7 @@ class RoleWorker:
           lambda x: x if on_mesh(x) else jax.device_put(x, replicated(self.mesh)),
           self.tx.init(trained_part(self.params, self.trainable)[0]))
     self._steps: dict = {}
+    self._shape_floors: dict = {}  # packed (length, slots) reached per pass (shape_floor)
 
   # -- checkpoints --------------------------------------------------------------------------
   def checkpoint_arrays(self) -> dict:
@@ -230,11 +231,11 @@ class RoleWorker:
       # (m, m + cuts, ...) then give its step; with them any cut does.
       groups = (None if weight_fn is not None or cfg.max_token_len else
                 [np.arange(m, len(index), cuts) for m in range(cuts)])
-      plans = micro_batch_plans(mask[index] * live[:, None].astype(mask.dtype), multiple=dp,
-                                budget=cfg.max_token_len, micro_batches=cuts, groups=groups,
-                                field=f"{self.placement.role}.ppo_max_token_len_per_gpu",
-                                prompts=None if prompts is None else prompts[index],
-                                prompt_width=mask.shape[1] - width)
+      plans = self._floored_plans(
+          name, mask[index] * live[:, None].astype(mask.dtype), multiple=dp,
+          budget=cfg.max_token_len, micro_batches=cuts, groups=groups,
+          field=f"{self.placement.role}.ppo_max_token_len_per_gpu",
+          prompts=None if prompts is None else prompts[index], prompt_width=mask.shape[1] - width)
       self.params, self.opt_state, metrics = step(self.params, self.opt_state, rows, index,
                                                   live, fresh, stack(plans))
       tokens, computed = sum(p.tokens for p in plans), sum(p.computed for p in plans)
@@ -247,6 +248,12 @@ class RoleWorker:
       self.optimizer_steps += 1
     self.updates += 1
     return self._train_metrics(history)
+
+  def _floored_plans(self, key, mask, **kwargs):
+    """micro_batch_plans at least as large as this pass's earlier ones (shape_floor)."""
+    plans = micro_batch_plans(mask, floor=self._shape_floors.get(key, (0, 0)), **kwargs)
+    self._shape_floors[key] = shape_floor(plans, self._shape_floors.get(key, (0, 0)))
+    return plans
 
   def _packed_step(self, name: str, loss_fn: Callable, weight_fn: Callable | None, width: int):
     """The program of one packed mini-batch: its rows cut out, every micro-batch's
@@ -299,12 +306,11 @@ class RoleWorker:
     live_rows = batch.meta.get(LIVE_ROWS, len(batch))
     mask = np.asarray(batch["attention_mask"]).copy()
     mask[live_rows:] = 0  # the rows padding the batch to the data-parallel size
-    plans = micro_batch_plans(mask, multiple=self.data_parallel_rows,
-                              budget=self.log_prob_max_token_len,
-                              field=_FORWARD_BUDGET_FIELD.get(self.placement.role,
-                                                              "log_prob_max_token_len"),
-                              prompts=self._prompt_groups(batch, mask),
-                              prompt_width=mask.shape[1] - _response_width(batch))
+    plans = self._floored_plans(
+        "forward", mask, multiple=self.data_parallel_rows, budget=self.log_prob_max_token_len,
+        field=_FORWARD_BUDGET_FIELD.get(self.placement.role, "log_prob_max_token_len"),
+        prompts=self._prompt_groups(batch, mask),
+        prompt_width=mask.shape[1] - _response_width(batch))
     program = self._jit_packed(fn, _response_width(batch))
     shared = any(plan.shared_prompt_tokens > 0 for plan in plans)  # one program for all
     total = None
