@@ -175,9 +175,13 @@ def test_share_prompts_setting_reaches_the_update_config_and_is_validated():
   from hflax.launch.cli import load_config
   from hflax.launch.config import validate
   from hflax.launch.roles import _update
+  from hflax.launch.roles import make_plan
+  from hflax.models.tokenizer import ByteTokenizer
   for args, want in (([], True), (["model.share_prompts=False"], False)):
     c = load_config(["--config", "grpo.py", *args])
     assert _update(c.actor, c.rollout.n, c.model).share_prompts is want
+    # A separate reference worker follows the same switch.
+    assert make_plan(c, {}, ByteTokenizer()).ref_share_prompts is want
   from hflax.launch.cli import UsageError
   with pytest.raises(UsageError, match="model.share_prompts"):
     load_config(["--config", "grpo.py", "model.share_prompts=yes"])

@@ -78,6 +78,7 @@ def build_roles(plan: RunPlan, policy, *, devices=None, reward_fn: Callable | No
     out.ref = ReferenceWorker(placed["ref"], graphdef, state, home=home,
                               temperature=plan.ref_temperature,
                               remove_padding=plan.ref_remove_padding,
+                              share_prompts=plan.ref_share_prompts,
                               log_prob_max_token_len=plan.ref_log_prob_max_token_len)
   if Role.CRITIC in wanted:
     c = plan.critic

@@ -72,6 +72,7 @@ class RunPlan:
   # The reference's log-prob passes on packed rows (model.use_remove_padding), cut by
   # tokens per device when ref_log_prob_max_token_len > 0 (actor.use_dynamic_bsz).
   ref_remove_padding: bool = False
+  ref_share_prompts: bool = True  # packed: a prompt several rows repeat computed once
   ref_log_prob_max_token_len: int = 0
   seed: int = 0
 

@@ -166,6 +166,7 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
       reference=uses_reference(cfg), reference_in_actor=reference_in_actor(cfg),
       ref_temperature=r.temperature or 1.0, seed=cfg.trainer.seed,
       ref_remove_padding=remove_padding(cfg.model),
+      ref_share_prompts=bool(cfg.model.get("share_prompts", True)),
       ref_log_prob_max_token_len=token_budgets(cfg.actor)[1])
 
 
