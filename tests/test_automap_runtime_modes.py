@@ -156,6 +156,23 @@ def test_packed_attention_is_charged_per_sequence():
   assert times[0] == pytest.approx(times[1])
 
 
+def test_shared_prompts_are_charged_once_per_group():
+  """model.share_prompts: a packed pass computes each prompt's matmuls once for its
+  samples (by hand), each response still attending to it; its rows hold that many tokens."""
+  cfg = LLAMA_7B
+  matmul = cfg.num_params - cfg.vocab_size * cfg.hidden_size
+  seq = 1024 + 300
+  by_hand = (2 * matmul * (1024 / 4 + 300)
+             + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq * seq)
+  shared = Simulator(workload(mean=300, packed=True, share_prompts=True,
+                              samples_per_prompt=4), A100)
+  assert shared.pass_flops(cfg, 10) == pytest.approx(10 * by_hand)
+  assert shared._micro_batches(32, train=True)[2] == 8 * (1024 / 4 + 300)
+  alone = Simulator(workload(mean=300, packed=True, share_prompts=True), A100)  # n = 1
+  assert alone.pass_flops(cfg, 10) == pytest.approx(
+      Simulator(workload(mean=300, packed=True), A100).pass_flops(cfg, 10))
+
+
 def test_continuous_batching_decodes_by_total_tokens():
   """256 sequences in 32 slots (one replica of t_g = 8). Skewed lengths (mean = max / 8):
   the slots decode (256 - 32) x mean / 32 + max steps, not 8 waves of the longest row.

@@ -40,7 +40,8 @@ def workload(cfg, policy_cfg):
       max_num_seqs=cfg.rollout.max_num_seqs, val_samples_per_prompt=cfg.rollout.val_n,
       # What the runtime will do: slots refilled as rows end, passes on packed rows.
       continuous_batching=bool(cfg.rollout.get("continuous_batching", False)),
-      packed=remove_padding(cfg.model), token_budget=budget, forward_token_budget=forward_budget)
+      packed=remove_padding(cfg.model), token_budget=budget, forward_token_budget=forward_budget,
+      share_prompts=bool(cfg.model.get("share_prompts", True)))
 
 
 def profile(name: str, devices):

@@ -78,9 +78,12 @@ class Overheads:
 
 def forward_flops(cfg: ModelConfig, length: int) -> float:
   """FLOPs of one causal forward pass over `length` tokens (the embedding lookup is free)."""
-  matmul_params = cfg.num_params - cfg.vocab_size * cfg.hidden_size
   attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * length
-  return 2 * matmul_params * length + attention
+  return 2 * matmul_params(cfg) * length + attention
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+  return cfg.num_params - cfg.vocab_size * cfg.hidden_size
 
 
 def rows_per_shard(rows: int, ways: int) -> int:
@@ -180,7 +183,7 @@ class Simulator:
     rows, length, scored_rows = micro_seqs, wl.seq_len, None
     if packed_tokens:
       rows, length = 1, math.ceil(packed_tokens)
-      scored_rows = math.ceil(packed_tokens / wl.mean_seq_len)
+      scored_rows = math.ceil(packed_tokens / wl.packed_seq_len)
     if not train:
       return memory.forward_bytes(cfg, rows, length, wl.response_len, wl.attention,
                                   scored_rows).transient / t + gathered
@@ -196,7 +199,7 @@ class Simulator:
     micro = min(wl.micro_batch_size, sequences)
     if not wl.packed:
       return math.ceil(sequences / micro), micro, 0.0
-    tokens = sequences * wl.mean_seq_len
+    tokens = sequences * wl.packed_seq_len
     row = min(wl.packed_row_tokens(train), tokens)
     return math.ceil(tokens / row), micro, row
 
@@ -205,7 +208,11 @@ class Simulator:
     the real tokens, and attention within each sequence (blockwise attention skips the
     key blocks of a row's other sequences)."""
     wl = self.wl
-    return sequences * forward_flops(cfg, wl.mean_seq_len if wl.packed else wl.seq_len)
+    if not wl.packed:
+      return sequences * forward_flops(cfg, wl.seq_len)
+    # A shared prompt's matmuls once per group; each response still attends to it.
+    unshared = wl.mean_seq_len - wl.packed_seq_len
+    return sequences * (forward_flops(cfg, wl.mean_seq_len) - 2 * matmul_params(cfg) * unshared)
 
   def forward(self, role: str, mesh: MeshShape, free: float) -> StageCost:
     """Log-probs, values or rewards of the whole batch: one micro-batched pass."""

@@ -58,6 +58,8 @@ class Workload:
   packed: bool = False
   token_budget: int = 0
   forward_token_budget: int = 0
+  # model.share_prompts: packed passes compute a prompt its samples repeat once.
+  share_prompts: bool = False
 
   def __post_init__(self):
     roles = tuple(self.models)
@@ -134,11 +136,18 @@ class Workload:
   def mean_seq_len(self) -> float:
     return self.mean_prompt_len + self.mean_response_len
 
+  @property
+  def packed_seq_len(self) -> float:
+    """Tokens a packed pass computes per sequence: with shared prompts a prompt's tokens
+    are spread over its samples."""
+    share = self.samples_per_prompt if self.share_prompts else 1
+    return self.mean_prompt_len / share + self.mean_response_len
+
   def packed_row_tokens(self, train: bool) -> float:
     """Tokens of one packed micro-batch per device (one row): the budget, or the real
     tokens of micro_batch_size sequences."""
     budget = self.token_budget if train else (self.forward_token_budget or self.token_budget)
-    return budget or self.micro_batch_size * self.mean_seq_len
+    return budget or self.micro_batch_size * self.packed_seq_len
 
   @property
   def mini_batch_sequences(self) -> int:
