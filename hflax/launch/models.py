@@ -120,3 +120,17 @@ def with_lora(model_cfg: ModelConfig, section) -> ModelConfig:
 def actor_config(cfg, model_cfg: ModelConfig) -> ModelConfig:
   """The policy's model config as the actor trains it: with LoRA adapters if asked."""
   return with_lora(model_cfg, cfg.model)
+
+
+def remove_padding(model) -> bool:
+  return bool(model is not None and model.get("use_remove_padding", False))
+
+
+def token_budgets(section) -> tuple[int, int]:
+  """(update, forward pass) tokens per device with use_dynamic_bsz, else (0, 0). The
+  critic's forward passes take its update's budget (verl's forward_max_token_len_per_gpu
+  defaults to it)."""
+  if not section.get("use_dynamic_bsz", False):
+    return 0, 0
+  budget = int(section.get("ppo_max_token_len_per_gpu", 0))
+  return budget, int(section.get("log_prob_max_token_len_per_gpu", budget))

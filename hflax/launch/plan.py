@@ -18,7 +18,8 @@ configure_cpu()  # before JAX starts
 def workload(cfg, policy_cfg):
   """The auto-mapper's Workload for a config (every model has the policy's shape unless a
   checkpoint says otherwise)."""
-  from hflax.launch.models import actor_config, needed_roles, reference_in_actor, with_lora
+  from hflax.launch.models import (actor_config, needed_roles, reference_in_actor,
+                                   remove_padding, token_budgets, with_lora)
   from hflax.models import hf
   from hflax.sharding import automap
   models = {}
@@ -29,7 +30,6 @@ def workload(cfg, policy_cfg):
   models["actor"] = actor_config(cfg, policy_cfg)
   if "critic" in models:
     models["critic"] = with_lora(models["critic"], cfg.critic)
-  from hflax.launch.roles import remove_padding, token_budgets
   micro = cfg.actor.ppo_micro_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n
   budget, forward_budget = token_budgets(cfg.actor)
   return automap.Workload(

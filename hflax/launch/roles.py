@@ -16,7 +16,8 @@ from hflax.controller.training import OptimConfig, UpdateConfig
 from hflax.launch.config import generation_cap_problem
 from hflax.launch.models import (  # noqa: F401  (the launcher's names for them, in one place)
     actor_config, builtin_config, check_adapter, lora_plan, needed_roles, policy_model,
-    read_model_configs, reference_in_actor, role_reasons, uses_reference, with_lora)
+    read_model_configs, reference_in_actor, remove_padding, role_reasons, token_budgets,
+    uses_reference, with_lora)
 from hflax.rollout import SamplingParams
 from hflax.sharding.layouts import data_parallel_size
 from hflax.sharding.placement import colocated, standalone
@@ -89,20 +90,6 @@ def _update(section, n: int, model=None) -> UpdateConfig:
                       remove_padding=remove_padding(model), max_token_len=budget,
                       log_prob_max_token_len=forward,
                       share_prompts=bool(model is None or model.get("share_prompts", True)))
-
-
-def remove_padding(model) -> bool:
-  return bool(model is not None and model.get("use_remove_padding", False))
-
-
-def token_budgets(section) -> tuple[int, int]:
-  """(update, forward pass) tokens per device with use_dynamic_bsz, else (0, 0). The
-  critic's forward passes take its update's budget (verl's forward_max_token_len_per_gpu
-  defaults to it)."""
-  if not section.get("use_dynamic_bsz", False):
-    return 0, 0
-  budget = int(section.get("ppo_max_token_len_per_gpu", 0))
-  return budget, int(section.get("log_prob_max_token_len_per_gpu", budget))
 
 
 def check_token_budgets(cfg, wanted) -> None:
