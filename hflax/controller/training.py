@@ -178,17 +178,6 @@ def make_scan_step(loss_fn: Callable, tx: optax.GradientTransformation,
   return step
 
 
-def make_micro_step(loss_fn: Callable, weight_fn: Callable | None = None, trainable=None):
-  """micro(params, rows) -> one micro-batch's weighted sums, for micro-batches of varying
-  shapes run one program call each; add_sums them and finish with make_apply_step. Weighted as make_train_step, so the optimizer step is the same."""
-  return _weighted_grads(loss_fn, weight_fn, trainable)
-
-
-def make_apply_step(tx: optax.GradientTransformation, trainable=None):
-  """apply(params, opt_state, sums) -> (params, opt_state, metrics)."""
-  return _apply(tx, trainable)
-
-
 def add_sums(a, b):
   return jax.tree.map(jnp.add, a, b)
 
