@@ -172,9 +172,11 @@ def hflax_config(args, ckpt: str, data_file: str, run_dir: str, prompt_len: int,
   c.actor.use_kl_loss, c.actor.entropy_coeff = False, 0.0
   c.actor.clip_ratio, c.actor.loss_agg_mode = 0.2, "token-mean"
   c.rollout.n, c.rollout.temperature = args.n, 1.0
+  # Continuous batching: args.slots decode slots, a finished row's slot going to the next.
+  c.rollout.continuous_batching, c.rollout.max_num_seqs = args.slots > 0, args.slots
   c.reward.custom_fn.update(path=os.path.abspath(__file__), name="hflax_reward")
   c.placement.kind = "colocated"
-  c.trainer.update(devices=1, run_dir=run_dir, val_before_train=False, val_every=0, log=(),
+  c.trainer.update(devices=args.devices, run_dir=run_dir, val_before_train=False, val_every=0, log=(),
                    export_hf=False, seed=0, stage_timing=True, total_steps=10**6)
   return c
 
@@ -510,6 +512,11 @@ def main(argv=None) -> int:
   parser.add_argument("--packed", choices=("on", "off"), default="on",
                       help="hflax's update and log-prob passes on packed rows "
                       "(model.use_remove_padding, verl's use_remove_padding); default on")
+  parser.add_argument("--slots", type=int, default=16,
+                      help="hflax's decode slots (rollout.continuous_batching with "
+                           "max_num_seqs=SLOTS); 0: all rows in one wave")
+  parser.add_argument("--devices", type=int, default=1,
+                      help="hflax's JAX CPU devices (one per core is the launch's default)")
   parser.add_argument("--lr", type=float, default=1e-5)
   parser.add_argument("--rounds", type=int, default=None,
                       help="alternating rounds after warm-up (default 2; toy 3)")
@@ -534,7 +541,11 @@ def main(argv=None) -> int:
   args.hflax_warmup = args.hflax_warmup or (2 if toy and not q else 1)
   if args.micro_batch is None:
     args.micro_batch = 0 if toy else min(16, args.prompts * args.n)
-  for field in ("prompts", "n", "response_len", "rounds", "steps_per_round", "hflax_warmup"):
+  if args.slots < 0 or (args.slots and args.slots < args.n):
+    raise ValueError(f"--slots: {args.slots} must be 0 (waves) or hold one prompt's "
+                     f"--n {args.n} samples")
+  for field in ("prompts", "n", "response_len", "rounds", "steps_per_round", "hflax_warmup",
+                "devices"):
     if getattr(args, field) < 1:
       raise ValueError(f"--{field.replace('_', '-')}: must be >= 1, got {getattr(args, field)}")
   if args.micro_batch < 0 or (args.micro_batch and (args.prompts * args.n) % args.micro_batch):
@@ -545,14 +556,14 @@ def main(argv=None) -> int:
                      "(TRL splits its micro-batches by prompt groups)")
 
   from hflax.xla_env import configure_cpu, keep_freed_memory
-  configure_cpu(devices=1)  # hflax runs on one device here
+  configure_cpu(devices=args.devices)
   import jax
   print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")
   print(f"glibc malloc keeps freed memory, one arena (hflax's CPU setting; it applies to both "
         f"frameworks in this process; HFLAX_CPU_MALLOC=0 turns it off): {keep_freed_memory()}")
-  if "xla_force_host_platform_device_count=1" not in os.environ["XLA_FLAGS"]:
-    print("WARNING: XLA_FLAGS simulates several host devices; hflax uses 1 of them here, "
-          "but timings will not be representative")
+  if f"xla_force_host_platform_device_count={args.devices}" not in os.environ["XLA_FLAGS"]:
+    print(f"WARNING: XLA_FLAGS sets another host device count; hflax uses {args.devices} "
+          "here, and timings will not be representative")
   jax.devices()  # fix the backend (and its device count) before hflax modules load
   import warnings
   warnings.filterwarnings("ignore", category=FutureWarning)  # transformers v6 renames
@@ -569,7 +580,7 @@ def main(argv=None) -> int:
     datasets.disable_progress_bars()
   except Exception:  # noqa: BLE001 - progress bars are cosmetic
     pass
-  print(f"jax {jax.__version__} devices: {jax.devices()} (hflax uses 1, colocated)")
+  print(f"jax {jax.__version__} devices: {jax.devices()} (hflax uses {args.devices}, colocated)")
   print(f"torch {torch.__version__} threads: {torch.get_num_threads()}  transformers "
         f"{transformers.__version__}  trl {trl.__version__}  os.cpu_count(): {os.cpu_count()}")
   print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
@@ -611,7 +622,8 @@ def main(argv=None) -> int:
         f"in micro-batches of {args.micro_batch or args.prompts * args.n}, prompts "
         f"{lengths[0]}-{prompt_len} tokens, max response {args.response_len}, temperature 1.0; "
         f"reward = fraction of digits; AdamW lr {args.lr:g}, clip-norm 1.0, token-mean clipped "
-        f"loss (0.2), beta 0, 1 optimizer step per RL step; hflax packed passes: {args.packed}")
+        f"loss (0.2), beta 0, 1 optimizer step per RL step; hflax packed passes: {args.packed}, "
+        f"decode slots: {args.slots or 'off (one wave)'} on {args.devices} device(s)")
 
   precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
   pairs = [run_pair(args, p, ckpt, rows, data_file, tmp.name, prompt_len) for p in precisions]
