@@ -225,6 +225,21 @@ def test_end_to_end_run_artifacts_and_exact_resume(tmp_path):
       assert rows_b[step][key] == rows[step][key], (step, key)
 
 
+def test_resume_restores_the_packed_shape_floors(tmp_path):
+  """Packed passes never shrink their (length, slots) within a run (shape_floor); a resumed
+  run starts from the floors the checkpoint saved, so it packs as the uninterrupted one."""
+  c = tiny(tmp_path, name="ppo", total_steps=2, val_before_train=False, val_every=0)
+  c.model.use_remove_padding = True
+  first = Trainer(c, log=lambda *_: None)
+  first.fit()
+  floors = {r: dict(getattr(first.roles, r)._shape_floors) for r in ("actor", "critic")}
+  assert all(floors.values()) and all(min(v) > 0 for f in floors.values() for v in f.values())
+  c.trainer.total_steps = 3
+  resumed = Trainer(c, log=lambda *_: None)
+  assert resumed.resume() == 2
+  assert {r: getattr(resumed.roles, r)._shape_floors for r in floors} == floors
+
+
 def test_lora_ppo_reference_in_actor_merged_export_and_exact_resume(tmp_path):
   from hflax.models.transformer import logits_fn
 

@@ -93,10 +93,12 @@ class RoleWorker:
 
   def checkpoint_counters(self) -> dict:
     """The host values a checkpoint keeps beside the arrays: update counts, the sampler's
-    call count (so a resumed run draws what the uninterrupted one would) and the frozen
-    base's checksum."""
+    call count (so a resumed run draws what the uninterrupted one would), the packed
+    passes' shape floors (so it packs, and rounds, as the uninterrupted one would) and the
+    frozen base's checksum."""
     return {"updates": self.updates, "optimizer_steps": self.optimizer_steps,
-            "calls": self.calls, "frozen_checksum": self.frozen_checksum()}
+            "calls": self.calls, "frozen_checksum": self.frozen_checksum(),
+            "shape_floors": {k: list(v) for k, v in self._shape_floors.items()}}
 
   def frozen_checksum(self) -> float | None:
     """Sum of |w| over the frozen weights (None: every weight trains): a resumed run checks
@@ -119,6 +121,7 @@ class RoleWorker:
     self.opt_state = arrays["opt_state"]
     self.updates, self.optimizer_steps = counters["updates"], counters["optimizer_steps"]
     self.calls = counters["calls"]
+    self._shape_floors = {k: tuple(v) for k, v in counters.get("shape_floors", {}).items()}
 
   # -- plumbing -----------------------------------------------------------------------------
   def input_sharding(self, protocol: Protocol):

@@ -91,7 +91,16 @@ def packed_log_probs(graphdef, state, tokens_RxL, segment_ids_RxL, response_inde
   flat_hidden = hidden.reshape(-1, hidden.shape[-1])
   before = (jnp.maximum(response_index_BxW - 1, 0) if before_index_BxW is None
             else before_index_BxW)
-  logp, ent = hidden_log_probs(model, jnp.take(flat_hidden, before, axis=0),
-                               jnp.take(tokens_RxL.reshape(-1), response_index_BxW, axis=0),
-                               temperature=temperature, chunk=chunk)
-  return jnp.where(response_valid_BxW, logp, 0.0), jnp.where(response_valid_BxW, ent, 0.0)
+  # Only the valid response tokens go through the LM head: [B, W] is padded to the longest
+  # response (a batch of short answers and one 128-token ramble is mostly padding), while
+  # every valid token sits in the packed rows, so R * L bounds their count statically.
+  B, W = response_index_BxW.shape
+  (scored,) = jnp.nonzero(response_valid_BxW.reshape(-1), size=min(B * W, tokens_RxL.size),
+                          fill_value=B * W)  # fill: past the end, dropped below
+  at = jnp.minimum(scored, B * W - 1)
+  logp, ent = hidden_log_probs(
+      model, jnp.take(flat_hidden, before.reshape(-1)[at], axis=0)[None],
+      jnp.take(tokens_RxL.reshape(-1), response_index_BxW.reshape(-1)[at], axis=0)[None],
+      temperature=temperature, chunk=chunk)
+  scatter = lambda x: jnp.zeros(B * W, x.dtype).at[scored].set(x[0], mode="drop").reshape(B, W)  # noqa: E731
+  return scatter(logp), scatter(ent)
