@@ -242,7 +242,9 @@ class HflaxRunner:
                 update_computed=(packed["tokens"] + packed["padded_tokens"]) if packed else None,
                 response_tokens=tokens - prompt_tokens, stages=stages, rows=rows,
                 prompt_width=prompt_width, response_width=np.shape(batch["responses"])[1],
-                score=float(metrics["critic/score/mean"]))
+                score=float(metrics["critic/score/mean"]),
+                slots=int(self.cfg.rollout.max_num_seqs) if self.cfg.rollout.continuous_batching
+                else 0)
 
 
 # ----------------------------------------------------------------------------- TRL side
@@ -319,8 +321,9 @@ def instrument_trl(trainer, record: dict):
 def stage_flops(cfg, step: dict) -> dict:
   """Matmul FLOPs each stage executes for a step's padded shapes (common.decoder_flops):
   generation as one teacher-forced forward with the head on response positions (the
-  decode steps' cache reads counted as causal attention), the update as forward +
-  backward (a packed update: over the tokens it computed), the update's useful FLOPs (its
+  decode steps' cache reads counted as causal attention; with decode slots, hflax's real
+  tokens only, a lower bound), the update as forward + backward (a packed update: over the
+  tokens it computed, the LM head over its response tokens), the update's useful FLOPs (its
   real tokens only, the same count for both frameworks), and the LM head's share."""
   from common import decoder_flops, lm_head_flops
   rows, width = step["rows"], step["prompt_width"] + step["response_width"]
@@ -328,15 +331,22 @@ def stage_flops(cfg, step: dict) -> dict:
   real = dict(tokens=step["tokens"], squares=step.get("squares", rows * width ** 2),
               head=step["response_tokens"])
   update = decoder_flops(cfg, rows, width, logits_tokens=resp, backward=True)
+  head = lm_head_flops(cfg, rows, resp, backward=True)
   if step.get("update_computed") is not None:  # packed rows: the padding is only their tails
     computed = step["update_computed"]
-    update = decoder_flops(cfg, 1, computed, logits_tokens=resp * rows, backward=True,
-                           squares=real["squares"])  # blockwise skips other sequences' keys
-  return dict(gen=decoder_flops(cfg, rows, width, logits_tokens=resp),
+    # The LM head sees the valid response tokens, padded to at most the packed tokens.
+    update = decoder_flops(cfg, 1, computed, logits_tokens=min(resp * rows, computed),
+                           backward=True, squares=real["squares"])  # blockwise skips keys
+    head = lm_head_flops(cfg, 1, min(resp * rows, computed), backward=True)
+  gen = decoder_flops(cfg, rows, width, logits_tokens=resp)
+  if step.get("slots"):  # continuous batching decodes (about) the real tokens only
+    gen = decoder_flops(cfg, 1, real["tokens"], logits_tokens=real["head"],
+                        squares=real["squares"])
+  return dict(gen=gen,
               update_actor=update,
               useful=decoder_flops(cfg, 1, real["tokens"], logits_tokens=real["head"],
                                    backward=True, squares=real["squares"]),
-              head=lm_head_flops(cfg, rows, resp, backward=True),
+              head=head,
               real_fraction=step["tokens"] / (rows * width))
 
 
