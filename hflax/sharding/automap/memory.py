@@ -157,12 +157,15 @@ def logits_block_bytes(cfg: ModelConfig, rows: int, scored: int,
 def forward_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None = None,
                   attention: str | None = None, scored_rows: int | None = None) -> Footprint:
   """sequence_log_probs(last=scored): the layers run one after another, then the chunked
-  vocabulary projection; the hidden states stay alive across both. scored_rows: the
-  sequences the projection covers (packed rows hold several; default `rows`)."""
+  vocabulary projection; the hidden states stay alive across both. scored_rows: packed
+  rows holding that many sequences of up to `scored` response positions each
+  (packed_log_probs), whose valid tokens, at most the rows' tokens, go through the
+  projection as one row."""
   scored = length - 1 if scored is None else scored
   hidden = rows * length * cfg.hidden_size * _size(cfg.dtype)
-  peak = max(layer_working_bytes(cfg, rows, length, attention),
-             logits_block_bytes(cfg, rows if scored_rows is None else scored_rows, scored))
+  logits = (logits_block_bytes(cfg, rows, scored) if scored_rows is None else
+            logits_block_bytes(cfg, 1, min(scored_rows * scored, rows * length)))
+  peak = max(layer_working_bytes(cfg, rows, length, attention), logits)
   return Footprint(weight_bytes(cfg), hidden + peak)
 
 
