@@ -153,36 +153,6 @@ def test_filter_logits_matches_definition(top_k, top_p):
   np.testing.assert_array_equal(got, _reference_filter(logits, top_k, top_p))
 
 
-@pytest.mark.parametrize("vocab,block", [(1000, 64), (300, 256)])  # several blocks; one
-def test_sample_tokens_draws_each_token_with_its_probability(vocab, block):
-  """Sampling a block, then a token in it: frequencies match softmax(logits) (a chi-square
-  test at 200k draws), and tokens of probability 0 (a top-k cut, the padded tail of the
-  last block) are never drawn."""
-  from hflax.rollout.decoding import sample_tokens
-  rs = np.random.RandomState(vocab)
-  logits = rs.normal(size=vocab).astype(np.float32) * 2
-  logits[rs.permutation(vocab)[:vocab // 3]] = -np.inf
-  probs = np.exp(logits - logits.max())
-  probs /= probs.sum()
-  draws = 200_000
-  keys = jax.random.split(jax.random.key(0), draws)
-  tokens = jax.jit(lambda k: sample_tokens(
-      jnp.broadcast_to(jnp.asarray(logits), (draws, vocab)), k, block=block))(keys)
-  counts = np.bincount(np.asarray(tokens), minlength=vocab)
-  assert counts.shape == (vocab,) and counts[probs == 0].sum() == 0
-  live = probs > 0
-  expected = probs[live] * draws
-  chi2 = ((counts[live] - expected) ** 2 / expected).sum()
-  dof = live.sum() - 1
-  assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)  # ~5 sigma: fails for a wrong sampler
-  # a distribution with all its mass in one token always draws it, wherever it sits
-  for hot in (0, block - 1, vocab - 1):
-    one = np.full((4, vocab), -np.inf, np.float32)
-    one[:, hot] = 0.0
-    np.testing.assert_array_equal(np.asarray(sample_tokens(jnp.asarray(one), keys[:4],
-                                                           block=block)), hot)
-
-
 def test_compiles_once_per_length_bucket(pair):
   _, graphdef, state = pair
   params = SamplingParams(max_new_tokens=5, temperature=0.9, eos_ids=(3,))
