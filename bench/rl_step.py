@@ -335,9 +335,10 @@ def stage_flops(cfg, step: dict) -> dict:
   if step.get("update_computed") is not None:  # packed rows: the padding is only their tails
     computed = step["update_computed"]
     # The LM head sees the valid response tokens, padded to at most the packed tokens.
-    update = decoder_flops(cfg, 1, computed, logits_tokens=min(resp * rows, computed),
-                           backward=True, squares=real["squares"])  # blockwise skips keys
-    head = lm_head_flops(cfg, 1, min(resp * rows, computed), backward=True)
+    scored = min(resp * rows, computed)
+    update = decoder_flops(cfg, 1, computed, logits_tokens=scored, backward=True,
+                           squares=real["squares"])  # blockwise skips other sequences' keys
+    head = lm_head_flops(cfg, 1, scored, backward=True)
   gen = decoder_flops(cfg, rows, width, logits_tokens=resp)
   if step.get("slots"):  # continuous batching decodes (about) the real tokens only
     gen = decoder_flops(cfg, 1, real["tokens"], logits_tokens=real["head"],
