@@ -153,6 +153,25 @@ def test_filter_logits_matches_definition(top_k, top_p):
   np.testing.assert_array_equal(got, _reference_filter(logits, top_k, top_p))
 
 
+@pytest.mark.parametrize("rows,vocab", [(13, 49152), (8, 40), (1, 261)])
+def test_gumbel_max_draws_what_categorical_draws(rows, vocab):
+  """The sampler's token pick is jax.random.categorical's draw, token for token, with
+  filtered (-inf) entries, a row of equal logits and a NaN row (argmax: the first NaN)."""
+  from hflax.rollout.decoding import gumbel_max
+  rs = np.random.RandomState(rows)
+  logits = rs.normal(size=(rows, vocab)).astype(np.float32) * 4
+  logits[0, 1:] = -np.inf
+  if rows > 2:
+    logits[1] = 0.5
+    logits[2, 3] = logits[2, 7] = np.nan
+  logits = jnp.asarray(logits)
+  for seed in range(3):
+    keys = jax.random.split(jax.random.key(seed), rows)
+    want = jax.jit(jax.vmap(jax.random.categorical))(keys, logits)
+    np.testing.assert_array_equal(jax.jit(gumbel_max)(keys, logits), want)
+  assert int(want[0]) == 0 and (rows <= 2 or int(want[2]) == 3)
+
+
 def test_compiles_once_per_length_bucket(pair):
   _, graphdef, state = pair
   params = SamplingParams(max_new_tokens=5, temperature=0.9, eos_ids=(3,))

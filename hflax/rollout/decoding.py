@@ -79,9 +79,31 @@ def pick_with_keys(logits_BxV, keys_B, params: SamplingParams):
   if params.greedy:
     tokens = jnp.argmax(logits_BxV, axis=-1)
   else:
-    tokens = jax.vmap(jax.random.categorical)(
-        keys_B, filter_logits(scaled, params.top_k, params.top_p))
+    tokens = gumbel_max(keys_B, filter_logits(scaled, params.top_k, params.top_p))
   return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], -1)[:, 0]
+
+
+def gumbel_max(keys_B, logits_BxV):
+  """The tokens `vmap(jax.random.categorical)` draws from these keys and logits, exactly
+  (the same Gumbel noise, the first maximum, NaN counted as the maximum as argmax does).
+
+  Why not categorical itself: on XLA:CPU its argmax fused with the noise runs as scalar
+  code, and the noise of 64 rows of a 49k vocabulary does not fit in cache; a max and a
+  min are vectorized, and rows taken 8 at a time stay in cache: 4 against 15 ms at 16
+  rows, 16 against 91 ms at 64 rows on a 2-core CPU. Nothing is reshaped along the
+  vocabulary, which tensor-parallel generation splits across devices.
+  """
+  V = logits_BxV.shape[-1]
+
+  def row(args):
+    key, logits_V = args
+    noisy = logits_V + jax.random.gumbel(key, (V,), logits_V.dtype)
+    first = (noisy == jnp.max(noisy)) | jnp.isnan(noisy)
+    return jnp.min(jnp.where(first, jnp.arange(V, dtype=jnp.int32), V))
+
+  if jax.default_backend() != "cpu":
+    return jax.vmap(row)((keys_B, logits_BxV))
+  return jax.lax.map(row, (keys_B, logits_BxV), batch_size=8)
 
 
 def grow(cache, kv_valid_BxS, width):
