@@ -157,7 +157,7 @@ def test_filter_logits_matches_definition(top_k, top_p):
 def test_gumbel_max_draws_what_categorical_draws(rows, vocab):
   """The sampler's token pick is jax.random.categorical's draw, token for token, with
   filtered (-inf) entries, a row of equal logits and a NaN row (argmax: the first NaN)."""
-  from hflax.rollout.decoding import gumbel_max
+  from hflax.rollout.decoding import first_max, gumbel_max
   rs = np.random.RandomState(rows)
   logits = rs.normal(size=(rows, vocab)).astype(np.float32) * 4
   logits[0, 1:] = -np.inf
@@ -170,6 +170,7 @@ def test_gumbel_max_draws_what_categorical_draws(rows, vocab):
     want = jax.jit(jax.vmap(jax.random.categorical))(keys, logits)
     np.testing.assert_array_equal(jax.jit(gumbel_max)(keys, logits), want)
   assert int(want[0]) == 0 and (rows <= 2 or int(want[2]) == 3)
+  np.testing.assert_array_equal(jax.jit(jax.vmap(first_max))(logits), jnp.argmax(logits, -1))
 
 
 def test_compiles_once_per_length_bucket(pair):
