@@ -11,6 +11,7 @@ from hf_models import tiny_hf_model
 from hflax.models import hf
 from hflax.models.logprobs import sequence_log_probs
 from hflax.rollout import SamplingParams, filter_logits, generate, left_pad, replicate
+from hflax.rollout.decoding import first_max, gumbel_max
 from hflax.rollout.sampler import compiled_variants, decode_segments
 
 log_probs_jit = jax.jit(sequence_log_probs, static_argnums=0, static_argnames="temperature")
@@ -157,7 +158,6 @@ def test_filter_logits_matches_definition(top_k, top_p):
 def test_gumbel_max_draws_what_categorical_draws(rows, vocab):
   """The sampler's token pick is jax.random.categorical's draw, token for token, with
   filtered (-inf) entries, a row of equal logits and a NaN row (argmax: the first NaN)."""
-  from hflax.rollout.decoding import first_max, gumbel_max
   rs = np.random.RandomState(rows)
   logits = rs.normal(size=(rows, vocab)).astype(np.float32) * 4
   logits[0, 1:] = -np.inf
