@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -132,7 +133,7 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     """Complete checkpoints on disk, oldest first (waits for an in-flight async save)."""
     self.wait_until_finished()
-    self._manager.reload()  # the disk is the truth: another process may have written
+    self._reload()  # the disk is the truth: another process may have written
     return list(self._manager.all_steps())
 
   def latest_step(self) -> int | None:
@@ -321,12 +322,10 @@ class Checkpointer:
     step that looks complete), then removed; leftovers of earlier prunes go too. A failure
     is one warning line: the new checkpoint is already saved."""
     self._prune_pending = False
-    if self.keep is None:
+    if self.keep is None or jax.process_index() != 0:  # one process deletes
       return
-    self._manager.reload()
+    self._reload()
     old = list(self._manager.all_steps())[:-self.keep]
-    if jax.process_index() != 0:  # one process deletes; the others only read
-      return
     stale = [n for n in os.listdir(self.directory) if re.fullmatch(r"\d+" + _DELETING, n)]
     for name in stale:
       shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
@@ -343,7 +342,18 @@ class Checkpointer:
       except OSError as e:
         self.log(f"warning: could not delete old checkpoint step {step} in {self.directory} "
                  f"({_one_line(e)}); {os.path.basename(doomed)} is removed at the next prune")
-    self._manager.reload()
+    self._reload()
+
+  def _reload(self, tries: int = 5):
+    """Re-reads the steps on disk. Process 0 may rename an old step to `.deleting` between
+    orbax listing the directory and reading that step; the step is gone, so list again."""
+    for attempt in range(tries):
+      try:
+        return self._manager.reload()
+      except FileNotFoundError:
+        if attempt == tries - 1:
+          raise
+        time.sleep(0.05 * (attempt + 1))
 
   def wait_until_finished(self):
     self._manager.wait_until_finished()
