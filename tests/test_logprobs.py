@@ -87,6 +87,40 @@ def test_gradient_does_not_depend_on_chunking(pair):
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads[0])) > 0
 
 
+@pytest.mark.parametrize("count", [0, 5, 11, 19])
+def test_chunks_past_the_count_are_skipped_not_changed(pair, count):
+  """hidden_log_probs(count=c) (a traced scalar, as packed passes give it): the first c
+  positions and their gradients are the full computation's; chunks wholly past c are
+  never projected (their values read 0)."""
+  from hflax.models.logprobs import hidden_log_probs
+  from hflax.models.transformer import forward
+  _, graphdef, state = pair
+  ids, mask = map(jnp.asarray, _batch())
+  ids, mask = ids[:1], jnp.ones_like(mask[:1])
+
+  def run(state, count):
+    model, hidden = forward(graphdef, state, ids, mask)
+    return hidden_log_probs(model, hidden[:, :-1], ids[:, 1:], chunk=5, count=count)
+
+  def loss(state, count, skip):
+    logp, entropy = run(state, count if skip else None)
+    keep = jnp.arange(ids.shape[1] - 1) < count
+    return jnp.sum(jnp.where(keep, logp + 0.1 * entropy, 0.0))
+
+  full, part = run(state, None), jax.jit(run)(state, count)
+  computed = -(-count // 5) * 5  # whole chunks: those holding a needed position
+  for a, b in zip(full, part):
+    np.testing.assert_allclose(np.asarray(b[:, :computed]), np.asarray(a[:, :computed]),
+                               atol=1e-6)
+    assert not np.asarray(b[:, computed:]).any() and np.asarray(a[:, computed:]).all()
+  grad_full = jax.grad(loss)(state, count, False)
+  grad_part = jax.jit(jax.grad(loss), static_argnums=2)(state, count, True)
+  for a, b in zip(jax.tree.leaves(grad_full), jax.tree.leaves(grad_part)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=1e-5)
+  largest = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grad_part))
+  assert largest > 0 if count else largest == 0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_remat_and_mixed_precision_gradients(dtype):
   """Rematerialisation changes memory, not the gradient; bf16 compute with f32 master

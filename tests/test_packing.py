@@ -178,10 +178,11 @@ ROWS = 64
 REAL_TOKENS = 671
 
 
-def grpo_batch(longest: int = 100):
+def grpo_batch(longest: int = 100, others: list[int] | None = None):
   from hflax.controller.batch import Batch
   rng = np.random.default_rng(1)
-  mask = rollout_mask([4] * ROWS, [longest] + [2 + i % 7 for i in range(ROWS - 1)], 6, 100)
+  others = [2 + i % 7 for i in range(ROWS - 1)] if others is None else others
+  mask = rollout_mask([4] * ROWS, [longest] + others, 6, 100)
   tokens = np.where(mask > 0, rng.integers(1, 64, mask.shape), 0).astype(np.int32)
   response_mask = mask[:, 6:].astype(np.float32)
   old = np.where(response_mask > 0, rng.normal(-4.0, 0.3, response_mask.shape), 0)
@@ -247,6 +248,52 @@ def test_a_shorter_batch_reuses_the_longer_ones_program():
   shorter = REAL_TOKENS - 40  # alone it would fit 4 rows of 160 (the bucket below 176)
   assert float(second["actor/update_tokens"]) == shorter
   assert float(second["actor/update_padded_tokens"]) == 4 * 176 - shorter
+
+
+def test_a_much_shorter_batch_fills_fewer_micro_batches_of_the_same_program():
+  """After a batch of long answers sets the packed length (416), a batch of short ones
+  fills 1 of the 4 micro-batches (2 rows of 416 hold its 671 tokens) instead of 4 mostly
+  padding; the program skips the empty ones, compiles once, and steps as the padded path."""
+  from hflax.controller.training import UpdateConfig
+  long = grpo_batch(others=[40] * (ROWS - 1))  # 104 + 63 x 44 = 2876 tokens
+  update = dict(mini_batch_size=ROWS, micro_batch_size=ROWS // 4)
+  runs = {}
+  for packed in (False, True):
+    actor = grpo_actor(UpdateConfig(**update, remove_padding=packed))
+    first = actor.update_actor(long).meta["metrics"]
+    runs[packed] = actor, first, actor.update_actor(grpo_batch()).meta["metrics"]
+  (want_actor, want_first, want), (actor, first, got) = runs[False], runs[True]
+  assert_same_update(actor.params, got, want_actor.params, want)
+  (key,) = [k for k in actor._steps if k[0] == "packed"]
+  assert actor._steps[key]._cache_size() == 1
+  # 4 micro-batches x 2 devices: 8 rows of 2876 / 8 = 359.5 on average; 44-token
+  # sequences (and the 104) longest first into the least-filled row: the fullest is over 384,
+  # bucket 416 (a step of 32 from 256 to 512).
+  assert float(first["actor/update_micro_batches"]) == 4
+  assert float(first["actor/update_padded_tokens"]) == 8 * 416 - 2876
+  assert float(got["actor/update_micro_batches"]) == 1
+  assert float(got["actor/update_tokens"]) == REAL_TOKENS
+  assert float(got["actor/update_padded_tokens"]) == 2 * 416 - REAL_TOKENS
+
+
+def test_fill_fewest_plans():
+  """fill_fewest: the plans keep the floor's shape and the micro-batch count, every
+  micro-batch with a slot per row; the tokens fill the fewest that fit, the rest empty."""
+  rng = np.random.default_rng(5)
+  mask = random_mask(rng, 16, prompt_width=16, response_width=90)
+  tokens = int(mask.sum())
+  # No floor yet (a run's first batch): the usual plans, with a slot per row.
+  plans = micro_batch_plans(mask, multiple=2, micro_batches=4, fill_fewest=True)
+  assert all(p.member.any() for p in plans) and len(plans[0].seq_rows) == 16
+  tight = plans[0].segment_ids.shape[1]  # 8 rows of it hold the batch; 6 cannot
+  assert 6 * tight < tokens <= 8 * tight
+  for length, used in ((512, -(-tokens // 1024)), (tight, 4)):
+    plans = micro_batch_plans(mask, multiple=2, micro_batches=4, floor=(length, 0),
+                              fill_fewest=True)
+    check_plan_covers(mask, 90, plans, 2)
+    assert len(plans) == 4 and plans[0].segment_ids.shape == (2, length)
+    assert all(len(p.seq_rows) == 16 for p in plans)
+    assert [bool(p.member.any()) for p in plans] == [True] * used + [False] * (4 - used)
 
 
 def test_token_budget_micro_batches_do_not_change_the_step(padded_grpo_step):

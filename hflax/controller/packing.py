@@ -259,7 +259,8 @@ def pack(mask_BxT, bins, *, length: int | None = None, slots: int | None = None,
 
 def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches: int = 1,
                       groups=None, field: str = "ppo_max_token_len_per_gpu", prompts=None,
-                      prompt_width: int = 0, floor: tuple[int, int] = (0, 0)) -> list[PackedPlan]:
+                      prompt_width: int = 0, floor: tuple[int, int] = (0, 0),
+                      fill_fewest: bool = False) -> list[PackedPlan]:
   """Same-shaped plans of a batch's micro-batches, each `multiple` packed rows.
 
   The batch's sequences are balanced over all micro_batches x multiple rows. With
@@ -274,6 +275,11 @@ def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches
   in one micro-batch share it (see the module's doc); None packs every row alone.
   `floor` (length, slots): the least of each to use, e.g. the largest a run has compiled
   so far (shape_floor), so that lengths that drift up and down reuse one program.
+  `fill_fewest` (no budget, no groups): every micro-batch has a slot for each of the
+  batch's rows, and once a floor length is set the sequences fill the fewest
+  micro-batches whose rows fit it, the rest left empty for the program to skip
+  (make_scan_step's `empty`): a batch shorter than the one that set the floor computes
+  fewer rows of that length instead of the same rows, mostly padding.
   """
   mask = np.asarray(mask_BxT, bool)
   lengths = sequence_lengths(mask)
@@ -287,8 +293,14 @@ def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches
     total = sum(_unit_size(u, lengths, prompt_lengths)
                 for u in _units(lengths, prompt_lengths, prompts, live, None))
     cuts = max(cuts, -(-total // (budget * multiple)))
+  fill = fill_fewest and not budget and groups is None and floor[0] > 0
+  used = (_fewest_that_fit(lengths, prompt_lengths, prompts, live, cuts, multiple, floor[0])
+          if fill else cuts)
   while True:
-    if groups is None:
+    if fill and used < cuts:  # the floor's length caps the rows (and the units cut to fit)
+      bins = _balance_units(lengths, prompt_lengths, prompts, live, used * multiple, floor[0])
+      bins += [[] for _ in range((cuts - used) * multiple)]
+    elif groups is None:
       bins = _balance_units(lengths, prompt_lengths, prompts, live, cuts * multiple, budget)
     else:
       bins = [b for g in groups for b in _balance_units(
@@ -302,9 +314,22 @@ def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches
              for i in range(0, len(bins), multiple))
   rows = -(-len(mask) // multiple) * multiple
   slots = min(max(-(-fine_bucket(max(most, 1), quantum=8) // multiple) * multiple, floor[1]),
-              rows)
+              rows) if not fill_fewest else rows
   return [pack(mask, bins[i:i + multiple], length=length, slots=slots, prompt_width=prompt_width)
           for i in range(0, len(bins), multiple)]
+
+
+def _fewest_that_fit(lengths, prompt_lengths, prompts, live, cuts: int, multiple: int,
+                     length: int) -> int:
+  """The fewest of `cuts` micro-batches of `multiple` rows whose balanced rows (units cut
+  to at most `length` tokens) all fit `length`; `cuts` when none fewer do."""
+  total = sum(_unit_size(u, lengths, prompt_lengths)
+              for u in _units(lengths, prompt_lengths, prompts, live, None))
+  for used in range(max(-(-total // (length * multiple)), 1), cuts):
+    bins = _balance_units(lengths, prompt_lengths, prompts, live, used * multiple, length)
+    if max(sum(_unit_size(u, lengths, prompt_lengths) for u in one) for one in bins) <= length:
+      return used
+  return cuts
 
 
 def shape_floor(plans: list[PackedPlan], floor: tuple[int, int] = (0, 0)) -> tuple[int, int]:

@@ -157,11 +157,19 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_b
 
 
 def make_scan_step(loss_fn: Callable, tx: optax.GradientTransformation,
-                   micro_rows: Callable, weight_fn: Callable | None = None, trainable=None):
+                   micro_rows: Callable, weight_fn: Callable | None = None, trainable=None,
+                   empty: Callable | None = None):
   """step(params, opt_state, shared, stacked) -> (params, opt_state, metrics): one
   program that scans over the micro-batches stacked on stacked's leading axis, micro-batch
   m seeing micro_rows(shared, stacked[m]) (e.g. a packed plan applied to the mini-batch's
-  rows), and applies the optimizer step, weighted as make_train_step."""
+  rows), and applies the optimizer step, weighted as make_train_step.
+
+  empty(stacked[m]) -> bool (needs weight_fn, for which such a micro-batch weighs 0):
+  micro-batches it flags are skipped at run time, so one compiled program serves
+  mini-batches that fill fewer of its micro-batches."""
+  if empty is not None and weight_fn is None:
+    raise ValueError("make_scan_step: skipping empty micro-batches needs weight_fn (without "
+                     "it every micro-batch counts, empty or not)")
   grads_of, apply = _weighted_grads(loss_fn, weight_fn, trainable), _apply(tx, trainable)
 
   def step(params, opt_state, shared, stacked):
@@ -170,7 +178,10 @@ def make_scan_step(loss_fn: Callable, tx: optax.GradientTransformation,
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grads_one, first))
 
     def accumulate(sums, one):
-      return add_sums(sums, grads_one(one)), None
+      if empty is None:
+        return add_sums(sums, grads_one(one)), None
+      return jax.lax.cond(empty(one), lambda s, _: s,
+                          lambda s, o: add_sums(s, grads_one(o)), sums, one), None
 
     sums, _ = jax.lax.scan(accumulate, zeros, stacked)
     return apply(params, opt_state, sums)

@@ -238,16 +238,18 @@ class RoleWorker:
           name, mask[index] * live[:, None].astype(mask.dtype), multiple=dp,
           budget=cfg.max_token_len, micro_batches=cuts, groups=groups,
           field=f"{self.placement.role}.ppo_max_token_len_per_gpu",
-          prompts=None if prompts is None else prompts[index], prompt_width=mask.shape[1] - width)
+          prompts=None if prompts is None else prompts[index], prompt_width=mask.shape[1] - width,
+          fill_fewest=weight_fn is not None and not cfg.max_token_len)
       self.params, self.opt_state, metrics = step(self.params, self.opt_state, rows, index,
                                                   live, fresh, stack(plans))
-      tokens, computed = sum(p.tokens for p in plans), sum(p.computed for p in plans)
+      used = [p for p in plans if p.member.any()]  # the program skips the empty ones
+      tokens, computed = sum(p.tokens for p in used), sum(p.computed for p in used)
       history.append({**metrics, "lr": jnp.float32(self.lr_fn(self.optimizer_steps)),
                       "update_tokens": jnp.float32(tokens),
                       "update_padded_tokens": jnp.float32(computed - tokens),
                       "update_shared_prompt_tokens": jnp.float32(
-                          sum(p.shared_prompt_tokens for p in plans)),
-                      "update_micro_batches": jnp.float32(len(plans))})
+                          sum(p.shared_prompt_tokens for p in used)),
+                      "update_micro_batches": jnp.float32(len(used))})
       self.optimizer_steps += 1
     self.updates += 1
     return self._train_metrics(history)
@@ -272,7 +274,9 @@ class RoleWorker:
         one = jax.lax.with_sharding_constraint(one, rows_sharding)
         return {**one, **_packed_fields(mini["input_ids"], one["attention_mask"], plan, width)}
 
-      scanned = make_scan_step(loss_fn, self.tx, micro_rows, weight_fn, self.trainable)
+      # With weights an empty micro-batch (fill_fewest leaves some) weighs 0: skipped.
+      empty = None if weight_fn is None else lambda plan: ~jnp.any(plan["member"])
+      scanned = make_scan_step(loss_fn, self.tx, micro_rows, weight_fn, self.trainable, empty)
 
       def step(params, opt_state, all_rows, index, live, fresh, plans):
         mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)

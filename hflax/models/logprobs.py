@@ -24,8 +24,13 @@ def log_probs_from_logits(logits_BxTxV, targets_BxT, temperature: float = 1.0):
 
 
 def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1.0,
-                     chunk: int = 128):
-  """Log-probs of `targets` given hidden states, projected to the vocabulary chunk by chunk."""
+                     chunk: int = 128, count=None):
+  """Log-probs of `targets` given hidden states, projected to the vocabulary chunk by chunk.
+
+  count (an int or a traced scalar): only the first `count` positions are needed; chunks
+  wholly past it are skipped (forward and backward) and read 0. A packed pass sizes its
+  positions for the most response tokens a micro-batch could hold, and usually holds far
+  fewer: the LM head over 49k ids is most of the cost of a position."""
   fused = kernels.maybe_hidden_log_probs(model, hidden_BxTxD, targets_BxT, temperature)
   if fused is not None:  # the fused GPU kernel (hflax.kernels); never on CPU unless forced
     return fused
@@ -42,10 +47,16 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
   def one_chunk(h_BxCxD, t_BxC):
     return log_probs_from_logits(model.logits(h_BxCxD), t_BxC, temperature)
 
-  def body(carry, xs):
-    return carry, one_chunk(*xs)
+  def skipped(h_BxCxD, t_BxC):
+    return jnp.zeros(t_BxC.shape, jnp.float32), jnp.zeros(t_BxC.shape, jnp.float32)
 
-  _, (logp, ent) = jax.lax.scan(body, None, (hidden_NxBxCxD, targets_NxBxC))
+  def body(carry, xs):
+    i, h, t = xs
+    if count is None:
+      return carry, one_chunk(h, t)
+    return carry, jax.lax.cond(i * chunk < count, one_chunk, skipped, h, t)
+
+  _, (logp, ent) = jax.lax.scan(body, None, (jnp.arange(n), hidden_NxBxCxD, targets_NxBxC))
   unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]  # noqa: E731
   return unchunk(logp), unchunk(ent)
 
@@ -101,6 +112,6 @@ def packed_log_probs(graphdef, state, tokens_RxL, segment_ids_RxL, response_inde
   logp, ent = hidden_log_probs(
       model, jnp.take(flat_hidden, before.reshape(-1)[at], axis=0)[None],
       jnp.take(tokens_RxL.reshape(-1), response_index_BxW.reshape(-1)[at], axis=0)[None],
-      temperature=temperature, chunk=chunk)
+      temperature=temperature, chunk=chunk, count=jnp.count_nonzero(response_valid_BxW))
   scatter = lambda x: jnp.zeros(B * W, x.dtype).at[scored].set(x[0], mode="drop").reshape(B, W)  # noqa: E731
   return scatter(logp), scatter(ent)
