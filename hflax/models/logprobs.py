@@ -43,18 +43,23 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
   hidden_NxBxCxD = hidden.reshape(B, n, chunk, D).swapaxes(0, 1)
   targets_NxBxC = targets.reshape(B, n, chunk).swapaxes(0, 1)
 
-  @jax.checkpoint
-  def one_chunk(h_BxCxD, t_BxC):
+  def project(h_BxCxD, t_BxC):
     return log_probs_from_logits(model.logits(h_BxCxD), t_BxC, temperature)
 
   def skipped(h_BxCxD, t_BxC):
     return jnp.zeros(t_BxC.shape, jnp.float32), jnp.zeros(t_BxC.shape, jnp.float32)
 
+  # The skip sits inside the rematerialised function: a cond outside it would keep the
+  # chunk's logits as residuals for the backward pass.
+  @jax.checkpoint
+  def one_chunk(live, h_BxCxD, t_BxC):
+    if live is None:
+      return project(h_BxCxD, t_BxC)
+    return jax.lax.cond(live, project, skipped, h_BxCxD, t_BxC)
+
   def body(carry, xs):
     i, h, t = xs
-    if count is None:
-      return carry, one_chunk(h, t)
-    return carry, jax.lax.cond(i * chunk < count, one_chunk, skipped, h, t)
+    return carry, one_chunk(None if count is None else i * chunk < count, h, t)
 
   _, (logp, ent) = jax.lax.scan(body, None, (jnp.arange(n), hidden_NxBxCxD, targets_NxBxC))
   unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]  # noqa: E731

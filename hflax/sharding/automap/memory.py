@@ -22,7 +22,9 @@ Terms, and the runtime code each follows:
                  cache [B, P] stays alive for the slots to copy from, beside `slots` rows of
                  cache grown to P + new_tokens, and the prefill's working set before them
   packed rows    hflax/models/logprobs.py packed_log_probs: one row of the micro-batch's
-                 real tokens; the logits block covers its sequences' response columns
+                 real tokens; the logits block covers its sequences' response columns,
+                 and the conditional skipping chunks past them adds three blocks to the
+                 backward pass
 
 Checked against XLA's compiled memory analysis of the real programs in
 tests/test_automap_memory.py (CPU; within the factor stated there).
@@ -199,7 +201,12 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | Non
   per_layer = (rows * length * cfg.hidden_size * _size(cfg.dtype) if cfg.remat
                else saved_layer_bytes(cfg, rows, length, attention))
   forward = forward_bytes(cfg, rows, length, scored, attention, scored_rows).transient
-  return cfg.num_layers * per_layer + 2 * forward
+  # A packed pass skips the logits chunks past its response tokens under a conditional,
+  # whose branches XLA:CPU gives buffers of their own: three more logits blocks in the
+  # backward pass (measured in tests/test_automap_runtime_modes.py).
+  skip = 0.0 if scored_rows is None else 3 * logits_block_bytes(
+      cfg, 1, min(scored_rows * scored, rows * length))
+  return cfg.num_layers * per_layer + 2 * forward + skip
 
 
 def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int) -> float:
