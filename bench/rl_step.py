@@ -334,8 +334,9 @@ def stage_flops(cfg, step: dict) -> dict:
   head = lm_head_flops(cfg, rows, resp, backward=True)
   if step.get("update_computed") is not None:  # packed rows: the padding is only their tails
     computed = step["update_computed"]
-    # The LM head sees the valid response tokens, padded to at most the packed tokens.
-    scored = min(resp * rows, computed)
+    # The LM head sees the valid response tokens (its 128-token chunks past them are
+    # skipped: at most 127 more per micro-batch, not counted, so this is a lower bound).
+    scored = min(step["response_tokens"], computed)
     update = decoder_flops(cfg, 1, computed, logits_tokens=scored, backward=True,
                            squares=real["squares"])  # blockwise skips other sequences' keys
     head = lm_head_flops(cfg, 1, scored, backward=True)
