@@ -290,22 +290,20 @@ def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches
     raise ValueError(f"{field}: a token budget cuts micro-batches by tokens, not by row groups")
   if budget:
     check_budget(lengths, budget, field)
-    total = sum(_unit_size(u, lengths, prompt_lengths)
-                for u in _units(lengths, prompt_lengths, prompts, live, None))
+    total = _total_tokens(lengths, prompt_lengths, prompts, live)
     cuts = max(cuts, -(-total // (budget * multiple)))
-  fill = fill_fewest and not budget and groups is None and floor[0] > 0
-  used = (_fewest_that_fit(lengths, prompt_lengths, prompts, live, cuts, multiple, floor[0])
-          if fill else cuts)
+  fill_fewest = fill_fewest and not budget and groups is None
+  fewer = (_fewest_bins(lengths, prompt_lengths, prompts, live, cuts, multiple, floor[0])
+           if fill_fewest and floor[0] else None)
   while True:
-    if fill and used < cuts:  # the floor's length caps the rows (and the units cut to fit)
-      bins = _balance_units(lengths, prompt_lengths, prompts, live, used * multiple, floor[0])
-      bins += [[] for _ in range((cuts - used) * multiple)]
+    if fewer is not None:
+      bins = fewer
     elif groups is None:
       bins = _balance_units(lengths, prompt_lengths, prompts, live, cuts * multiple, budget)
     else:
       bins = [b for g in groups for b in _balance_units(
           lengths, prompt_lengths, prompts, np.intersect1d(g, live), multiple, budget)]
-    fullest = max(sum(_unit_size(u, lengths, prompt_lengths) for u in one) for one in bins)
+    fullest = _fullest(bins, lengths, prompt_lengths)
     if not budget or fullest <= budget:
       break
     cuts += 1  # ends: with a row per sequence each holds one, and none exceeds the budget
@@ -319,17 +317,27 @@ def micro_batch_plans(mask_BxT, *, multiple: int, budget: int = 0, micro_batches
           for i in range(0, len(bins), multiple)]
 
 
-def _fewest_that_fit(lengths, prompt_lengths, prompts, live, cuts: int, multiple: int,
-                     length: int) -> int:
-  """The fewest of `cuts` micro-batches of `multiple` rows whose balanced rows (units cut
-  to at most `length` tokens) all fit `length`; `cuts` when none fewer do."""
-  total = sum(_unit_size(u, lengths, prompt_lengths)
-              for u in _units(lengths, prompt_lengths, prompts, live, None))
+def _total_tokens(lengths, prompt_lengths, prompts, live) -> int:
+  """Tokens of the live rows packed, each shared prompt counted once."""
+  return sum(_unit_size(u, lengths, prompt_lengths)
+             for u in _units(lengths, prompt_lengths, prompts, live, None))
+
+
+def _fullest(bins, lengths, prompt_lengths) -> int:
+  return max(sum(_unit_size(u, lengths, prompt_lengths) for u in one) for one in bins)
+
+
+def _fewest_bins(lengths, prompt_lengths, prompts, live, cuts: int, multiple: int,
+                 length: int) -> list | None:
+  """The bins of the fewest of `cuts` micro-batches of `multiple` rows whose balanced rows
+  (units cut to at most `length` tokens) all fit `length`, then empty bins up to `cuts`;
+  None when no fewer than `cuts` do."""
+  total = _total_tokens(lengths, prompt_lengths, prompts, live)
   for used in range(max(-(-total // (length * multiple)), 1), cuts):
     bins = _balance_units(lengths, prompt_lengths, prompts, live, used * multiple, length)
-    if max(sum(_unit_size(u, lengths, prompt_lengths) for u in one) for one in bins) <= length:
-      return used
-  return cuts
+    if _fullest(bins, lengths, prompt_lengths) <= length:
+      return bins + [[] for _ in range((cuts - used) * multiple)]
+  return None
 
 
 def shape_floor(plans: list[PackedPlan], floor: tuple[int, int] = (0, 0)) -> tuple[int, int]:

@@ -239,7 +239,7 @@ class RoleWorker:
           budget=cfg.max_token_len, micro_batches=cuts, groups=groups,
           field=f"{self.placement.role}.ppo_max_token_len_per_gpu",
           prompts=None if prompts is None else prompts[index], prompt_width=mask.shape[1] - width,
-          fill_fewest=weight_fn is not None and not cfg.max_token_len)
+          fill_fewest=weight_fn is not None)
       self.params, self.opt_state, metrics = step(self.params, self.opt_state, rows, index,
                                                   live, fresh, stack(plans))
       used = [p for p in plans if p.member.any()]  # the program skips the empty ones

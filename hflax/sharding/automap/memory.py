@@ -156,6 +156,16 @@ def logits_block_bytes(cfg: ModelConfig, rows: int, scored: int,
   return rows * min(chunk, scored) * cfg.vocab_size * F32
 
 
+def _pass_logits_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None,
+                       scored_rows: int | None) -> float:
+  """The logits block of a log-prob pass (forward_bytes' arguments): [rows, chunk, V], or
+  for packed rows one row over their valid response tokens, at most the rows' tokens."""
+  scored = length - 1 if scored is None else scored
+  if scored_rows is None:
+    return logits_block_bytes(cfg, rows, scored)
+  return logits_block_bytes(cfg, 1, min(scored_rows * scored, rows * length))
+
+
 def forward_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None = None,
                   attention: str | None = None, scored_rows: int | None = None) -> Footprint:
   """sequence_log_probs(last=scored): the layers run one after another, then the chunked
@@ -163,10 +173,8 @@ def forward_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None =
   rows holding that many sequences of up to `scored` response positions each
   (packed_log_probs), whose valid tokens, at most the rows' tokens, go through the
   projection as one row."""
-  scored = length - 1 if scored is None else scored
   hidden = rows * length * cfg.hidden_size * _size(cfg.dtype)
-  logits = (logits_block_bytes(cfg, rows, scored) if scored_rows is None else
-            logits_block_bytes(cfg, 1, min(scored_rows * scored, rows * length)))
+  logits = _pass_logits_bytes(cfg, rows, length, scored, scored_rows)
   peak = max(layer_working_bytes(cfg, rows, length, attention), logits)
   return Footprint(weight_bytes(cfg), hidden + peak)
 
@@ -204,8 +212,8 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | Non
   # A packed pass skips the logits chunks past its response tokens under a conditional,
   # whose branches XLA:CPU gives buffers of their own: three more logits blocks in the
   # backward pass (measured in tests/test_automap_runtime_modes.py).
-  skip = 0.0 if scored_rows is None else 3 * logits_block_bytes(
-      cfg, 1, min(scored_rows * scored, rows * length))
+  skip = 0.0 if scored_rows is None else 3 * _pass_logits_bytes(cfg, rows, length, scored,
+                                                                scored_rows)
   return cfg.num_layers * per_layer + 2 * forward + skip
 
 
