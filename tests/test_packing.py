@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hflax.controller.packing import (balance, fine_bucket, micro_batch_plans, pack,
-                                      response_layout, unpack)
+from hflax.controller.packing import (FILL_SPLIT, balance, fine_bucket, micro_batch_plans,
+                                      pack, response_layout, sequence_lengths, shape_floor,
+                                      unpack)
 
 
 def rollout_mask(prompt_lengths, response_lengths, prompt_width, response_width):
@@ -250,11 +251,22 @@ def test_a_shorter_batch_reuses_the_longer_ones_program():
   assert float(second["actor/update_padded_tokens"]) == 4 * 176 - shorter
 
 
-def test_a_much_shorter_batch_fills_fewer_micro_batches_of_the_same_program():
-  """After a batch of long answers sets the packed length (416), a batch of short ones
-  fills 1 of the 4 micro-batches (2 rows of 416 hold its 671 tokens) instead of 4 mostly
-  padding; the program skips the empty ones, compiles once, and steps as the padded path."""
+# (micro-batches, packed length, of them used by the short batch) of the long batch's plan:
+# the tiny model's compute is far under MIN_SPLIT_FLOPS (4 micro-batches), unless the test
+# lowers it (FILL_SPLIT x 4).
+_FILL_CASES = {"coarse": (None, 4, 416, 1), "split": (1.0, 8, 224, 2)}
+
+
+@pytest.mark.parametrize("case", _FILL_CASES)
+def test_a_much_shorter_batch_fills_fewer_micro_batches_of_the_same_program(case, monkeypatch):
+  """After a batch of long answers sets the packed shape, a batch of short ones fills the
+  fewest micro-batches that hold its 671 tokens instead of all of them, mostly padding;
+  the program skips the empty ones, compiles once, and steps as the padded path."""
+  from hflax.controller import workers
   from hflax.controller.training import UpdateConfig
+  min_flops, cuts, length, used = _FILL_CASES[case]
+  if min_flops is not None:
+    monkeypatch.setattr(workers, "MIN_SPLIT_FLOPS", min_flops)
   long = grpo_batch(others=[40] * (ROWS - 1))  # 104 + 63 x 44 = 2876 tokens
   update = dict(mini_batch_size=ROWS, micro_batch_size=ROWS // 4)
   runs = {}
@@ -266,14 +278,18 @@ def test_a_much_shorter_batch_fills_fewer_micro_batches_of_the_same_program():
   assert_same_update(actor.params, got, want_actor.params, want)
   (key,) = [k for k in actor._steps if k[0] == "packed"]
   assert actor._steps[key]._cache_size() == 1
-  # 4 micro-batches x 2 devices: 8 rows of 2876 / 8 = 359.5 on average; 44-token
-  # sequences (and the 104) longest first into the least-filled row: the fullest is over 384,
-  # bucket 416 (a step of 32 from 256 to 512).
-  assert float(first["actor/update_micro_batches"]) == 4
-  assert float(first["actor/update_padded_tokens"]) == 8 * 416 - 2876
-  assert float(got["actor/update_micro_batches"]) == 1
+  # coarse: 4 micro-batches x 2 devices, 8 rows of 2876 / 8 = 359.5 on average; 44-token
+  # sequences (and the 104) longest first into the least-filled row: the fullest is over
+  # 384, bucket 416 (a step of 32 from 256 to 512). The short batch fits 2 rows of it.
+  # split: 16 rows of 179.75 on average, above the longest sequence (104), so the finer
+  # cut applies: the 104 row ends at 104 + 2 x 44 = 192, 14 rows at 4 x 44 = 176 and the
+  # last of the 63 44-token sequences makes one row 220: bucket 224 (a step of 16 from 128
+  # to 256). The short batch fits 4 rows of it.
+  assert float(first["actor/update_micro_batches"]) == cuts
+  assert float(first["actor/update_padded_tokens"]) == 2 * cuts * length - 2876
+  assert float(got["actor/update_micro_batches"]) == used
   assert float(got["actor/update_tokens"]) == REAL_TOKENS
-  assert float(got["actor/update_padded_tokens"]) == 2 * 416 - REAL_TOKENS
+  assert float(got["actor/update_padded_tokens"]) == 2 * used * length - REAL_TOKENS
 
 
 def test_fill_fewest_plans():
@@ -294,6 +310,37 @@ def test_fill_fewest_plans():
     assert len(plans) == 4 and plans[0].segment_ids.shape == (2, length)
     assert all(len(p.seq_rows) == 16 for p in plans)
     assert [bool(p.member.any()) for p in plans] == [True] * used + [False] * (4 - used)
+  # The longest sequence is over half a mean row of 4 micro-batches: no finer cut. Where
+  # the floor already holds a micro-batch count (a run's first batch chose it), it stays.
+  assert max(sequence_lengths(mask)) * 8 * 2 > tokens
+  plans = micro_batch_plans(mask, multiple=2, micro_batches=4, floor=(tight, 0, 8),
+                            fill_fewest=True)
+  check_plan_covers(mask, 90, plans, 2)
+  assert len(plans) == 8 and sum(bool(p.member.any()) for p in plans) == 4
+
+
+def test_fill_fewest_cuts_finer_where_the_longest_sequence_fits():
+  """A batch whose longest sequence fits a mean row of FILL_SPLIT x the micro-batches (and
+  split_tokens: none by default) is cut that much finer; shape_floor keeps the count for
+  the run's later batches."""
+  rng = np.random.default_rng(6)
+  mask = random_mask(rng, 64, prompt_width=16, response_width=40)
+  assert max(sequence_lengths(mask)) * 8 * 2 <= mask.sum()
+  assert len(micro_batch_plans(mask, multiple=2, micro_batches=4, fill_fewest=True)) == 4
+  plans = micro_batch_plans(mask, multiple=2, micro_batches=4, fill_fewest=True,
+                            split_tokens=1)
+  check_plan_covers(mask, 40, plans, 2)
+  assert len(plans) == 4 * FILL_SPLIT and all(p.member.any() for p in plans)
+  floor = shape_floor(plans)
+  assert floor == (plans[0].segment_ids.shape[1], 64, 8)
+  short = mask.copy()
+  short[:, 30:] = 0  # every response cut to 14 tokens: fewer micro-batches, same shape
+  again = micro_batch_plans(short, multiple=2, micro_batches=4, floor=floor,
+                            fill_fewest=True)
+  check_plan_covers(short, 40, again, 2)
+  assert len(again) == 8 and again[0].segment_ids.shape == plans[0].segment_ids.shape
+  assert 0 < sum(bool(p.member.any()) for p in again) < 8
+  assert shape_floor(again, floor) == floor
 
 
 def test_token_budget_micro_batches_do_not_change_the_step(padded_grpo_step):
