@@ -26,7 +26,8 @@ callback runs a block of hflax steps after every block of TRL steps, after warm-
 each (hflax compiles on its first step). tokens/s = (prompt + response tokens of the step's
 batch) / wall time of the step; the medians over the timed steps are compared. Stage
 FLOP/s count the matmuls each stage executes (padding included) and are read against a
-matmul peak of the stage's precision measured beside the pair.
+matmul peak of the stage's precision measured right after each timed step (outside its
+time: the VM's speed drifts within a pair), each step against its own, then the median.
 
   python bench/rl_step.py                      # 8 prompts x 8 samples x 128 tokens, fp32 + bf16
   python bench/rl_step.py --response-len 256   # the 256-token variant
@@ -395,7 +396,8 @@ def run_pair(args, precision: str, ckpt: str, rows: list[dict], data_file: str, 
       step = dict(time=now - self.mark, tokens=tokens, prompt_tokens=r["prompt_tokens"],
                   response_tokens=r["response_tokens"], stages=stages, score=r["reward_mean"],
                   rows=r["rows"], prompt_width=r["prompt_width"],
-                  response_width=r["response_width"], warmup=state.global_step <= trl_warmup)
+                  response_width=r["response_width"], warmup=state.global_step <= trl_warmup,
+                  peaks=common.matmul_peaks(args.peak_size))  # outside the step's time
       trl_steps.append(step)
       order.append("T" if not step["warmup"] else "t")
       print(f"  TRL   step {state.global_step:>2}: {step['time']:6.2f} s, {tokens:6.0f} tokens, "
@@ -407,6 +409,7 @@ def run_pair(args, precision: str, ckpt: str, rows: list[dict], data_file: str, 
         for _ in range(count):
           s = hflax.step()
           s["warmup"] = done == 0
+          s["peaks"] = common.matmul_peaks(args.peak_size)  # the VM's speed drifts
           hx_steps.append(s)
           order.append("h" if s["warmup"] else "H")
           print(f"  hflax step {len(hx_steps):>2}: {s['time']:6.2f} s, {s['tokens']:6.0f} tokens, "
@@ -448,7 +451,10 @@ def report(pair: dict, model_cfg, args) -> dict:
 
   precision = pair["precision"]
   compute = "bfloat16" if precision == "bf16" else "float32"
-  peak = pair["peaks"][compute]
+
+  def peak(step):  # measured right after the step (older JSON: beside the pair)
+    return step.get("peaks", pair["peaks"])[compute]
+
   hx = [s for s in pair["hflax"] if not s["warmup"]]
   tr = [s for s in pair["trl"] if not s["warmup"]]
   for s in hx + tr:
@@ -473,10 +479,13 @@ def report(pair: dict, model_cfg, args) -> dict:
     gen_fs = statistics.median(f["gen"] / s["stages"]["gen"] for f, s in zip(flops, steps))
     upd_fs = statistics.median(f["update_actor"] / s["stages"]["update_actor"]
                                for f, s in zip(flops, steps))
-    useful_fs = statistics.median(f["useful"] / s["stages"]["update_actor"]
-                                  for f, s in zip(flops, steps))
-    out[name] = dict(tps=med(steps, "tps"), update_fraction=upd_fs / peak, stage=stage,
-                     useful_fraction=useful_fs / peak,
+    # Each step's update against the peak measured beside that step, then the median.
+    upd_frac = statistics.median(f["update_actor"] / s["stages"]["update_actor"] / peak(s)
+                                 for f, s in zip(flops, steps))
+    useful_frac = statistics.median(f["useful"] / s["stages"]["update_actor"] / peak(s)
+                                    for f, s in zip(flops, steps))
+    out[name] = dict(tps=med(steps, "tps"), update_fraction=upd_frac, stage=stage,
+                     useful_fraction=useful_frac,
                      real_fraction=statistics.median(f["real_fraction"] for f in flops),
                      head_share=flops[0]["head"] / flops[0]["update_actor"])
     print(f"{name:>9} | {med(steps, 'tps'):>8.0f} | {med(steps, 'time'):>6.2f} | "
@@ -484,16 +493,19 @@ def report(pair: dict, model_cfg, args) -> dict:
           f"{fmt(stage['gen'], 6)} | {fmt(stage['reward'], 8)} | {fmt(stage['old_log_prob'], 10)} | "
           f"{fmt(stage['ref'], 5)} | {fmt(stage['update_actor'], 8)} | "
           f"{statistics.median(others):>7.2f} | {gen_fs / 1e9:>11.1f} | {upd_fs / 1e9:>11.1f} | "
-          f"{upd_fs / peak:>10.1%} | {pair['peak_rss'][name]:>12.0f}")
+          f"{upd_frac:>10.1%} | {pair['peak_rss'][name]:>12.0f}")
   ratio = out["hflax"]["tps"] / out["TRL"]["tps"]
   frac = out["hflax"]["update_fraction"]
   print(f"[{precision}] ratio hflax/TRL tokens/s: {ratio:.2f}x; hflax update at {frac:.1%} of "
         f"the {compute} matmul peak (TRL's: {out['TRL']['update_fraction']:.1%}) counting the "
         f"shapes each computes; counting real tokens only: hflax "
         f"{out['hflax']['useful_fraction']:.1%}, TRL {out['TRL']['useful_fraction']:.1%}")
-  print(f"[{precision}] matmul peak beside the pair ({args.peak_size}^3, jit, median of 5, "
-        f"before/after averaged): fp32 {pair['peaks']['float32'] / 1e9:.1f}, bf16 "
-        f"{pair['peaks']['bfloat16'] / 1e9:.1f} GFLOP/s; real tokens are "
+  beside = [peak(s) / 1e9 for s in hx + tr]
+  print(f"[{precision}] {compute} matmul peak ({args.peak_size}^3, jit, median of 5) after each "
+        f"timed step: {min(beside):.1f}-{max(beside):.1f} GFLOP/s, the 'of peak' column reads "
+        f"each step's update against its own; before/after the pair: fp32 "
+        f"{pair['peaks']['float32'] / 1e9:.1f}, bf16 {pair['peaks']['bfloat16'] / 1e9:.1f} "
+        f"GFLOP/s; real tokens are "
         f"{out['hflax']['real_fraction']:.0%} of hflax's padded batch; the LM head is "
         f"{out['hflax']['head_share']:.1%} of the update's FLOPs")
   print(f"[{precision}] hflax first step (compiles): {pair['hflax'][0]['time']:.1f} s; per-step "
