@@ -70,7 +70,8 @@ LARGE = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, 
 SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                             num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
                             rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                            max_position_embeddings=8192)
+                            max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=2)
 # One layer: the smoke run's time is compiles, which grow with the (unrolled) layers.
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1,
                    num_heads=4, num_kv_heads=2)
@@ -230,6 +231,13 @@ def load_model(name: str, dtype: str):
   return (cfg, *create(cfg))
 
 
+def failure(e: Exception) -> str:
+  """A failed row's value (its traceback goes to stderr): the error's type and first line."""
+  traceback.print_exc()
+  first = (str(e).splitlines() or [""])[0]
+  return f"failed: {type(e).__name__}: {first[:300]}"
+
+
 def fmt_rate(x: float, unit: str) -> str:
   for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
     if x >= scale:
@@ -319,14 +327,12 @@ def main(argv=None):
       report["models"].append(model_rows(name, cfg, graphdef, state, shape,
                                          report["peak_flops"]))
     except Exception as e:  # noqa: BLE001 -- one model's failure must not hide the others
-      traceback.print_exc()
-      report["skipped"][name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+      report["skipped"][name] = failure(e)
     del graphdef, state
   try:
     report["kernel"] = kernel_row(dtype, args.smoke)
   except Exception as e:  # noqa: BLE001 -- reported as the row's value
-    traceback.print_exc()
-    report["kernel"] = {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    report["kernel"] = {"status": failure(e)}
   report["wall_s"] = time.perf_counter() - start
   width = max(len(r) for _, r, _ in table(report))
   for model, row, value in table(report):

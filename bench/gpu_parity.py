@@ -40,10 +40,9 @@ from hflax.models.logprobs import hidden_log_probs  # noqa: E402
 from hflax.models.transformer import forward  # noqa: E402
 from hflax.rollout.sampler import SamplingParams, generate  # noqa: E402
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-               max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
-               bos_token_id=1, eos_token_id=2, pad_token_id=2)
+from accelerator import SMOLLM2_SHAPE  # noqa: E402  (bench/ is this script's path)
+
+SMOLLM2 = SMOLLM2_SHAPE.to_hf()  # the shape accelerator.py times, as transformers reads it
 # Bounds on the largest difference over real tokens relative to the largest |reference|:
 # fp32 is float32 rounding over 30 layers; bf16 an 8-bit mantissa over them.
 FP32_TOL, BF16_TOL = 1e-4, 5e-2
