@@ -48,9 +48,11 @@ def reference(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   probs = jax.nn.softmax(jnp.where(mask, scores, MASKED), axis=-1)
   # Batch-major output order keeps this a plain batched matmul (XLA's fast kernels);
   # asking for [b, t, ...] directly made it swap operands onto a slow generic dot.
+  # float32 out: XLA:CPU's fast library takes bfloat16 operands only with a float32 result.
   out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(q_BxTxHxDh.dtype),
-                              v_BxKxSxDh.astype(q_BxTxHxDh.dtype))
-  return out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+                              v_BxKxSxDh.astype(q_BxTxHxDh.dtype),
+                              preferred_element_type=jnp.float32)
+  return out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q_BxTxHxDh.dtype)
 
 
 def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
