@@ -454,3 +454,20 @@ def test_key_block_bounds_reach_back_to_the_shared_prompt():
   # Responses of segments 3 and 4 reach back to their prompt (segment 2, from key block 0).
   np.testing.assert_array_equal(bounds(jnp.asarray(prefix)), [[0, 0, 0, 0], [1, 2, 3, 4]])
   np.testing.assert_array_equal(bounds(), [[0, 0, 2, 2], [1, 2, 3, 4]])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_column_cache_writes_equal_a_dynamic_update_slice(dtype):
+  """_write_slots' select over a bf16 cache's bits writes exactly what a
+  dynamic-update-slice does, for one slot shared by all rows and for one slot per row."""
+  from hflax.models.transformer import _write_slots
+  cache = jax.random.normal(jax.random.key(0), (3, 2, 4, 9)).astype(dtype)
+  new = jax.random.normal(jax.random.key(1), (3, 2, 4, 1))
+  for slot0 in (jnp.int32(5), jnp.array([0, 8, 3], jnp.int32)):
+    got = jax.jit(lambda c, n, s: _write_slots(c, n, s, axis=3))(cache, new, slot0)
+    slots = np.broadcast_to(np.asarray(slot0), (3,))
+    want = np.asarray(cache).copy()
+    for b, s in enumerate(slots):
+      want[b, :, :, s] = np.asarray(new.astype(dtype))[b, :, :, 0]
+    assert got.dtype == cache.dtype
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -147,3 +147,16 @@ def test_actor_with_continuous_batching_samples_what_its_waves_do(model, prompts
                        float(result.meta["metrics"]["rollout/waves"]))
   assert out[False][1] == 4 and out[True][1] == 1  # 8 prompts, 2 replicas: 4 waves of 2
   assert_same(out[True][0], out[False][0])
+
+
+def test_bfloat16_slots_sample_what_waves_do(prompts):
+  """bf16 caches are written through their bits on CPU (a select, not a widened
+  dynamic-update-slice), in the decode step and when a slot takes a new prompt."""
+  graphdef, state = create(CFG.replace(dtype="bfloat16"), seed=3)
+  params = SamplingParams(max_new_tokens=N, temperature=1.0, n=2)
+  key = jax.random.key(5)
+  want = generate(graphdef, state, prompts, params, rng=key)
+  got = generate(graphdef, state, prompts, params, rng=key, slots=3)
+  np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))
+  np.testing.assert_allclose(np.asarray(got["rollout_log_probs"]),
+                             np.asarray(want["rollout_log_probs"]), atol=1e-6)

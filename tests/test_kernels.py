@@ -169,12 +169,13 @@ def test_tiles_are_checked():
 
 
 def test_mode_flag(monkeypatch):
-  for flag, mode in [("0", None), ("1", None), ("auto", None), ("interpret", "interpret")]:
-    monkeypatch.setenv(kernels.ENV, flag)  # "1" still needs a GPU backend
+  for flag, mode in [("0", None), ("auto", None), ("interpret", "interpret")]:
+    monkeypatch.setenv(kernels.ENV, flag)
     assert kernels.logprob_kernel_mode() == mode
-  monkeypatch.setenv(kernels.ENV, "yes please")
-  with pytest.raises(ValueError, match=kernels.ENV):
-    kernels.logprob_kernel_mode()
+  for flag, error in [("yes please", "expected auto"), ("1", "backend is cpu")]:
+    monkeypatch.setenv(kernels.ENV, flag)  # "1" asks for a GPU kernel: not a silent fallback
+    with pytest.raises(ValueError, match=error):
+      kernels.logprob_kernel_mode()
 
 
 @pytest.mark.parametrize("transposed", [False, True])

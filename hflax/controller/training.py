@@ -78,17 +78,20 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
   return optax.chain(*chain)
 
 
-def train_compiler_options(devices) -> dict | None:
-  """XLA options for a training step on `devices`: on CPU, YNNPACK fusions of dots only
-  (xla_cpu_experimental_ynn_fusion_type=dot instead of XLA:CPU's default set).
+def train_compiler_options(devices, compute_dtype="float32") -> dict | None:
+  """XLA options for a training step on `devices` computing in `compute_dtype`: on CPU in
+  float32, YNNPACK fusions of dots only (xla_cpu_experimental_ynn_fusion_type=dot instead
+  of XLA:CPU's default set).
 
   Measured on a 2-core x86 VM (jax 0.10.2): the GRPO policy update of bench/rl_step.py
-  2.22 s instead of 2.73 s, loss equal to 1e-6. Training steps only: the same setting
-  made the sampler's small decode matmuls slower (bench/generate.py, batch 8: 191 ms per
-  call instead of 105), so generation and forward passes keep the default.
-  HFLAX_CPU_YNN=0 turns it off.
+  2.22 s instead of 2.73 s, loss equal to 1e-6; on a 2-core Xeon with AMX, SmolLM2's
+  gradient over 448 tokens 2.56 s instead of 2.72 s. Not in bfloat16: there the option
+  makes XLA:CPU widen every bf16 x bf16 -> f32 dot to float32 (the same gradient took
+  2.56 s instead of 1.71 s). Training steps only: the option made the sampler's small
+  decode matmuls slower (bench/generate.py, batch 8: 191 ms per call instead of 105), so
+  generation and forward passes keep the default. HFLAX_CPU_YNN=0 turns it off.
   """
-  if os.environ.get("HFLAX_CPU_YNN", "1") == "0":
+  if os.environ.get("HFLAX_CPU_YNN", "1") == "0" or jnp.dtype(compute_dtype) != jnp.float32:
     return None
   if any(d.platform != "cpu" for d in devices):
     return None

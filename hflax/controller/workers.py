@@ -194,7 +194,7 @@ class RoleWorker:
           in_shardings=(self.shardings, opt_shardings, rows_sharding, replicated(self.mesh),
                         replicated(self.mesh), replicated(self.mesh)),
           out_shardings=(self.shardings, opt_shardings, replicated(self.mesh)),
-          compiler_options=train_compiler_options(self.mesh.devices.flat))
+          compiler_options=train_compiler_options(self.mesh.devices.flat, self.cfg.dtype))
     history = []
     for fresh, index, live in self._mini_batches(live_rows, unit):
       self.params, self.opt_state, metrics = self._steps[name](
@@ -299,7 +299,7 @@ class RoleWorker:
           self._on_mesh(step), donate_argnums=(0, 1),
           in_shardings=(self.shardings, opt_shardings, rows_sharding, rep, rep, rep, rep),
           out_shardings=(self.shardings, opt_shardings, rep),
-          compiler_options=train_compiler_options(self.mesh.devices.flat))
+          compiler_options=train_compiler_options(self.mesh.devices.flat, self.cfg.dtype))
     return self._steps[key]
 
   def _prompt_groups(self, batch: Batch, mask: np.ndarray):

@@ -2,8 +2,8 @@
 
 HFLAX_LOGPROB_KERNEL picks how `hflax.models.logprobs.hidden_log_probs` runs:
   unset, "auto", "0"  the chunked pure-JAX path, on every backend
-  "1"                 the fused Pallas (Triton) kernel in any GPU process (an error where
-                      Triton cannot compile for the GPU)
+  "1"                 the fused Pallas (Triton) kernel in any GPU process (an error on
+                      other backends and where Triton cannot compile for the GPU)
   "interpret"         the kernel in Pallas interpret mode on any backend (tests; slow)
 It is read when a function is traced, so set it before the first call of a jitted step.
 
@@ -61,7 +61,8 @@ def logprob_kernel_mode() -> str | None:
   if flag == "interpret":
     return "interpret"
   if jax.default_backend() != "gpu":
-    return None
+    raise ValueError(f"{ENV}={flag} asks for the fused GPU kernel, but JAX's backend is "
+                     f"{jax.default_backend()}: unset it (or set auto) for the pure-JAX path")
   problem = _gpu_problem()
   if problem:
     raise ValueError(f"{ENV}={flag}: {problem}")

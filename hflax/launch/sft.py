@@ -104,7 +104,8 @@ def sft_warmup(cfg, policy, tokenizer, rows, log=print):
   tx = optax.adam(sft.lr)
   opt_state = tx.init(state)
 
-  @functools.partial(jax.jit, compiler_options=train_compiler_options(jax.devices()[:1]))
+  @functools.partial(jax.jit, compiler_options=train_compiler_options(jax.devices()[:1],
+                                                                   model_cfg.dtype))
   def step(state, opt_state, tokens, mask, loss_mask):
     def loss_fn(state):
       logp, _ = sequence_log_probs(graphdef, state, tokens, mask)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models.transformer import init_cache, positions_from_mask
+from hflax.models.transformer import cache_where, init_cache, positions_from_mask
 from hflax.rollout.decoding import (SamplingParams, grow, outputs, pick, pick_with_keys,
                                     segment_ends)
 
@@ -56,9 +56,12 @@ def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, row
     def copy_in(c):
       prompt = row // n
       cache, kv_valid = c["cache"], c["kv_valid"]
-      put = lambda old, new, axis: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-          old, jnp.where(take.reshape((K,) + (1,) * (old.ndim - 1)), new[prompt],
-                         jax.lax.slice_in_dim(old, 0, P, axis=axis)), 0, axis)
+      def put(old, new, axis):  # a taken slot's first P columns become its prompt's
+        S = old.shape[axis]
+        new = jnp.pad(new[prompt], [(0, S - P if a == axis else 0) for a in range(old.ndim)])
+        cols = jnp.arange(S).reshape([-1 if a == axis else 1 for a in range(old.ndim)])
+        return cache_where(take.reshape((K,) + (1,) * (old.ndim - 1)) & (cols < P), new, old)
+
       cache = [{"k": put(o["k"], s["k"], 3), "v": put(o["v"], s["v"], 2)}
                for o, s in zip(cache, store)]
       # The response columns of the slot's previous row stay, unseen: only the mask resets.
