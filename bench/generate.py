@@ -255,7 +255,8 @@ def main(argv=None) -> int:
           f"{hf_model.dtype}); {cfg.num_params:,} params ({body_params:,} non-embedding "
           f"matmul + {head_params:,} lm_head)", flush=True)
     peak, peak_by_size, measure_peak = matmul_peak(peak_sizes, max(3, repeats), DTYPES[precision])
-    print(f"[{precision}] matmul peak (jit jnp.dot {DTYPES[precision]}, median): " +
+    print(f"[{precision}] matmul peak (jit common.widening_dot, {DTYPES[precision]} inputs, "
+          "median): " +
           ", ".join(f"{n}^3: {f / 1e9:.1f} GFLOP/s" for n, f in peak_by_size.items()), flush=True)
     rng = np.random.default_rng(0)
     for B in batches:
