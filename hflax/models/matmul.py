@@ -1,4 +1,4 @@
-"""x @ w in a low-precision compute dtype, accumulated and returned through float32.
+"""x @ w in a low-precision compute dtype on CPUs, accumulated and returned through float32.
 
 Why not a plain `jnp.dot` of two bfloat16 arrays: XLA:CPU sends a dot to its fast library
 (YNNPACK, AMX tiles where the CPU has them) only when it reads bfloat16 and writes float32.
@@ -25,7 +25,9 @@ def dense_dot(x, w, dtype):
   result [..., *w.shape[1:]] in `dtype`."""
   dtype = jnp.dtype(dtype)
   x = x.astype(dtype)
-  if dtype == jnp.float32:
+  if dtype == jnp.float32 or jax.default_backend() != "cpu":
+    # GPUs and TPUs accumulate low-precision dots in float32 on their own; their path stays
+    # the one measured there (bench/accelerator.py).
     return jnp.tensordot(x, w.astype(dtype), axes=1)
   return _low_precision_dot(x, w)
 
