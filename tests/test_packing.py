@@ -200,8 +200,10 @@ def assert_same_update(params, metrics, want_params, want_metrics):
     np.testing.assert_allclose(float(metrics[key]), float(want_metrics[key]), rtol=1e-4,
                                atol=1e-6, err_msg=key)
   for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
-    # Adam at lr 1e-2 turns float noise in near-zero gradients into ~lr/100 steps.
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-4)
+    # Adam's first step is lr * g / (|g| + eps): float noise dg in a gradient near eps moves
+    # it by up to lr * dg / (4 eps), ~lr/40 for dg ~ 1e-9 (measured: 1.24e-4 at lr 1e-2 on
+    # a Xeon with AVX-512, 1 of 2048 entries). The metrics above carry the exact checks.
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2.5e-4)
 
 
 @pytest.fixture(scope="module")
