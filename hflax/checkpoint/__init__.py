@@ -346,11 +346,13 @@ class Checkpointer:
 
   def _reload(self, tries: int = 5):
     """Re-reads the steps on disk. Process 0 may rename an old step to `.deleting` between
-    orbax listing the directory and reading that step; the step is gone, so list again."""
+    orbax listing the directory and reading that step; the step is gone, so list again.
+    orbax reports the vanished step as missing or, when it checks the path's type first,
+    as "not a directory" (seen on a faster VM: 2 of about 2000 polls)."""
     for attempt in range(tries):
       try:
         return self._manager.reload()
-      except FileNotFoundError:
+      except (FileNotFoundError, NotADirectoryError):
         if attempt == tries - 1:
           raise
         time.sleep(0.05 * (attempt + 1))
