@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models.transformer import cache_where, init_cache, positions_from_mask
+from hflax.models.transformer import (cache_columns, cache_where, init_cache,
+                                      positions_from_mask)
 from hflax.rollout.decoding import (SamplingParams, grow, outputs, pick, pick_with_keys,
                                     segment_ends)
 
@@ -59,8 +60,8 @@ def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, row
       def put(old, new, axis):  # a taken slot's first P columns become its prompt's
         S = old.shape[axis]
         new = jnp.pad(new[prompt], [(0, S - P if a == axis else 0) for a in range(old.ndim)])
-        cols = jnp.arange(S).reshape([-1 if a == axis else 1 for a in range(old.ndim)])
-        return cache_where(take.reshape((K,) + (1,) * (old.ndim - 1)) & (cols < P), new, old)
+        taken = take.reshape((K,) + (1,) * (old.ndim - 1)) & (cache_columns(old, axis) < P)
+        return cache_where(taken, new, old)
 
       cache = [{"k": put(o["k"], s["k"], 3), "v": put(o["v"], s["v"], 2)}
                for o, s in zip(cache, store)]
