@@ -26,9 +26,11 @@ def test_rl_step_quick_prints_every_row():
   pytest.importorskip("trl", reason="TRL is rl_step.py's peer, in the bench extra: "
                       "pip install -e '.[bench]' -c constraints.txt")
   out = run("rl_step.py", "--quick", "--toy")
-  for precision in ("fp32", "bf16"):
+  for precision, compute in (("fp32", "float32"), ("bf16", "bfloat16")):
     assert f"[{precision}] GRPO step" in out
-    assert f"[{precision}] matmul peak beside the pair" in out
+    # the peak is measured after each timed step and before/after the pair
+    assert f"[{precision}] {compute} matmul peak (" in out and "after each timed step" in out
+    assert "before/after the pair: fp32" in out
     assert f"update, {precision} | hflax at" in out
   lines = [line for line in out.splitlines() if line.strip().startswith(("hflax |", "TRL |"))]
   assert len(lines) == 4  # both frameworks in both precisions
