@@ -9,6 +9,7 @@ from flax import nnx
 
 from hflax.models import ModelConfig, attention, create, init_cache
 from hflax.models.transformer import forward, positions_from_segments
+from hlo_dots import dot_operand_types
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, attention="reference")
@@ -151,6 +152,33 @@ def test_blockwise_matches_reference_in_values_and_gradients(case, T, S, q_block
                              np.where(seen[:, :, None, None], want, 0), atol=2e-6)
   for g, want_g in zip(grads_got, grads_want):
     np.testing.assert_allclose(g, want_g, atol=1e-5)
+
+
+def test_bfloat16_blockwise_gradients_read_bfloat16_and_stay_near_float32():
+  """On CPU, XLA widens a bf16 matmul to float32 unless its operands are laid out for the
+  fast library (hflax.models.matmul); dK and dV contract over (group, query) pairs, which
+  XLA lays out itself (it transposes dots with several contracted axes)."""
+  B, T, H, KV, Dh = 3, 37, 6, 2, 16
+  q, k, v = _qkv(B, T, T, H, KV, Dh)
+  valid, slot, seg, seen = _masks("segments", B, T, T)
+  rows = jnp.asarray(seen)[:, :, None, None]
+  w = jnp.asarray(np.random.RandomState(1).randn(B, T, H, Dh), jnp.float32)
+
+  def loss(impl, q, k, v):
+    return jnp.sum(jnp.where(rows, impl(q, k, v, valid, slot, seg, seg), 0) * w)
+
+  blk = functools.partial(attention.blockwise, q_block=16, k_block=16)
+  low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  grads = jax.grad(functools.partial(loss, blk), (0, 1, 2))(*low)
+  want = jax.grad(functools.partial(loss, attention.reference), (0, 1, 2))(
+      *[x.astype(jnp.float32) for x in low])
+  for g, ref in zip(grads, want):
+    assert g.dtype == jnp.bfloat16
+    err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - ref)))
+    assert err <= 3e-2 * float(jnp.max(jnp.abs(ref))), err
+  compiled = jax.jit(jax.grad(functools.partial(loss, blk), (0, 1, 2))).lower(*low).compile()
+  reads = dot_operand_types(compiled.as_text())
+  assert reads and all(r == ("bf16", "bf16") for r in reads), reads
 
 
 def test_cudnn_arguments_match_reference(monkeypatch):

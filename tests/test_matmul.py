@@ -1,10 +1,11 @@
-"""dense_dot: bf16 matmuls accumulated in float32, with a hand-written gradient."""
+"""dense_dot and tied_logits: bf16 matmuls accumulated in float32, with hand-written gradients."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hflax.models.matmul import dense_dot
+from hflax.models.matmul import dense_dot, tied_logits
+from hlo_dots import dot_operand_types
 
 
 @pytest.mark.parametrize("w_shape", [(16, 8), (16, 2, 8)])
@@ -32,3 +33,44 @@ def test_bfloat16_dot_and_its_gradient_match_float32_on_rounded_inputs(w_shape):
 def test_float32_is_a_plain_dot():
   x, w = jnp.ones((3, 4)), jnp.arange(8.0).reshape(4, 2)
   np.testing.assert_array_equal(np.asarray(dense_dot(x, w, "float32")), np.asarray(x @ w))
+
+
+
+def test_every_matmul_of_the_bfloat16_gradient_reads_bfloat16():
+  """The weight gradient contracts x's rows; left to XLA, x^T folded into the dot and the
+  dot ran widened to float32 (about 10x slower on a CPU with AMX)."""
+  x = jnp.ones((448, 576), jnp.bfloat16)
+  w, g = jnp.ones((576, 1536)), jnp.ones((448, 1536))
+  grad = jax.jit(jax.grad(lambda x, w: jnp.sum(dense_dot(x, w, jnp.bfloat16) * g), (0, 1)))
+  reads = dot_operand_types(grad.lower(x, w).compile().as_text())  # dx and dw (the loss
+  # value is not asked for: its forward dot is dead code)
+  assert len(reads) == 2 and all(r == ("bf16", "bf16") for r in reads), reads
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_tied_logits_and_their_gradient_match_float32_on_rounded_inputs(dtype):
+  k = jax.random.split(jax.random.key(1), 3)
+  h = jax.random.normal(k[0], (2, 7, 32)).astype(dtype)
+  embed = jax.random.normal(k[1], (300, 32))
+  g = jax.random.normal(k[2], (2, 7, 300))
+  rounded = lambda a: a.astype(dtype).astype(jnp.float32)  # noqa: E731
+
+  def loss(fn, h, embed):
+    return jnp.sum(fn(h, embed) * g)
+
+  low = lambda h, e: tied_logits(h, e, dtype)  # noqa: E731
+  ref = lambda h, e: jnp.einsum("btd,vd->btv", rounded(h), rounded(e))  # noqa: E731
+  assert low(h, embed).dtype == jnp.float32  # the log-softmax reads float32 logits
+  np.testing.assert_allclose(np.asarray(low(h, embed)), np.asarray(ref(h, embed)),
+                             rtol=1e-5, atol=1e-4)
+  (dh, de), (rh, re_) = (jax.grad(loss, (1, 2))(f, h, embed) for f in (low, ref))
+  assert dh.dtype == dtype and de.dtype == jnp.float32
+  # bf16: the cotangent is rounded once to bf16 before both matmuls
+  tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+  scale = lambda a: float(jnp.max(jnp.abs(a)))  # noqa: E731
+  assert scale(dh.astype(jnp.float32) - rh) <= tol * scale(rh)
+  assert scale(de - re_) <= tol * scale(re_)
+  if dtype == jnp.bfloat16:
+    grad = jax.jit(jax.grad(lambda h, e: loss(low, h, e), (0, 1)))
+    reads = dot_operand_types(grad.lower(h, embed).compile().as_text())
+    assert len(reads) == 2 and all(r == ("bf16", "bf16") for r in reads), reads

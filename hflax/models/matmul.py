@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.layout import Layout, with_layout_constraint
 
 
 def dense_dot(x, w, dtype):
@@ -25,7 +26,7 @@ def dense_dot(x, w, dtype):
   result [..., *w.shape[1:]] in `dtype`."""
   dtype = jnp.dtype(dtype)
   x = x.astype(dtype)
-  if dtype == jnp.float32 or jax.default_backend() != "cpu":
+  if not widens_on_cpu(dtype):
     # GPUs and TPUs accumulate low-precision dots in float32 on their own; their path stays
     # the one measured there (bench/accelerator.py).
     return jnp.tensordot(x, w.astype(dtype), axes=1)
@@ -52,10 +53,67 @@ def _backward(saved, g):
                        ((tuple(range(g.ndim - out_axes, g.ndim)), tuple(range(1, w.ndim))),
                         ((), ())),
                        preferred_element_type=jnp.float32).astype(x.dtype)
-  rows = range(x.ndim - 1)
-  dw = lax.dot_general(x, g, ((tuple(rows), tuple(rows)), ((), ())),
-                       preferred_element_type=jnp.float32).astype(w.dtype)
-  return dx, dw
+  return dx, _weight_gradient(x, g, w.shape, w.dtype)
 
 
 _low_precision_dot.defvjp(_forward, _backward)
+
+
+def row_major_transpose(x):
+  """x with its last two axes swapped, written out in memory as a row-major array, not a
+  relabelled view."""
+  return with_layout_constraint(jnp.swapaxes(x, -1, -2),
+                                Layout(major_to_minor=tuple(range(x.ndim))))
+
+
+def widens_on_cpu(dtype) -> bool:
+  """Whether XLA would widen dots in `dtype` to float32 unless they are laid out for its
+  fast library (low precisions on CPU; GPUs and TPUs take them as they are)."""
+  return jnp.dtype(dtype) != jnp.float32 and jax.default_backend() == "cpu"
+
+
+def _weight_gradient(x, g, w_shape, w_dtype):
+  """x [..., K] contracted with g [..., *N] over all leading axes: [K, *N] in w_dtype."""
+  x_KxR = row_major_transpose(x.reshape(-1, x.shape[-1]))
+  g_RxN = g.reshape(x_KxR.shape[1], -1)
+  return lax.dot_general(x_KxR, g_RxN, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32).reshape(w_shape).astype(w_dtype)
+
+
+def tied_logits(hidden, embed_VxD, dtype):
+  """float32 logits [..., V] of hidden [..., D] against an embedding table [V, D] (a tied
+  LM head), the matmul computed in `dtype`."""
+  hidden = hidden.astype(dtype)
+  if not widens_on_cpu(dtype):
+    return jnp.einsum("...d,vd->...v", hidden, embed_VxD.astype(dtype),
+                      preferred_element_type=jnp.float32)
+  return _low_precision_logits(hidden, embed_VxD)
+
+
+@jax.custom_vjp
+def _low_precision_logits(h, embed):
+  return lax.dot_general(h, embed.astype(h.dtype), (((h.ndim - 1,), (1,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _logits_forward(h, embed):
+  return _low_precision_logits(h, embed), (h, embed)
+
+
+def _logits_backward(saved, g):
+  """The float32 cotangent of the logits is rounded to the compute dtype once, as an
+  autocast framework's bf16 logits would carry it: left float32, both matmuls over the
+  49k-id vocabulary (two thirds of the head's FLOPs) ran in float32."""
+  h, embed = saved
+  g = g.astype(h.dtype)
+  dh = lax.dot_general(g, embed.astype(h.dtype), (((g.ndim - 1,), (0,)), ((), ())),
+                       preferred_element_type=jnp.float32).astype(h.dtype)
+  V, D = embed.shape
+  # [V, R] x [R, D]: transposing the [R, V] cotangent (bf16) costs far less than
+  # transposing a [D, V] float32 product would.
+  d_embed = lax.dot_general(row_major_transpose(g.reshape(-1, V)), h.reshape(-1, D),
+                            (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  return dh, d_embed.astype(embed.dtype)
+
+
+_low_precision_logits.defvjp(_logits_forward, _logits_backward)

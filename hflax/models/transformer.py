@@ -17,7 +17,7 @@ from flax import nnx
 
 from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
-from hflax.models.matmul import dense_dot
+from hflax.models.matmul import dense_dot, tied_logits
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.sharding.layouts import ROW_AXES
 
@@ -229,8 +229,7 @@ class DecoderLM(nnx.Module):
     if self.head != "lm":
       raise ValueError("logits() needs head='lm'")
     if self.lm_head is None:
-      w = self.embed[...].astype(hidden_BxTxD.dtype)
-      return jnp.einsum("...d,vd->...v", hidden_BxTxD, w, preferred_element_type=jnp.float32)
+      return tied_logits(hidden_BxTxD, self.embed[...], hidden_BxTxD.dtype)
     return self.lm_head(hidden_BxTxD).astype(jnp.float32)
 
   def values(self, hidden_BxTxD):
