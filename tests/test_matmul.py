@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hflax.models.matmul import dense_dot, tied_logits
+from hflax.models.matmul import dense_dot, tied_head, tied_logits
 from hlo_dots import dot_operand_types
 
 
@@ -74,3 +74,21 @@ def test_tied_logits_and_their_gradient_match_float32_on_rounded_inputs(dtype):
     grad = jax.jit(jax.grad(lambda h, e: loss(low, h, e), (0, 1)))
     reads = dot_operand_types(grad.lower(h, embed).compile().as_text())
     assert len(reads) == 2 and all(r == ("bf16", "bf16") for r in reads), reads
+
+
+def test_tied_head_casts_once_and_computes_what_tied_logits_does():
+  k = jax.random.split(jax.random.key(2), 3)
+  h = jax.random.normal(k[0], (2, 7, 32)).astype(jnp.bfloat16)
+  embed = jax.random.normal(k[1], (300, 32))
+  g = jax.random.normal(k[2], (2, 7, 300))
+
+  def loss(fn, h, embed):
+    return jnp.sum(fn(h, embed) * g)
+
+  head = lambda h, e: tied_head(e, jnp.bfloat16)(h)  # noqa: E731
+  plain = lambda h, e: tied_logits(h, e, jnp.bfloat16)  # noqa: E731
+  np.testing.assert_array_equal(np.asarray(head(h, embed)), np.asarray(plain(h, embed)))
+  for got, want in zip(jax.grad(loss, (1, 2))(head, h, embed),
+                       jax.grad(loss, (1, 2))(plain, h, embed)):
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -43,8 +43,10 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
   hidden_NxBxCxD = hidden.reshape(B, n, chunk, D).swapaxes(0, 1)
   targets_NxBxC = targets.reshape(B, n, chunk).swapaxes(0, 1)
 
+  logits = model.logits_projection()  # outside the scan: weights cast once, not per chunk
+
   def project(h_BxCxD, t_BxC):
-    return log_probs_from_logits(model.logits(h_BxCxD), t_BxC, temperature)
+    return log_probs_from_logits(logits(h_BxCxD), t_BxC, temperature)
 
   def skipped(h_BxCxD, t_BxC):
     return jnp.zeros(t_BxC.shape, jnp.float32), jnp.zeros(t_BxC.shape, jnp.float32)

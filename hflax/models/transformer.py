@@ -17,7 +17,7 @@ from flax import nnx
 
 from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
-from hflax.models.matmul import dense_dot, tied_logits
+from hflax.models.matmul import dense_dot, tied_head, tied_logits
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.sharding.layouts import ROW_AXES
 
@@ -231,6 +231,13 @@ class DecoderLM(nnx.Module):
     if self.lm_head is None:
       return tied_logits(hidden_BxTxD, self.embed[...], hidden_BxTxD.dtype)
     return self.lm_head(hidden_BxTxD).astype(jnp.float32)
+
+  def logits_projection(self):
+    """hidden [..., D] -> float32 logits [..., V], as `logits`, with the head's weights
+    made ready (cast to the compute dtype) once, for callers that project many chunks."""
+    if self.head == "lm" and self.lm_head is None:
+      return tied_head(self.embed[...], jnp.dtype(self.cfg.dtype))
+    return self.logits
 
   def values(self, hidden_BxTxD):
     if self.head != "value":
