@@ -124,16 +124,21 @@ def save_tokenizer(directory: str):
   fast.save_pretrained(directory)
 
 
+def toy_config(args):
+  from hflax.models import ModelConfig
+  return ModelConfig(family="llama", vocab_size=261, hidden_size=args.hidden,
+                     intermediate_size=args.intermediate, num_layers=args.layers,
+                     num_heads=args.heads, num_kv_heads=args.kv_heads, dtype="float32",
+                     param_dtype="float32", eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                     bos_token_id=257, tie_word_embeddings=False)
+
+
 def build_shared_checkpoint(directory: str, args):
   """Random weights built by hflax, written as an HF checkpoint + tokenizer (both load it)."""
   from hflax.models import ModelConfig, create
   from hflax.models.hf import export_checkpoint
 
-  cfg = ModelConfig(family="llama", vocab_size=261, hidden_size=args.hidden,
-                    intermediate_size=args.intermediate, num_layers=args.layers,
-                    num_heads=args.heads, num_kv_heads=args.kv_heads, dtype="float32",
-                    param_dtype="float32", eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                    bos_token_id=257, tie_word_embeddings=False)
+  cfg = toy_config(args)
   _, state = create(cfg, seed=0)
   export_checkpoint(directory, cfg, state)
   save_tokenizer(directory)
@@ -452,8 +457,14 @@ def report(pair: dict, model_cfg, args) -> dict:
   precision = pair["precision"]
   compute = "bfloat16" if precision == "bf16" else "float32"
 
-  def peak(step):  # measured right after the step (older JSON: beside the pair)
-    return step.get("peaks", pair["peaks"])[compute]
+  # Each step's peak is measured right after it (older JSON: beside the pair only). A
+  # reading can come out low on its own (once 156 against 285-297 GFLOP/s), which would
+  # inflate that step's fraction: no step is read against less than the pair's median.
+  readings = [s["peaks"][compute] for s in pair["hflax"] + pair["trl"] if "peaks" in s]
+  floor = statistics.median(readings + [pair["peaks"][compute]])
+
+  def peak(step):
+    return max(step.get("peaks", pair["peaks"])[compute], floor)
 
   hx = [s for s in pair["hflax"] if not s["warmup"]]
   tr = [s for s in pair["trl"] if not s["warmup"]]
@@ -500,10 +511,11 @@ def report(pair: dict, model_cfg, args) -> dict:
         f"the {compute} matmul peak (TRL's: {out['TRL']['update_fraction']:.1%}) counting the "
         f"shapes each computes; counting real tokens only: hflax "
         f"{out['hflax']['useful_fraction']:.1%}, TRL {out['TRL']['useful_fraction']:.1%}")
-  beside = [peak(s) / 1e9 for s in hx + tr]
+  beside = [s.get("peaks", pair["peaks"])[compute] / 1e9 for s in hx + tr]
   print(f"[{precision}] {compute} matmul peak ({args.peak_size}^3, jit, median of 5) after each "
         f"timed step: {min(beside):.1f}-{max(beside):.1f} GFLOP/s, the 'of peak' column reads "
-        f"each step's update against its own; before/after the pair: fp32 "
+        f"each step's update against its own, or against the pair's median reading "
+        f"({floor / 1e9:.1f}) where its own is lower; before/after the pair: fp32 "
         f"{pair['peaks']['float32'] / 1e9:.1f}, bf16 {pair['peaks']['bfloat16'] / 1e9:.1f} "
         f"GFLOP/s; real tokens are "
         f"{out['hflax']['real_fraction']:.0%} of hflax's padded batch; the LM head is "
@@ -555,7 +567,11 @@ def main(argv=None) -> int:
   parser.add_argument("--kv-heads", type=int, default=2, help="--toy only")
   parser.add_argument("--intermediate", type=int, default=1152, help="--toy only")
   parser.add_argument("--json", default="", help="also write the raw per-step records here")
+  parser.add_argument("--report", default="",
+                      help="print the tables of an earlier --json file and exit")
   args = parser.parse_args(argv)
+  if args.report:
+    return report_file(args.report)
   q, toy = args.quick, args.toy
   args.prompts = args.prompts or (2 if q else 8)
   args.n = args.n or (4 if q else 8)
@@ -652,6 +668,34 @@ def main(argv=None) -> int:
   precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
   pairs = [run_pair(args, p, ckpt, rows, data_file, tmp.name, prompt_len) for p in precisions]
   results = {pair["precision"]: report(pair, model_cfg, args) for pair in pairs}
+  summarize(results)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"args": vars(args), "pairs": pairs, "results": results}, f, indent=1,
+                default=str)
+  tmp.cleanup()
+  return 0
+
+
+def report_file(path: str) -> int:
+  """The tables of an earlier --json run, read again (no new measurement)."""
+  import common
+  with open(path) as f:
+    saved = json.load(f)
+  args = argparse.Namespace(**saved["args"])
+  if args.toy:
+    model_cfg = toy_config(args)
+  else:
+    from hflax.models.hf import read_config
+    model_cfg = read_config(common.real_model_dir())
+  print(f"report of {path} (measured then; load and memory lines are of that run)")
+  summarize({pair["precision"]: report(pair, model_cfg, args) for pair in saved["pairs"]},
+            live=False)
+  return 0
+
+
+def summarize(results: dict, live: bool = True):
+  """The headline rows; live: measured by this process (its memory and load lines)."""
   print()
   print(f"{'row':>30} | {'hflax tok/s':>11} | {'TRL tok/s':>9} | {'ratio':>6} | target")
   if "fp32" in results:
@@ -672,19 +716,15 @@ def main(argv=None) -> int:
     print(f"{'update, ' + p:>30} | hflax at {r['update_fraction']:.1%} of the {compute} matmul "
           f"peak: >= {TARGET_UPDATE_PEAK:.0%}: "
           f"{'met' if r['update_fraction'] >= TARGET_UPDATE_PEAK else 'missed'}")
-  print(f"peak resident memory of the process: {common.peak_rss_mib():.0f} MiB; load average "
-        f"now {common.load_average()}")
+  if live:
+    import common
+    print(f"peak resident memory of the process: {common.peak_rss_mib():.0f} MiB; load "
+          f"average now {common.load_average()}")
   print("stages: gen = sampling (TRL: transformers generate + decode); old_logp/ref = "
         "log-prob passes (hflax reuses the sampler's; beta 0: no reference); update = loss "
         "forward + backward + clip + AdamW; other = the rest (TRL: padding, advantages, data "
         "loading; hflax: advantages, batch plumbing, step metrics). GFLOP/s: matmul FLOPs of "
         "the padded shapes (bench/common.py decoder_flops) over the stage's time")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "pairs": pairs, "results": results}, f, indent=1,
-                default=str)
-  tmp.cleanup()
-  return 0
 
 
 if __name__ == "__main__":

@@ -22,10 +22,14 @@ def run(script: str, *args: str) -> str:
   return done.stdout
 
 
-def test_rl_step_quick_prints_every_row():
+def test_rl_step_quick_prints_every_row(tmp_path):
   pytest.importorskip("trl", reason="TRL is rl_step.py's peer, in the bench extra: "
                       "pip install -e '.[bench]' -c constraints.txt")
-  out = run("rl_step.py", "--quick", "--toy")
+  saved = str(tmp_path / "run.json")
+  out = run("rl_step.py", "--quick", "--toy", "--json", saved)
+  again = run("rl_step.py", "--report", saved)  # the same tables, read back from the JSON
+  rows = lambda text: [line for line in text.splitlines() if " | " in line]  # noqa: E731
+  assert rows(again) == rows(out) and "peak resident memory" not in again
   for precision, compute in (("fp32", "float32"), ("bf16", "bfloat16")):
     assert f"[{precision}] GRPO step" in out
     # the peak is measured after each timed step and before/after the pair
