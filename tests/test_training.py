@@ -179,15 +179,19 @@ def test_micro_batches_of_unequal_token_counts_give_the_mini_batch_aggregate(mod
              - float(whole)) > 1e-3  # equal weights would get it wrong
 
 
-def test_fsdp_gradients_gather_weights_instead_of_resharding_activations():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp_gradients_gather_weights_instead_of_resharding_activations(dtype):
   """Under the pool's mesh the model pins its activations to row splits between layers
   (transformer.rows_split): an FSDP gradient then gathers weights and never reshuffles
-  activations (no all-to-all), and equals the one-device gradient."""
+  activations (no all-to-all), and equals the one-device gradient (in bf16, whose CPU
+  backward writes transposed operands out under layout constraints, up to bf16 rounding
+  of differently split sums)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   from hflax.sharding.layouts import TRAIN_RULES, state_shardings, train_mesh
   # Shaped like bench/automap.py's critic, where XLA left alone chose the reshuffles.
   cfg = ModelConfig(family="llama", vocab_size=261, hidden_size=128, intermediate_size=384,
-                    num_layers=2, num_heads=8, num_kv_heads=4, dtype="float32")
+                    num_layers=2, num_heads=8, num_kv_heads=4, dtype=dtype,
+                    param_dtype="float32")
   graphdef, state = create(cfg, seed=0)
   mesh = train_mesh(jax.devices()[:4], fsdp=4)
   rs = np.random.RandomState(0)
@@ -215,4 +219,8 @@ def test_fsdp_gradients_gather_weights_instead_of_resharding_activations():
                                    jax.device_put(mask, rows)))
   want = jax.jit(jax.grad(loss))(state, tokens, mask)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    assert a.dtype == jnp.float32  # master weights' gradients
+    if dtype == "float32":
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    else:  # measured: at most 3.5% of a leaf's largest entry, before and after the change
+      assert float(jnp.max(jnp.abs(a - b))) <= 0.1 * float(jnp.max(jnp.abs(b)))
