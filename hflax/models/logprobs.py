@@ -1,8 +1,9 @@
 """Per-token log-probs and entropy under a model, never holding [B, T, V] float32 at once.
 
-The vocabulary projection runs over sequence chunks inside a scan whose body is
-rematerialised, so the forward pass and its gradient both keep one [B, chunk, V] block
-of logits alive instead of the whole sequence's.
+The vocabulary projection runs over sequence chunks (hflax/models/chunked_head.py: a loop
+over the live chunks whose backward pass recomputes each chunk's logits), so the forward
+pass and its gradient keep one chunk's [B, chunk, V] logits alive, not the whole
+sequence's.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from hflax import kernels
+from hflax.models.chunked_head import chunked_log_probs
 from hflax.models.transformer import forward
 
 
@@ -43,27 +45,10 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
   hidden_NxBxCxD = hidden.reshape(B, n, chunk, D).swapaxes(0, 1)
   targets_NxBxC = targets.reshape(B, n, chunk).swapaxes(0, 1)
 
-  logits = model.logits_projection()  # outside the scan: weights cast once, not per chunk
-
-  def project(h_BxCxD, t_BxC):
-    return log_probs_from_logits(logits(h_BxCxD), t_BxC, temperature)
-
-  def skipped(h_BxCxD, t_BxC):
-    return jnp.zeros(t_BxC.shape, jnp.float32), jnp.zeros(t_BxC.shape, jnp.float32)
-
-  # The skip sits inside the rematerialised function: a cond outside it would keep the
-  # chunk's logits as residuals for the backward pass.
-  @jax.checkpoint
-  def one_chunk(live, h_BxCxD, t_BxC):
-    if live is None:
-      return project(h_BxCxD, t_BxC)
-    return jax.lax.cond(live, project, skipped, h_BxCxD, t_BxC)
-
-  def body(carry, xs):
-    i, h, t = xs
-    return carry, one_chunk(None if count is None else i * chunk < count, h, t)
-
-  _, (logp, ent) = jax.lax.scan(body, None, (jnp.arange(n), hidden_NxBxCxD, targets_NxBxC))
+  # The head's weights are made ready (cast) once, outside the chunk loop.
+  live = n if count is None else (count + chunk - 1) // chunk
+  logp, ent = chunked_log_probs(model.logits_projection(), hidden_NxBxCxD, targets_NxBxC,
+                                live, temperature)
   unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]  # noqa: E731
   return unchunk(logp), unchunk(ent)
 

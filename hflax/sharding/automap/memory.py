@@ -22,9 +22,8 @@ Terms, and the runtime code each follows:
                  cache [B, P] stays alive for the slots to copy from, beside `slots` rows of
                  cache grown to P + new_tokens, and the prefill's working set before them
   packed rows    hflax/models/logprobs.py packed_log_probs: one row of the micro-batch's
-                 real tokens; the logits block covers its sequences' response columns,
-                 and the conditional skipping chunks past them adds three blocks to the
-                 backward pass
+                 real tokens; the logits block covers its sequences' response columns
+  LM head        hflax/models/chunked_head.py: its backward pass holds four logits blocks
 
 Checked against XLA's compiled memory analysis of the real programs in
 tests/test_automap_memory.py (CPU; within the factor stated there).
@@ -209,12 +208,12 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | Non
   per_layer = (rows * length * cfg.hidden_size * _size(cfg.dtype) if cfg.remat
                else saved_layer_bytes(cfg, rows, length, attention))
   forward = forward_bytes(cfg, rows, length, scored, attention, scored_rows).transient
-  # A packed pass skips the logits chunks past its response tokens under a conditional,
-  # whose branches XLA:CPU gives buffers of their own: three more logits blocks in the
-  # backward pass (measured in tests/test_automap_runtime_modes.py).
-  skip = 0.0 if scored_rows is None else 3 * _pass_logits_bytes(cfg, rows, length, scored,
-                                                                scored_rows)
-  return cfg.num_layers * per_layer + 2 * forward + skip
+  # The LM head's hand-written backward pass (hflax/models/chunked_head.py) holds four
+  # logits blocks of one chunk: the recomputed logits, the probabilities, their cotangent
+  # and the transposed copy XLA makes of it for the weight gradient (measured in
+  # tests/test_automap_memory.py and tests/test_automap_runtime_modes.py).
+  head = 4 * _pass_logits_bytes(cfg, rows, length, scored, scored_rows)
+  return cfg.num_layers * per_layer + 2 * forward + head
 
 
 def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int) -> float:

@@ -1,0 +1,93 @@
+"""Log-probs and entropy of targets through an LM head, chunk by chunk, with a hand-written
+backward pass.
+
+`project(hidden [N, B, C, D], targets [N, B, C], live)` runs the head over the first `live`
+of N chunks (a loop whose trip count is data: chunks past the scored tokens cost nothing)
+and keeps two [B, C] softmax statistics per chunk. Its backward pass recomputes each live
+chunk's logits once and forms their cotangent in one pass over the vocabulary:
+d/dz_j of log p_t is [j = t] - p_j and of the entropy -p_j (z_j - mean z), z = logits / T.
+Against autodiff of a rematerialised scan under a conditional, this keeps one [B, C, V]
+block alive, never stacks or zero-fills the head's weights per chunk, and reads each
+block three times in all (two in the forward, one in the backward).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def softmax_stats(logits_BxCxV, targets_BxC, temperature):
+  """log p(target), entropy, logsumexp and mean of z = logits / temperature under p: the
+  max, then the sums of exp(z - max) and of exp(z - max) * z in one pass."""
+  z = logits_BxCxV.astype(jnp.float32) / temperature
+  top = lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+  e = jnp.exp(z - top)
+  # One variadic reduction: XLA:CPU rewrites a lone sum(e * z) into a batched dot that its
+  # matmul library runs far below memory speed (66 ms against about 2 for each 128-token
+  # chunk of a 49k vocabulary, 2-core Xeon).
+  zero = jnp.zeros((), jnp.float32)
+  total, weighted = lax.reduce((e, e * z), (zero, zero),
+                               lambda a, b: (a[0] + b[0], a[1] + b[1]), (z.ndim - 1,))
+  lse = top[..., 0] + jnp.log(total)
+  mean = weighted / total
+  picked = jnp.take_along_axis(z, targets_BxC[..., None], axis=-1)[..., 0]
+  return picked - lse, lse - mean, lse, mean
+
+
+def chunked_log_probs(head, hidden_NxBxCxD, targets_NxBxC, live, temperature: float):
+  """(log p, entropy), each [N, B, C], of targets under head(hidden) for the first `live`
+  chunks (an int or a traced scalar), 0 past them. head: hidden [B, C, D] -> logits
+  [B, C, V], differentiated with respect to whatever arrays it closes over."""
+  head_fn, consts = jax.closure_convert(head, hidden_NxBxCxD[0])
+  live = jnp.clip(jnp.asarray(live, jnp.int32), 0, hidden_NxBxCxD.shape[0])
+  return _project(head_fn, float(temperature), hidden_NxBxCxD, targets_NxBxC, live, *consts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _project(head, temperature, hidden, targets, live, *consts):
+  return _forward(head, temperature, hidden, targets, live, *consts)[0]
+
+
+def _forward(head, temperature, hidden, targets, live, *consts):
+  zeros = jnp.zeros(targets.shape, jnp.float32)
+
+  def chunk(i, outs):
+    stats = softmax_stats(head(hidden[i], *consts), targets[i], temperature)
+    return tuple(o.at[i].set(s) for o, s in zip(outs, stats))
+
+  logp, ent, lse, mean = lax.fori_loop(0, live, chunk, (zeros,) * 4)
+  return (logp, ent), (hidden, targets, live, lse, mean, consts)
+
+
+def _backward(head, temperature, saved, cotangents):
+  hidden, targets, live, lse, mean, consts = saved
+  d_logp, d_ent = cotangents
+  floating = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
+
+  def head_of(h, *float_consts):
+    it = iter(float_consts)
+    return head(h, *[next(it) if f else c for c, f in zip(consts, floating)])
+
+  float_consts = [c for c, f in zip(consts, floating) if f]
+
+  def chunk(i, carry):
+    d_hidden, d_consts = carry
+    logits, pull = jax.vjp(head_of, hidden[i], *float_consts)
+    z = logits.astype(jnp.float32) / temperature
+    p = jnp.exp(z - lse[i][..., None])
+    hit = jnp.arange(z.shape[-1]) == targets[i][..., None]
+    dz = d_logp[i][..., None] * (hit - p) - d_ent[i][..., None] * p * (z - mean[i][..., None])
+    d_h, *d_c = pull((dz / temperature).astype(logits.dtype))
+    return (d_hidden.at[i].set(d_h),
+            [acc + d.astype(acc.dtype) for acc, d in zip(d_consts, d_c)])
+
+  start = (jnp.zeros_like(hidden), [jnp.zeros_like(c) for c in float_consts])
+  d_hidden, d_float = lax.fori_loop(0, live, chunk, start)
+  it = iter(d_float)
+  return (d_hidden, None, None, *[next(it) if f else None for f in floating])
+
+
+_project.defvjp(_forward, _backward)
