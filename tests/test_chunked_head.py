@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from hflax.models.chunked_head import chunked_log_probs
-from hflax.models.logprobs import log_probs_from_logits
 from hflax.models.matmul import tied_head
 from hlo_dots import dot_operand_types
+from softmax_reference import log_probs_from_logits
 
 N, B, C, D, V = 3, 2, 4, 16, 96
 

@@ -13,7 +13,8 @@ from flax import nnx
 from hflax import kernels
 from hflax.kernels.logprobs import fused_log_probs
 from hflax.models import ModelConfig, create
-from hflax.models.logprobs import hidden_log_probs, log_probs_from_logits, sequence_log_probs
+from hflax.models.logprobs import hidden_log_probs, sequence_log_probs
+from softmax_reference import log_probs_from_logits
 
 # 16 is Triton's smallest dot tile; N, D and V all leave a ragged last tile.
 N, D, V = 37, 40, 100

@@ -25,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from hflax.models.chunked_head import logits_cotangent
+
 # Finite mask for logits past V: exp() of it underflows to 0 and 0 * _NEG is 0, not NaN.
 _NEG = -1e30
 _BWD_CHUNK_ELEMS = 2 ** 25  # [N, chunk] f32 intermediates of ~128 MiB in the backward
@@ -169,9 +171,8 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, cfg: Config):
   def grads(start, size, dh, dw):
     w_c = lax.dynamic_slice_in_dim(w, start, size, axis)
     z = _scaled_logits(lax.dot_general(h, w_c, h_dims, preferred_element_type=jnp.float32), cfg)
-    p = jnp.exp(z - lse)
     onehot = targets[:, None] == start + jnp.arange(size)
-    dz = g_logp * (onehot - p) - g_ent * p * (z - lse + ent)
+    dz = logits_cotangent(z, onehot, lse, lse - ent, g_logp, g_ent)  # mean z = lse - entropy
     # Rounded to the logits' dtype as autodiff of DecoderLM.logits rounds it: bf16 GEMMs
     # for a bf16 head, f32 ones for a tied head (whose logits are f32).
     dlogits = (dz / cfg.temperature).astype(cfg.logits_dtype)

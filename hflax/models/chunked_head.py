@@ -38,6 +38,14 @@ def softmax_stats(logits_BxCxV, targets_BxC, temperature):
   return picked - lse, lse - mean, lse, mean
 
 
+def logits_cotangent(z, hit, lse, mean, d_logp, d_ent):
+  """d/dz of d_logp * log p[target] + d_ent * entropy, z = logits / temperature, from the
+  forward's statistics: d_logp ([j = t] - p_j) - d_ent p_j (z_j - mean z), p = exp(z - lse).
+  hit marks the target; the rest broadcast against z [..., V]."""
+  p = jnp.exp(z - lse)
+  return d_logp * (hit - p) - d_ent * p * (z - mean)
+
+
 def chunked_log_probs(head, hidden_NxBxCxD, targets_NxBxC, live, temperature: float):
   """(log p, entropy), each [N, B, C], of targets under head(hidden) for the first `live`
   chunks (an int or a traced scalar), 0 past them. head: hidden [B, C, D] -> logits
@@ -78,9 +86,8 @@ def _backward(head, temperature, saved, cotangents):
     d_hidden, d_consts = carry
     logits, pull = jax.vjp(head_of, hidden[i], *float_consts)
     z = logits.astype(jnp.float32) / temperature
-    p = jnp.exp(z - lse[i][..., None])
     hit = jnp.arange(z.shape[-1]) == targets[i][..., None]
-    dz = d_logp[i][..., None] * (hit - p) - d_ent[i][..., None] * p * (z - mean[i][..., None])
+    dz = logits_cotangent(z, hit, *(x[i][..., None] for x in (lse, mean, d_logp, d_ent)))
     d_h, *d_c = pull((dz / temperature).astype(logits.dtype))
     return (d_hidden.at[i].set(d_h),
             [acc + d.astype(acc.dtype) for acc, d in zip(d_consts, d_c)])

@@ -7,22 +7,11 @@ sequence's.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from hflax import kernels
 from hflax.models.chunked_head import chunked_log_probs
 from hflax.models.transformer import forward
-
-
-def log_probs_from_logits(logits_BxTxV, targets_BxT, temperature: float = 1.0):
-  """log softmax(logits / temperature)[target] and the entropy of that distribution."""
-  logits = logits_BxTxV.astype(jnp.float32) / temperature
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
-  probs = jnp.exp(logits - lse[..., None])
-  entropy = lse - jnp.sum(probs * logits, axis=-1)
-  return picked - lse, entropy
 
 
 def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1.0,
