@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hflax.models.chunked_head import chunked_log_probs
+from hflax.models.chunked_head import BLOCK_TOKENS, chunk_columns, chunked_log_probs
 from hflax.models.matmul import tied_head
 from hlo_dots import dot_operand_types
 from softmax_reference import log_probs_from_logits
@@ -97,3 +97,13 @@ def test_the_softmax_sums_stay_off_the_matmul_library():
   library = re.findall(r"= (\w+\[[\d,]*\])\S* fusion\([^)]*\), kind=kCustom", text)
   assert library.count(f"f32[{B},{C}]") <= 1, library
   assert len(dot_operand_types(text)) == 4  # logits; recomputed logits and two gradients
+
+
+def test_a_chunk_holds_a_block_of_tokens_whatever_the_rows():
+  # The head's backward matmuls contract over a chunk's tokens (rows x columns), so the
+  # chunk's width follows the rows: one packed row gets BLOCK_TOKENS columns, 16 rows 1/16.
+  assert chunk_columns(1, 10_000) == BLOCK_TOKENS
+  assert chunk_columns(16, 10_000) == BLOCK_TOKENS // 16
+  assert chunk_columns(1, 100) == 100  # never wider than the positions
+  assert chunk_columns(4 * BLOCK_TOKENS, 100) == 1  # at least one column
+  assert chunk_columns(16, 10_000, chunk=5) == 5  # the caller's width wins

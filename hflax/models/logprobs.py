@@ -3,19 +3,20 @@
 The vocabulary projection runs over sequence chunks (hflax/models/chunked_head.py: a loop
 over the live chunks whose backward pass recomputes each chunk's logits), so the forward
 pass and its gradient keep one chunk's [B, chunk, V] logits alive, not the whole
-sequence's.
+sequence's. A chunk holds about chunked_head.BLOCK_TOKENS tokens (B x chunk) unless the
+caller sets `chunk`, its width in columns.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from hflax import kernels
-from hflax.models.chunked_head import chunked_log_probs
+from hflax.models.chunked_head import chunk_columns, chunked_log_probs
 from hflax.models.transformer import forward
 
 
 def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1.0,
-                     chunk: int = 128, count=None):
+                     chunk: int | None = None, count=None):
   """Log-probs of `targets` given hidden states, projected to the vocabulary chunk by chunk.
 
   count (an int or a traced scalar): only the first `count` positions are needed; chunks
@@ -26,7 +27,7 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
   if fused is not None:  # the fused GPU kernel (hflax.kernels); never on CPU unless forced
     return fused
   B, T, D = hidden_BxTxD.shape
-  chunk = min(chunk, T)
+  chunk = chunk_columns(B, T, chunk)
   pad = -T % chunk
   hidden = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
   targets = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
@@ -43,7 +44,7 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
 
 
 def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: float = 1.0,
-                       chunk: int = 128, last: int | None = None):
+                       chunk: int | None = None, last: int | None = None):
   """Teacher-forced log p(tokens[:, t] | tokens[:, :t]) and entropy at t, shape [B, T].
 
   Column 0 (no context) and masked positions are 0. Response log-probs of a rollout with
@@ -66,7 +67,7 @@ def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: fl
 
 
 def packed_log_probs(graphdef, state, tokens_RxL, segment_ids_RxL, response_index_BxW,
-                     response_valid_BxW, *, temperature: float = 1.0, chunk: int = 128,
+                     response_valid_BxW, *, temperature: float = 1.0, chunk: int | None = None,
                      positions_RxL=None, prefix_ids_RxL=None, before_index_BxW=None):
   """sequence_log_probs(..., last=W) of sequences packed into rows (hflax.controller.packing).
 

@@ -13,7 +13,7 @@ Terms, and the runtime code each follows:
   layer          one decoder layer's working set per token: the MLP's gate, up and their
                  product (3F) beside the residual stream, or attention's q, k, v
   log-probs      hflax/models/logprobs.py: one [B, chunk, V] fp32 logits block alive
-                 (chunk = min(128, scored columns)), forward and backward alike
+                 (B x chunk about chunked_head.BLOCK_TOKENS), forward and backward alike
   update         donated weights and AdamW moments; gradients are transient; without remat
                  each layer keeps its dot operands for the backward pass
   KV cache       hflax/rollout/sampler.py: the prompt's power-of-two bucket P, the prefill
@@ -41,11 +41,11 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from hflax.models.chunked_head import chunk_columns
 from hflax.models.config import ModelConfig
 from hflax.rollout.sampler import length_bucket
 
 ATTENTIONS = ("dense", "blockwise")
-LOGPROB_CHUNK = 128  # hidden_log_probs' default
 F32 = 4
 
 
@@ -151,8 +151,8 @@ def layer_working_bytes(cfg: ModelConfig, rows: int, length: int,
 
 
 def logits_block_bytes(cfg: ModelConfig, rows: int, scored: int,
-                       chunk: int = LOGPROB_CHUNK) -> float:
-  return rows * min(chunk, scored) * cfg.vocab_size * F32
+                       chunk: int | None = None) -> float:
+  return rows * chunk_columns(rows, scored, chunk) * cfg.vocab_size * F32
 
 
 def _pass_logits_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None,
