@@ -39,20 +39,56 @@ def reference(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   """Dense attention, [B, T, H, Dh]: materialises [B, kv_heads, groups, T, S] fp32 scores."""
   B, T, H, Dh = q_BxTxHxDh.shape
   KV = k_BxKxDhxS.shape[1]
-  G = H // KV
-  q_BxKxGxTxDh = q_BxTxHxDh.reshape(B, T, KV, G, Dh).transpose(0, 2, 3, 1, 4)
-  scores = jnp.einsum("bkgtd,bkds->bkgts", q_BxKxGxTxDh, k_BxKxDhxS.astype(q_BxTxHxDh.dtype),
-                      preferred_element_type=jnp.float32) * Dh ** -0.5
+  q_BxKxGxTxDh = q_BxTxHxDh.reshape(B, T, KV, H // KV, Dh).transpose(0, 2, 3, 1, 4)
   mask = visible(kv_valid_BxS, q_slot_BxT, q_seg_BxT, k_seg_BxS,
                  q_prefix_BxT=q_prefix_BxT)[:, None, None]
+  out_BxKxGxTxDh = _dense(q_BxKxGxTxDh, k_BxKxDhxS.astype(q_BxTxHxDh.dtype),
+                          v_BxKxSxDh.astype(q_BxTxHxDh.dtype), mask)
+  return out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q_BxTxHxDh.dtype)
+
+
+@jax.custom_vjp
+def _dense(q_BxKxGxTxDh, k_BxKxDhxS, v_BxKxSxDh, mask):
+  return _dense_forward(q_BxKxGxTxDh, k_BxKxDhxS, v_BxKxSxDh, mask)[0]
+
+
+def _dense_forward(q, k, v, mask):
+  """float32 output [B, K, G, T, Dh]; q, k, v in the compute dtype."""
+  scores = jnp.einsum("bkgtd,bkds->bkgts", q, k,
+                      preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
   probs = jax.nn.softmax(jnp.where(mask, scores, MASKED), axis=-1)
   # Batch-major output order keeps this a plain batched matmul (XLA's fast kernels);
   # asking for [b, t, ...] directly made it swap operands onto a slow generic dot.
   # float32 out: XLA:CPU's fast library takes bfloat16 operands only with a float32 result.
-  out_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(q_BxTxHxDh.dtype),
-                              v_BxKxSxDh.astype(q_BxTxHxDh.dtype),
-                              preferred_element_type=jnp.float32)
-  return out_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q_BxTxHxDh.dtype)
+  out = jnp.einsum("bkgts,bksd->bkgtd", probs.astype(q.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out, (q, k, v, mask, probs, out)
+
+
+def _dense_backward(residuals, d_out):
+  """The softmax Jacobian's correction as rowsum(dO * O) over head_dim, not autodiff's
+  sum(dP * P) over the keys: XLA:CPU handed that [.., T, S] multiply-reduce to its matmul
+  library, where it took 6.6 ms per layer of a 448-token packed row (2-core Xeon, bf16),
+  1.2 s of a 7.5 s update."""
+  q, k, v, mask, probs, out = residuals
+  dt, scale = q.dtype, q.shape[-1] ** -0.5
+  d_o = d_out.astype(dt)
+  d_probs = jnp.einsum("bkgtd,bksd->bkgts", d_o, v, preferred_element_type=jnp.float32)
+  correction = jnp.sum(d_out * out, axis=-1, keepdims=True)
+  # A query with no visible key spread its probability evenly over masked scores, which
+  # take no gradient (jnp.where's); everywhere else a masked probability is exactly 0.
+  d_scores = jnp.where(mask, probs * (d_probs - correction) * scale, 0).astype(dt)
+  dq = jnp.einsum("bkgts,bkds->bkgtd", d_scores, k, preferred_element_type=jnp.float32)
+  # dK and dV sum over (group, query) pairs; XLA lays those dots out itself (on CPU it
+  # widens them to float32: transposing an operand by hand first let it fold the
+  # transpose back into a bfloat16 dot its runtime could not run).
+  dk = jnp.einsum("bkgts,bkgtd->bkds", d_scores, q, preferred_element_type=jnp.float32)
+  dv = jnp.einsum("bkgts,bkgtd->bksd", probs.astype(dt), d_o,
+                  preferred_element_type=jnp.float32)
+  return dq.astype(dt), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_dense.defvjp(_dense_forward, _dense_backward)
 
 
 def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
