@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -107,9 +108,32 @@ def rope_tables(cfg: ModelConfig, positions_BxT: jnp.ndarray, num_positions: int
   return look_up(tables[0]), look_up(tables[1])
 
 
+@jax.custom_vjp
 def apply_rope(x_BxTxNxD: jnp.ndarray, cos_BxTxD: jnp.ndarray, sin_BxTxD: jnp.ndarray):
-  half = x_BxTxNxD.shape[-1] // 2
-  rotated = jnp.concatenate([-x_BxTxNxD[..., half:], x_BxTxNxD[..., :half]], axis=-1)
+  """x rotated by the angles whose cos and sin are given, in float32, cast back to x's
+  dtype. Differentiable in x only (the tables come from integer positions)."""
   cos, sin = cos_BxTxD[:, :, None, :], sin_BxTxD[:, :, None, :]
-  out = x_BxTxNxD.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
-  return out.astype(x_BxTxNxD.dtype)
+  x = x_BxTxNxD.astype(jnp.float32)
+  return (x * cos + _rotate_half(x) * sin).astype(x_BxTxNxD.dtype)
+
+
+def _rotate_half(x):
+  half = x.shape[-1] // 2
+  return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def _rope_forward(x, cos, sin):
+  return apply_rope(x, cos, sin), (cos, sin)
+
+
+def _rope_backward(saved, g):
+  """The rotation's adjoint, g cos - rotate_half(g sin), as one more rotation-shaped pass:
+  autodiff's transpose of the slices and the concatenation took 1.6 ms against the
+  forward's 0.15 for a 448-token packed row of SmolLM2's queries (XLA:CPU, bf16)."""
+  cos, sin = saved
+  g32 = g.astype(jnp.float32)  # g has x's dtype, the output's
+  dx = g32 * cos[:, :, None, :] - _rotate_half(g32 * sin[:, :, None, :])
+  return dx.astype(g.dtype), None, None
+
+
+apply_rope.defvjp(_rope_forward, _rope_backward)
