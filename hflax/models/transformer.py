@@ -18,6 +18,7 @@ from flax import nnx
 from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
 from hflax.models.matmul import dense_dot, tied_head, tied_logits
+from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.sharding.layouts import ROW_AXES
 
@@ -60,10 +61,7 @@ class RMSNorm(nnx.Module):
     self.eps = cfg.rms_norm_eps
 
   def __call__(self, x):
-    # Normalise in float32 and cast back before scaling, as the HF reference does.
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+    return rms_norm(x, self.scale[...], self.eps)
 
 
 class Attention(nnx.Module):
