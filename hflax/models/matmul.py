@@ -21,11 +21,19 @@ from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
 
-def dense_dot(x, w, dtype):
+def dense_dot(x, w, dtype, *, out_in: bool = False):
   """x [..., K] contracted with w [K, ...] (w's first axis), computed in `dtype`, the
-  result [..., *w.shape[1:]] in `dtype`."""
+  result [..., *w.shape[1:]] in `dtype`; with out_in, w is [..., K] (its last axis) and
+  the result [..., *w.shape[:-1]]: a decoding copy's kernel, never differentiated."""
   dtype = jnp.dtype(dtype)
   x = x.astype(dtype)
+  if out_in:
+    # As 2-D operands: with x's leading axes kept (a decode step's [B, 1, D]), XLA:CPU
+    # lays the kernel back out [in, out] in a copy and the layout's gain is lost.
+    wide = jnp.float32 if widens_on_cpu(dtype) else None
+    y = lax.dot_general(x.reshape(-1, x.shape[-1]), w.astype(dtype).reshape(-1, w.shape[-1]),
+                        (((1,), (1,)), ((), ())), preferred_element_type=wide)
+    return y.reshape(x.shape[:-1] + w.shape[:-1]).astype(dtype)
   if not widens_on_cpu(dtype):
     # GPUs and TPUs accumulate low-precision dots in float32 on their own; their path stays
     # the one measured there (bench/accelerator.py).

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hflax.models.decode_layout import for_decoding
 from hflax.models.transformer import init_cache, positions_from_mask
 from hflax.rollout import continuous
 from hflax.rollout.decoding import (SamplingParams, decode_segments, grow, outputs, pick,
@@ -189,6 +190,7 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
   if devices is None or len(devices) == 1:
     if devices:
       state, tokens, mask = jax.device_put((state, tokens, mask), devices[0])
+    graphdef, state = for_decoding(graphdef, state)
     return _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool),
                      rng, params=params, segments=decode_segments(params.max_new_tokens),
                      slots=_waiting_slots(slots, len(tokens) * params.n))
@@ -222,6 +224,7 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
   waves draw what one call would have. Returns B * n rows, the padding's dropped.
   """
   _check_slots(slots)
+  graphdef, state = for_decoding(graphdef, state)
   count = tokens_BxP.shape[0]
   size = wave_rows or count
   size += -size % mesh.shape["data"]

@@ -1,0 +1,96 @@
+"""The decoding copy of a model: kernels stored [out, in] in their compute dtype."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hflax.models import ModelConfig, create
+from hflax.models.decode_layout import for_decoding
+from hflax.models.lora import lora_config
+from hflax.models.transformer import Dense
+from hflax.rollout import SamplingParams, left_pad
+from hflax.rollout.sampler import _generate
+
+# Non-square kernels, so that a kernel laid back out [in, out] shows in the program.
+CFG = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+           num_kv_heads=2)
+
+
+def _model(dtype="float32", **changes):
+  return create(ModelConfig(**CFG, dtype=dtype, param_dtype="float32", **changes), seed=3)
+
+
+def _dense(graphdef, state):
+  return [m for _, m in nnx.iter_modules(nnx.merge(graphdef, state)) if isinstance(m, Dense)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_are_stored_out_in_in_the_compute_dtype(dtype):
+  graphdef, state = _model(dtype)
+  copy = for_decoding(graphdef, state)
+  before, after = _dense(graphdef, state), _dense(*copy)
+  assert len(after) == len(before) == 2 * 7 + 1  # 7 a layer and the untied LM head
+  for old, new in zip(before, after):
+    assert new.out_in and not old.out_in
+    assert new.kernel[...].dtype == jnp.dtype(dtype)
+    assert new.kernel.axes == old.kernel.axes[::-1]
+    np.testing.assert_array_equal(np.asarray(new.kernel[...]),
+                                  np.asarray(old.kernel[...].T.astype(dtype)))
+  # Everything else is the same array, not a copy.
+  assert copy[1]["embed"][...] is state["embed"][...]
+  # A decoding copy is left as it is.
+  again = for_decoding(*copy)
+  assert again[0] is copy[0] and again[1] is copy[1]
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-6), ("bfloat16", 2e-2)])
+def test_the_copy_computes_what_the_model_does(dtype, tol):
+  graphdef, state = _model(dtype)
+  tokens = jax.random.randint(jax.random.key(0), (3, 9), 0, 64)
+  positions = jnp.broadcast_to(jnp.arange(9), (3, 9))
+  valid = jnp.ones((3, 9), bool)
+
+  def logits(graphdef, state):
+    model = nnx.merge(graphdef, state)
+    return model.logits(model(tokens, positions, valid)[0])
+
+  want, got = logits(graphdef, state), logits(*for_decoding(graphdef, state))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
+
+
+def test_adapted_kernels_stay_as_they_are():
+  cfg = lora_config(ModelConfig(**CFG), 4, 8.0, "q_proj,down_proj")
+  graphdef, state = create(cfg, seed=3)
+  copy = for_decoding(graphdef, state)
+  kept = [m.lora_a is not None for m in _dense(*copy)]
+  assert sum(kept) == 4 and not all(kept)
+  for m in _dense(*copy):
+    assert m.out_in == (m.lora_a is None)
+  tokens = jnp.arange(12).reshape(2, 6)
+  run = lambda g, s: nnx.merge(g, s)(tokens, jnp.broadcast_to(jnp.arange(6), (2, 6)),  # noqa: E731
+                                     jnp.ones((2, 6), bool))[0]
+  np.testing.assert_allclose(np.asarray(run(*copy)), np.asarray(run(graphdef, state)),
+                             rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_program_reads_the_kernels_as_stored(dtype):
+  """XLA must not lay the kernels back out [in, out]: it did, in a copy hoisted out of the
+  decode loop, for matmuls of [B, 1, D] activations, and the layout's gain was lost."""
+  graphdef, state = for_decoding(*_model(dtype))
+  tokens, mask = (jnp.asarray(x) for x in left_pad([[5, 6, 7], [9] * 5, [4]], 0))
+  text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0),
+                         params=SamplingParams(max_new_tokens=8, temperature=0)
+                         ).compile().as_text()
+  shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", text))
+  # Kernels [out, in]: k/v, q/o, gate/up, the stacked gate+up of a decode step, down, head.
+  kernels = {"24,48", "48,48", "80,48", "160,48", "48,80", "64,48"}
+  reads = [(shapes[rhs], dims) for rhs, dims in re.findall(
+      r" dot\(%[\w.\-]+, %([\w.\-]+)\),.*?rhs_contracting_dims=\{(\d+)\}", text)
+      if shapes[rhs] in kernels]
+  assert {shape for shape, _ in reads} == kernels
+  # Contracting dimension 0 would be a kernel laid back out [in, out].
+  assert all(dims == "1" for _, dims in reads), reads
