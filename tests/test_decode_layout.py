@@ -94,3 +94,16 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype):
   assert {shape for shape, _ in reads} == kernels
   # Contracting dimension 0 would be a kernel laid back out [in, out].
   assert all(dims == "1" for _, dims in reads), reads
+
+
+def test_no_copy_where_it_would_not_fit_in_memory(monkeypatch, caplog):
+  import hflax.models.decode_layout as decode_layout
+  graphdef, state = _model("bfloat16")
+  kernel_bytes = sum(m.kernel[...].size * 2 for m in _dense(graphdef, state))
+  monkeypatch.setattr(decode_layout, "available_memory", lambda: 2 * kernel_bytes + 2)
+  assert for_decoding(graphdef, state)[0] is not graphdef  # fits: half is enough
+  monkeypatch.setattr(decode_layout, "available_memory", lambda: 2 * kernel_bytes - 2)
+  with caplog.at_level("WARNING"):
+    copy = for_decoding(graphdef, state)
+  assert copy[0] is graphdef and copy[1] is state
+  assert "would take over half of the available memory" in caplog.text

@@ -9,10 +9,14 @@ out [out, in] (each output's weights contiguous) faster than the training layout
 into the dot and keeps the [in, out] layout. So a program of its own writes the copy, once
 per generate call (about 0.1 s for SmolLM2's fp32 kernels, cast on the way), and the
 sampler decodes from it. GPUs and TPUs keep their measured path: the copy is CPU-only.
+The copy lives beside the weights while the sampler runs; where it would take more than
+half of the host's available memory, the sampler decodes from the weights as they are
+and says so once.
 """
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +39,33 @@ def for_decoding(graphdef, state):
   # copy computing in float32 stays bfloat16.
   dtypes = tuple(min(m.dtype, m.kernel[...].dtype, key=lambda d: jnp.dtype(d).itemsize)
                  for m in dense)
+  size = sum(m.kernel[...].size * jnp.dtype(d).itemsize for m, d in zip(dense, dtypes))
+  if size > available_memory() // 2:
+    _warn_once(f"generate: decoding from the weights as stored: their [out, in] copy "
+               f"({size / 2**30:.1f} GiB) would take over half of the available memory")
+    return graphdef, state
   kernels = _transposed(tuple(m.kernel[...] for m in dense), dtypes)
   for m, kernel in zip(dense, kernels):
     m.kernel = m.kernel.replace(kernel, axes=tuple(reversed(m.kernel.axes)))
     m.out_in = True
   return nnx.split(model)
+
+
+def available_memory() -> int:
+  """Bytes the host can still give (Linux's MemAvailable; unbounded where unknown)."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 2**62
+
+
+@functools.cache
+def _warn_once(message: str):
+  logging.getLogger(__name__).warning(message)
 
 
 def _on_cpu(state) -> bool:
