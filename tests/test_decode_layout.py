@@ -6,13 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hflax.models import ModelConfig, create
-from hflax.models.decode_layout import for_decoding
+from hflax.models.decode_layout import available_memory, for_decoding
 from hflax.models.lora import lora_config
 from hflax.models.transformer import Dense
-from hflax.rollout import SamplingParams, left_pad
+from hflax.rollout import SamplingParams, generate, left_pad
 from hflax.rollout.sampler import _generate
+from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
 
 # Non-square kernels, so that a kernel laid back out [in, out] shows in the program.
 CFG = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
@@ -107,3 +109,46 @@ def test_no_copy_where_it_would_not_fit_in_memory(monkeypatch, caplog):
     copy = for_decoding(graphdef, state)
   assert copy[0] is graphdef and copy[1] is state
   assert "would take over half of the available memory" in caplog.text
+
+
+def test_the_copy_counts_a_replica_on_each_device(monkeypatch):
+  import hflax.models.decode_layout as decode_layout
+  graphdef, state = _model("bfloat16")
+  one = sum(m.kernel[...].size * 2 for m in _dense(graphdef, state))
+  replicated = jax.device_put(state, NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)),
+                                                   PartitionSpec()))
+  monkeypatch.setattr(decode_layout, "available_memory", lambda: 3 * one)  # half: 1.5 copies
+  assert for_decoding(graphdef, state)[0] is not graphdef
+  assert for_decoding(graphdef, replicated)[0] is graphdef
+
+
+def test_states_it_does_not_apply_to_pass_through():
+  graphdef, state = _model()
+  on_host = jax.tree.map(np.asarray, state)  # NumPy leaves: generate takes them as they are
+  assert for_decoding(graphdef, on_host)[1] is on_host
+  out = generate(graphdef, on_host, [[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0))
+  want = generate(graphdef, state, [[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0))
+  np.testing.assert_array_equal(np.asarray(out["responses"]), np.asarray(want["responses"]))
+  assert available_memory() > 0
+
+
+def test_tensor_parallel_decoding_gathers_no_kernel():
+  """The copy keeps each device's share of a tensor-parallel split: stacking gate and up
+  in front made XLA gather the whole pair on every device, once a layer."""
+  graphdef, state = _model()
+  mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), GENERATE_AXES)
+  state = jax.device_put(state, state_shardings(state, mesh, GENERATE_RULES))
+  tokens, mask = (jnp.asarray(x) for x in left_pad([[5, 6, 7], [9] * 5], 0))
+  params = SamplingParams(max_new_tokens=8, temperature=0)
+
+  def gathers(graphdef, state):
+    text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0), params=params,
+                           mesh=mesh).compile().as_text()
+    return len(re.findall(r" all-gather(-start)?\(", text))
+
+  copy = for_decoding(graphdef, state)
+  assert copy[0] is not graphdef
+  assert gathers(*copy) <= gathers(graphdef, state)
+  want = _generate(graphdef, state, tokens, mask, jax.random.key(0), params=params, mesh=mesh)
+  got = _generate(*copy, tokens, mask, jax.random.key(0), params=params, mesh=mesh)
+  np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))

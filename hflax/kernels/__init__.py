@@ -79,7 +79,8 @@ def _projection(model):
   if model.lm_head.bias is not None:
     return None
   dtype = model.lm_head.dtype  # Dense computes and returns its dtype; logits() upcasts
-  return model.lm_head.kernel[...], False, dtype, dtype
+  # A decoding copy stores the head [V, D], as the tied table is.
+  return model.lm_head.kernel[...], model.lm_head.out_in, dtype, dtype
 
 
 def model_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0, **config):

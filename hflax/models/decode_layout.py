@@ -7,11 +7,14 @@ out [out, in] (each output's weights contiguous) faster than the training layout
 20.9 ms a step for 16 rows and 23.7 against 29.7 for 64 (float32: 33.8 against 39.8 for
 16). A transpose written inside the decode program does not get there: XLA folds it back
 into the dot and keeps the [in, out] layout. So a program of its own writes the copy, once
-per generate call (about 0.1 s for SmolLM2's fp32 kernels, cast on the way), and the
+per generate call (about 0.15 s for SmolLM2's fp32 kernels, cast on the way), and the
 sampler decodes from it. GPUs and TPUs keep their measured path: the copy is CPU-only.
-The copy lives beside the weights while the sampler runs; where it would take more than
-half of the host's available memory, the sampler decodes from the weights as they are
-and says so once.
+The copy lives beside the weights while the sampler runs, one per device holding a
+replica; where it would take more than half of the memory this process can still use,
+the sampler decodes from the weights as they are and says so once. So it does for
+weights that span processes: every process must then decide alike, and a memory reading
+is local. The copy is the sampler's own: a checkpoint or export of it would be
+transposed.
 """
 from __future__ import annotations
 
@@ -27,8 +30,9 @@ from hflax.models.transformer import Dense
 
 def for_decoding(graphdef, state):
   """(graphdef, state) of the decoding copy, or the inputs themselves where it does not
-  apply: not on CPU, no plain (adapter-free) kernels, or already a decoding copy."""
-  if not _on_cpu(state):
+  apply: not jax arrays of this process's CPU devices, no plain (adapter-free) kernels,
+  already a decoding copy, or too little memory."""
+  if not _local_cpu_arrays(state):
     return graphdef, state
   model = nnx.merge(graphdef, state)
   dense = [m for _, m in nnx.iter_modules(model)
@@ -39,7 +43,8 @@ def for_decoding(graphdef, state):
   # copy computing in float32 stays bfloat16.
   dtypes = tuple(min(m.dtype, m.kernel[...].dtype, key=lambda d: jnp.dtype(d).itemsize)
                  for m in dense)
-  size = sum(m.kernel[...].size * jnp.dtype(d).itemsize for m, d in zip(dense, dtypes))
+  size = sum(_local_elements(m.kernel[...]) * jnp.dtype(d).itemsize
+             for m, d in zip(dense, dtypes))
   if size > available_memory() // 2:
     _warn_once(f"generate: decoding from the weights as stored: their [out, in] copy "
                f"({size / 2**30:.1f} GiB) would take over half of the available memory")
@@ -52,15 +57,30 @@ def for_decoding(graphdef, state):
 
 
 def available_memory() -> int:
-  """Bytes the host can still give (Linux's MemAvailable; unbounded where unknown)."""
+  """Bytes this process can still allocate: Linux's MemAvailable, or less where a
+  container's memory limit (cgroup v2 or v1) leaves less; unbounded where unknown."""
+  available = _read_int("/proc/meminfo", "MemAvailable:")
+  free = [] if available is None else [available * 1024]
+  for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                       ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                        "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    cap, used = _read_int(limit), _read_int(usage)
+    if cap is not None and used is not None:
+      free.append(max(cap - used, 0))
+  return min(free, default=2**62)
+
+
+def _read_int(path: str, key: str | None = None) -> int | None:
+  """The integer in a /proc or /sys file (after `key` where given); None if absent or
+  not a number ("max": no limit)."""
   try:
-    with open("/proc/meminfo") as f:
+    with open(path) as f:
       for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
+        if key is None or line.startswith(key):
+          return int(line.split()[1 if key else 0])
+  except (OSError, ValueError, IndexError):
     pass
-  return 2**62
+  return None
 
 
 @functools.cache
@@ -68,9 +88,16 @@ def _warn_once(message: str):
   logging.getLogger(__name__).warning(message)
 
 
-def _on_cpu(state) -> bool:
+def _local_cpu_arrays(state) -> bool:
   leaves = jax.tree.leaves(state)
-  return bool(leaves) and all(d.platform == "cpu" for d in leaves[0].devices())
+  return bool(leaves) and all(
+      isinstance(x, jax.Array) and x.is_fully_addressable and
+      all(d.platform == "cpu" for d in x.devices()) for x in leaves)
+
+
+def _local_elements(x) -> int:
+  """Elements of x held on this process's devices: a replica on each device is a copy."""
+  return sum(shard.data.size for shard in x.addressable_shards)
 
 
 @functools.partial(jax.jit, static_argnums=1)
