@@ -174,7 +174,7 @@ def test_hybrid_engine_switch():
   prompts = prompts_batch()
   args = (jnp.asarray(prompts["prompts"]), jnp.asarray(prompts["prompt_mask"]), jax.random.key(4))
   kw = dict(params=SAMPLING, segments=decode_segments(SAMPLING.max_new_tokens))
-  out_gen = _generate(actor.graphdef, gen_state, *args, **kw)
+  out_gen = _generate(actor.engine.graphdef, gen_state, *args, **kw)
   out_train = _generate(actor.graphdef, actor.params, *args, **kw)
   np.testing.assert_array_equal(np.asarray(out_gen["responses"]), np.asarray(out_train["responses"]))
   np.testing.assert_allclose(np.asarray(out_gen["rollout_log_probs"]),

@@ -13,8 +13,10 @@ from hflax.models.decode_layout import available_memory, for_decoding
 from hflax.models.lora import lora_config
 from hflax.models.transformer import Dense
 from hflax.rollout import SamplingParams, generate, left_pad
-from hflax.rollout.sampler import _generate
-from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
+from hflax.rollout.sampler import _generate, generate_over_rows
+from hflax.sharding.hybrid_engine import HybridEngine
+from hflax.sharding.layouts import (GENERATE_AXES, GENERATE_RULES, TRAIN_RULES, state_shardings,
+                                    train_mesh)
 
 # Non-square kernels, so that a kernel laid back out [in, out] shows in the program.
 CFG = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
@@ -152,3 +154,59 @@ def test_tensor_parallel_decoding_gathers_no_kernel():
   want = _generate(graphdef, state, tokens, mask, jax.random.key(0), params=params, mesh=mesh)
   got = _generate(*copy, tokens, mask, jax.random.key(0), params=params, mesh=mesh)
   np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))
+
+
+@pytest.mark.parametrize("dtype, generate_dtype",
+                         [("float32", None), ("bfloat16", None), ("float32", "bfloat16")])
+def test_the_hybrid_engine_writes_the_decoding_copy(dtype, generate_dtype):
+  """Given the graphdef, the actor's generation copy is the decoding copy itself, written
+  in the training layout with the cast and resharded as the kernels it stands for: the
+  sampler then makes no second copy, and the same bytes cross devices."""
+  graphdef, state = _model(dtype)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  mesh = train_mesh(jax.devices()[:4], fsdp=4)
+  train = state_shardings(abstract, mesh, TRAIN_RULES)
+  engine = HybridEngine(mesh, abstract, train, 2, dtype=generate_dtype, graphdef=graphdef)
+  plain = HybridEngine(mesh, abstract, train, 2, dtype=generate_dtype)
+  if dtype == generate_dtype or dtype == "float32":
+    assert engine.moved["total"] == plain.moved["total"] > 0
+  else:  # float32 weights computing in bfloat16: the copy's kernels cross as bfloat16
+    assert 0 < engine.moved["total"] < plain.moved["total"]
+  weights = jax.device_put(state, train)
+  gen, _ = engine.to_generate(weights)
+
+  assert for_decoding(engine.graphdef, gen)[1] is gen  # nothing left for the sampler to copy
+  cast = jax.tree.map(lambda x: x.astype(generate_dtype or x.dtype), state)
+  want_graphdef, want = for_decoding(graphdef, cast)
+  assert engine.graphdef == want_graphdef
+  for got, ref, sharding in zip(jax.tree.leaves(gen), jax.tree.leaves(want),
+                                jax.tree.leaves(engine.shardings)):
+    assert got.sharding == sharding and got.dtype == ref.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+  tokens, mask = left_pad([[5, 6, 7], [9] * 5, [4], [8, 1]], 0)
+  params = SamplingParams(max_new_tokens=8, temperature=0)
+  out = generate_over_rows(engine.graphdef, gen, tokens, mask, jax.random.key(0), params,
+                           engine.mesh)
+  # What the sampler decoded before, writing its copy from the plain generation copy.
+  ref = generate_over_rows(graphdef, plain.to_generate(weights)[0], tokens, mask,
+                           jax.random.key(0), params, plain.mesh)
+  for key in ("responses", "rollout_log_probs"):
+    np.testing.assert_array_equal(np.asarray(out[key]), np.asarray(ref[key]))
+
+
+def test_the_hybrid_engine_keeps_the_plain_copy_where_the_decoding_one_does_not_fit(monkeypatch):
+  import hflax.models.decode_layout as decode_layout
+  graphdef, state = _model("bfloat16")
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  mesh = train_mesh(jax.devices()[:2], fsdp=2)
+  train = state_shardings(abstract, mesh, TRAIN_RULES)
+  kernel_bytes = sum(m.kernel[...].size * 2 for m in _dense(graphdef, state))  # one shard each
+  monkeypatch.setattr(decode_layout, "available_memory", lambda: 2 * kernel_bytes + 2)
+  assert HybridEngine(mesh, abstract, train, graphdef=graphdef).graphdef != graphdef
+  monkeypatch.setattr(decode_layout, "available_memory", lambda: 2 * kernel_bytes - 2)
+  engine = HybridEngine(mesh, abstract, train, graphdef=graphdef)
+  assert engine.graphdef is graphdef
+  gen, _ = engine.to_generate(jax.device_put(state, train))
+  for got, ref in zip(jax.tree.leaves(gen), jax.tree.leaves(state)):
+    assert got.shape == ref.shape and got.dtype == ref.dtype

@@ -419,7 +419,7 @@ class ActorRolloutWorker(RoleWorker):
       abstract = split_adapters(abstract)[1]
       shardings = state_shardings(abstract, self.mesh, TRAIN_RULES)
     self.engine = HybridEngine(self.mesh, abstract, shardings, placement.generate_tensor,
-                               generate_dtype, placement.generate_strided)
+                               generate_dtype, placement.generate_strided, self.base_graphdef)
     self.temperature = sampling.temperature or 1.0
     self._rng = jax.random.key(self.seed)
 
@@ -448,7 +448,7 @@ class ActorRolloutWorker(RoleWorker):
     if rng is None:
       rng = jax.random.fold_in(self._rng, self.calls)
       self.calls += 1
-    out = generate_over_rows(self.base_graphdef, gen_state, prompts["prompts"],
+    out = generate_over_rows(self.engine.graphdef, gen_state, prompts["prompts"],
                              prompts["prompt_mask"], rng, params, self.engine.mesh,
                              wave_rows=wave, slots=slots,
                              collect=lambda x: jax.device_put(x, self.home))

@@ -18,6 +18,7 @@ transposed.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -28,32 +29,73 @@ from flax import nnx
 from hflax.models.transformer import Dense
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodingPlan:
+  """How a state becomes its decoding copy: `graphdef` and `abstract` (shape structs) are
+  the copy's; `dtypes` has, for each leaf of the state in jax.tree.leaves order, the
+  dtype its kernel is stored in transposed, or None for a leaf kept as it is."""
+  graphdef: nnx.GraphDef
+  abstract: nnx.State
+  dtypes: tuple
+
+  def apply(self, leaves) -> nnx.State:
+    """The copy from the state's leaves (arrays or tracers: the hybrid engine traces it)."""
+    return jax.tree.unflatten(jax.tree.structure(self.abstract), [
+        x if d is None else x.T.astype(d) for x, d in zip(leaves, self.dtypes)])
+
+  def copy_bytes(self, leaves) -> int:
+    """Bytes of the transposed kernels on this process's devices, a replica on each."""
+    return sum(_local_elements(x) * jnp.dtype(d).itemsize
+               for x, d in zip(leaves, self.dtypes) if d is not None)
+
+
+def decoding_plan(graphdef, state) -> DecodingPlan | None:
+  """The plan for `state` (arrays or shape structs), or None where no plain
+  (adapter-free) kernel is left to transpose."""
+  model = nnx.merge(graphdef, state)
+  dtypes = {}
+  for path, m in nnx.iter_modules(model):
+    if isinstance(m, Dense) and not m.out_in and m.lora_a is None:
+      kernel = m.kernel.get_value()
+      # The compute dtype (what the matmul reads), never widened: a bfloat16 generation
+      # copy computing in float32 stays bfloat16.
+      dtype = min(m.dtype, kernel.dtype, key=lambda d: jnp.dtype(d).itemsize)
+      dtypes[(*path, "kernel")] = jnp.dtype(dtype)
+      m.kernel = m.kernel.replace(jax.ShapeDtypeStruct(kernel.shape[::-1], dtype),
+                                  axes=tuple(reversed(m.kernel.axes)))
+      m.out_in = True
+  if not dtypes:
+    return None
+  copy_graphdef, abstract = nnx.split(model)
+  paths = [tuple(k.key for k in path[:-1])  # the last key is the Variable's value
+           for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  return DecodingPlan(copy_graphdef, abstract, tuple(dtypes.get(p) for p in paths))
+
+
+def fits_in_memory(copy_bytes: int) -> bool:
+  """Whether a copy of that size takes at most half of the memory left; logs once if not."""
+  if copy_bytes <= available_memory() // 2:
+    return True
+  _warn_once(f"generate: decoding from the weights as stored: their [out, in] copy "
+             f"({copy_bytes / 2**30:.1f} GiB) would take over half of the available memory")
+  return False
+
+
 def for_decoding(graphdef, state):
   """(graphdef, state) of the decoding copy, or the inputs themselves where it does not
   apply: not jax arrays of this process's CPU devices, no plain (adapter-free) kernels,
   already a decoding copy, or too little memory."""
   if not _local_cpu_arrays(state):
     return graphdef, state
-  model = nnx.merge(graphdef, state)
-  dense = [m for _, m in nnx.iter_modules(model)
-           if isinstance(m, Dense) and not m.out_in and m.lora_a is None]
-  if not dense:
+  plan = decoding_plan(graphdef, state)
+  leaves = jax.tree.leaves(state)
+  if plan is None or not fits_in_memory(plan.copy_bytes(leaves)):
     return graphdef, state
-  # Cast to the compute dtype (what the matmul reads), never widened: a bfloat16 generation
-  # copy computing in float32 stays bfloat16.
-  dtypes = tuple(min(m.dtype, m.kernel[...].dtype, key=lambda d: jnp.dtype(d).itemsize)
-                 for m in dense)
-  size = sum(_local_elements(m.kernel[...]) * jnp.dtype(d).itemsize
-             for m, d in zip(dense, dtypes))
-  if size > available_memory() // 2:
-    _warn_once(f"generate: decoding from the weights as stored: their [out, in] copy "
-               f"({size / 2**30:.1f} GiB) would take over half of the available memory")
-    return graphdef, state
-  kernels = _transposed(tuple(m.kernel[...] for m in dense), dtypes)
-  for m, kernel in zip(dense, kernels):
-    m.kernel = m.kernel.replace(kernel, axes=tuple(reversed(m.kernel.axes)))
-    m.out_in = True
-  return nnx.split(model)
+  picked = [i for i, d in enumerate(plan.dtypes) if d is not None]
+  kernels = _transposed(tuple(leaves[i] for i in picked), tuple(plan.dtypes[i] for i in picked))
+  for i, kernel in zip(picked, kernels):
+    leaves[i] = kernel
+  return plan.graphdef, jax.tree.unflatten(jax.tree.structure(plan.abstract), leaves)
 
 
 def available_memory() -> int:

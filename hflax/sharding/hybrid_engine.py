@@ -8,14 +8,16 @@ other devices.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hflax.models.decode_layout import decoding_plan, fits_in_memory
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
 
 
@@ -193,26 +195,79 @@ def shard_bytes(state) -> dict:
 
 
 class HybridEngine:
-  """Builds the generation copy of the actor's parameters and measures the switch."""
+  """Builds the generation copy of the actor's parameters and measures the switch.
+
+  Given the model's `graphdef`, where generation runs on this process's CPU devices, the
+  copy is the sampler's decoding copy (hflax.models.decode_layout: dense kernels stored
+  [out, in] in their compute dtype), written by the same program as the cast: the actor
+  then holds one generation copy, where the sampler would otherwise write a second one
+  from it on every call. `self.graphdef` is the graph the copy runs on.
+  """
 
   def __init__(self, train_mesh: Mesh, abstract_state, train_shardings, tensor: int = 1,
-               dtype: str | None = None, strided: bool = True):
+               dtype: str | None = None, strided: bool = True, graphdef=None):
     self.mesh = generate_mesh(train_mesh, tensor, strided)
     self.dtype = dtype
-    self.shardings = state_shardings(abstract_state, self.mesh, GENERATE_RULES)
-    self.moved = bytes_to_move(abstract_state, train_shardings, self.shardings, dtype)
-    # Casting happens in the training layout, so fewer bytes cross devices.
-    self._cast = jax.jit(lambda s: jax.tree.map(lambda x: x.astype(dtype), s)) if dtype else None
+    gen_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
+                                abstract_state)
+    sources = jax.tree.leaves(train_shardings)
+    plan = self._decoding_plan(graphdef, gen_abstract, sources)
+    self.graphdef = plan.graphdef if plan else graphdef
+    self._program, self._picked = None, ()
+    if plan:
+      gen_abstract = plan.abstract
+      sources = [_transposed(s) if d is not None else s for s, d in zip(sources, plan.dtypes)]
+      # Every leaf when casting, else only the kernels (the rest is shared as it is).
+      self._picked = tuple(i for i, d in enumerate(plan.dtypes) if dtype or d is not None)
+      ops = tuple((plan.dtypes[i] is not None, plan.dtypes[i] or dtype) for i in self._picked)
+      self._program = jax.jit(functools.partial(_prepare, ops),
+                              out_shardings=[sources[i] for i in self._picked])
+    elif dtype:  # casting happens in the training layout, so fewer bytes cross devices
+      self._program = jax.jit(lambda s: jax.tree.map(lambda x: x.astype(dtype), s))
+    self.shardings = state_shardings(gen_abstract, self.mesh, GENERATE_RULES)
+    self._treedef = jax.tree.structure(gen_abstract)
+    self.moved = bytes_to_move(gen_abstract, sources, self.shardings)
+
+  def _decoding_plan(self, graphdef, abstract, sources):
+    """The decoding copy's plan, where it applies and fits: written in the training
+    layout, it takes a shard of every kernel on each training device."""
+    devices = list(self.mesh.devices.flat) + [d for s in sources for d in s.device_set]
+    local_cpu = all(d.platform == "cpu" and d.process_index == jax.process_index()
+                    for d in devices)
+    if graphdef is None or not local_cpu or not all(isinstance(s, NamedSharding) for s in sources):
+      return None  # accelerators keep their measured path; processes would decide apart
+    plan = decoding_plan(graphdef, abstract)
+    if plan is None:
+      return None
+    size = sum(math.prod(s.shard_shape(x.shape)) * len(s.device_set) * jnp.dtype(d).itemsize
+               for x, s, d in zip(jax.tree.leaves(abstract), sources, plan.dtypes)
+               if d is not None)
+    return plan if fits_in_memory(size) else None
 
   def to_generate(self, train_state):
     """The generation-layout copy, built shard by shard (see `assemble`)."""
     start = time.perf_counter()
-    state = self._cast(train_state) if self._cast else train_state
-    leaves, treedef = jax.tree.flatten(state)
-    gen_state = jax.tree.unflatten(treedef, [
+    leaves = jax.tree.leaves(train_state)
+    if self._picked:
+      for i, x in zip(self._picked, self._program([leaves[i] for i in self._picked])):
+        leaves[i] = x
+    elif self._program:
+      leaves = jax.tree.leaves(self._program(train_state))
+    gen_state = jax.tree.unflatten(self._treedef, [
         assemble(x, s) for x, s in zip(leaves, jax.tree.leaves(self.shardings))])
     jax.block_until_ready(gen_state)
     metrics = {"timing_s/reshard": time.perf_counter() - start,
                "reshard/bytes_moved": float(self.moved["total"]),
                "reshard/max_bytes_per_device": float(self.moved["max_per_device"])}
     return gen_state, metrics
+
+
+def _prepare(ops, leaves):
+  """The generation copy's leaves in the training layout: each (transposed, dtype) op."""
+  return [(x.T if transpose else x).astype(dtype) for x, (transpose, dtype) in zip(leaves, ops)]
+
+
+def _transposed(sharding: NamedSharding) -> NamedSharding:
+  """A [in, out] leaf's sharding, for the same leaf stored [out, in]."""
+  spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+  return NamedSharding(sharding.mesh, PartitionSpec(*reversed(spec)))
