@@ -157,7 +157,7 @@ def test_packed_log_probs_equal_the_padded_path():
   assert one.computed == fine_bucket(int(mask.sum())) < mask.size / 2
 
 
-def grpo_actor(update, devices=2, remove_padding=False):
+def grpo_actor(update, devices=2, remove_padding=False, dtype="float32"):
   from hflax.algorithms.objectives import actor_loss
   from hflax.controller.training import OptimConfig
   from hflax.controller.workers import ActorRolloutWorker
@@ -166,7 +166,7 @@ def grpo_actor(update, devices=2, remove_padding=False):
   from hflax.sharding.placement import build_placement, colocated
   placed = build_placement(colocated(["actor"], devices))
   loss = actor_loss({"loss_agg_mode": "token-mean", "clip_ratio": 0.2, "entropy_coeff": 0.01})
-  return ActorRolloutWorker(placed["actor"], *create(ModelConfig(**TINY), seed=0),
+  return ActorRolloutWorker(placed["actor"], *create(ModelConfig(**TINY, dtype=dtype), seed=0),
                             sampling=SamplingParams(max_new_tokens=4, n=1), loss_fn=loss,
                             optim=OptimConfig(lr=1e-2), update=update,
                             remove_padding=remove_padding)
@@ -292,6 +292,21 @@ def test_a_much_shorter_batch_fills_fewer_micro_batches_of_the_same_program(case
   assert float(got["actor/update_micro_batches"]) == used
   assert float(got["actor/update_tokens"]) == REAL_TOKENS
   assert float(got["actor/update_padded_tokens"]) == 2 * used * length - REAL_TOKENS
+
+
+@pytest.mark.parametrize("dtype, cuts", [("float32", 8), ("bfloat16", 4)])
+def test_low_precision_on_a_cpu_cuts_finer_only_where_rows_hold_four_times_more(dtype, cuts,
+                                                                                monkeypatch):
+  """The long batch's split rows would hold 179.75 tokens on average: over a 100-token
+  threshold (float32), under the 400 that bfloat16 matmuls on a CPU need."""
+  from hflax.controller import workers
+  from hflax.controller.training import UpdateConfig
+  from hflax.models import ModelConfig
+  monkeypatch.setattr(workers, "MIN_SPLIT_FLOPS", 100 * 6 * ModelConfig(**TINY).num_params)
+  actor = grpo_actor(UpdateConfig(mini_batch_size=ROWS, micro_batch_size=ROWS // 4,
+                                  remove_padding=True), dtype=dtype)
+  metrics = actor.update_actor(grpo_batch(others=[40] * (ROWS - 1))).meta["metrics"]
+  assert float(metrics["actor/update_micro_batches"]) == cuts
 
 
 def test_fill_fewest_plans():
