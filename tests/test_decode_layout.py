@@ -179,10 +179,15 @@ def test_the_hybrid_engine_writes_the_decoding_copy(dtype, generate_dtype):
   cast = jax.tree.map(lambda x: x.astype(generate_dtype or x.dtype), state)
   want_graphdef, want = for_decoding(graphdef, cast)
   assert engine.graphdef == want_graphdef
-  for got, ref, sharding in zip(jax.tree.leaves(gen), jax.tree.leaves(want),
-                                jax.tree.leaves(engine.shardings)):
-    assert got.sharding == sharding and got.dtype == ref.dtype
+  for got, ref in zip(jax.tree.leaves(gen), jax.tree.leaves(want), strict=True):
+    assert got.dtype == ref.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  # Each kernel is split over the tensor axis as the plain copy's, along its own axis.
+  for got, ref in zip(_dense(engine.graphdef, gen), _dense(graphdef, plain.to_generate(weights)[0]),
+                      strict=True):
+    spec = tuple(ref.kernel[...].sharding.spec) + (None,) * (2 - len(ref.kernel[...].sharding.spec))
+    assert got.kernel[...].sharding.spec == PartitionSpec(*spec[::-1])
+    assert "tensor" in spec
 
   tokens, mask = left_pad([[5, 6, 7], [9] * 5, [4], [8, 1]], 0)
   params = SamplingParams(max_new_tokens=8, temperature=0)
@@ -195,18 +200,24 @@ def test_the_hybrid_engine_writes_the_decoding_copy(dtype, generate_dtype):
     np.testing.assert_array_equal(np.asarray(out[key]), np.asarray(ref[key]))
 
 
-def test_the_hybrid_engine_keeps_the_plain_copy_where_the_decoding_one_does_not_fit(monkeypatch):
+def test_each_switch_writes_the_plain_copy_where_the_decoding_one_does_not_fit(monkeypatch):
+  """The engine decides at every switch, on the memory left then. Training fsdp=2, one
+  generation replica on each device: each holds half of the copy's kernels written in
+  the training layout, and the whole kernels, one buffer for both, are written anew."""
   import hflax.models.decode_layout as decode_layout
   graphdef, state = _model("bfloat16")
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   mesh = train_mesh(jax.devices()[:2], fsdp=2)
   train = state_shardings(abstract, mesh, TRAIN_RULES)
-  kernel_bytes = sum(m.kernel[...].size * 2 for m in _dense(graphdef, state))  # one shard each
-  monkeypatch.setattr(decode_layout, "available_memory", lambda: 2 * kernel_bytes + 2)
-  assert HybridEngine(mesh, abstract, train, graphdef=graphdef).graphdef != graphdef
-  monkeypatch.setattr(decode_layout, "available_memory", lambda: 2 * kernel_bytes - 2)
+  weights = jax.device_put(state, train)
   engine = HybridEngine(mesh, abstract, train, graphdef=graphdef)
-  assert engine.graphdef is graphdef
-  gen, _ = engine.to_generate(jax.device_put(state, train))
-  for got, ref in zip(jax.tree.leaves(gen), jax.tree.leaves(state)):
-    assert got.shape == ref.shape and got.dtype == ref.dtype
+  assert engine.graphdef != graphdef  # preferred until a switch finds too little memory
+  kernel_bytes = sum(m.kernel[...].size * 2 for m in _dense(graphdef, state))
+  for available, decoding in ((4 * kernel_bytes - 2, False), (4 * kernel_bytes + 2, True)):
+    monkeypatch.setattr(decode_layout, "available_memory", lambda a=available: a)
+    gen, metrics = engine.to_generate(weights)
+    assert metrics["reshard/decoding_layout"] == float(decoding)
+    assert (engine.graphdef is graphdef) != decoding
+    for got, ref in zip(_dense(engine.graphdef, gen), _dense(graphdef, state), strict=True):
+      assert got.out_in == decoding
+      assert got.kernel[...].shape == (ref.kernel[...].T.shape if decoding else ref.kernel[...].shape)

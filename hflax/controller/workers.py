@@ -26,7 +26,6 @@ from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate,
 from hflax.models.lora import (base_config, merged_kernels, split_adapters, split_for_merge,
                                trainable_filter)
 from hflax.models.logprobs import packed_log_probs, sequence_log_probs
-from hflax.models.matmul import widens_on_cpu
 from hflax.models.transformer import create_abstract, forward
 from hflax.rewards.scorer import last_token_scores
 from hflax.rollout.sampler import SamplingParams, generate_over_rows
@@ -42,13 +41,13 @@ from hflax.sharding.placement import RolePlacement
 # only where each still holds this much compute (a few hundred ms on that CPU; SmolLM2-135M:
 # 124 tokens).
 MIN_SPLIT_FLOPS = 1e11
-# Low-precision matmuls on a CPU (bfloat16 through AMX or AVX512-BF16: 1.0-1.7 TFLOP/s
-# against 0.3-0.35 in float32 on that CPU) finish that compute four times sooner and run
-# well below their rate on a few hundred rows, so a micro-batch must hold four times as
-# much. SmolLM2-135M, GRPO 8 x 8 x 128, bfloat16, one rollout batch replayed: 4 packed
+# bfloat16 matmuls on a CPU (AMX or AVX512-BF16: 1.0-1.7 TFLOP/s against 0.3-0.35 in
+# float32 on that CPU; float16 has no such path) do that compute four times sooner and
+# run well below their rate on a few hundred rows, so a micro-batch must hold four times
+# as much. SmolLM2-135M, GRPO 8 x 8 x 128, bfloat16, one rollout batch replayed: 4 packed
 # micro-batches of about 620 tokens updated in 4.45 s against 5.13 s for 8 of about 340
 # (float32: 10.01 against 11.03 s, the same time per computed token).
-LOW_PRECISION_SPLIT_FACTOR = 4
+BF16_CPU_SPLIT_FACTOR = 4
 
 
 class RoleWorker:
@@ -272,7 +271,9 @@ class RoleWorker:
 
   def _min_split_tokens(self) -> float:
     """Tokens a packed row must hold on average for fill_fewest to cut finer."""
-    factor = LOW_PRECISION_SPLIT_FACTOR if widens_on_cpu(self.cfg.dtype) else 1
+    bf16_on_cpu = (jnp.dtype(self.cfg.dtype) == jnp.bfloat16 and
+                   all(d.platform == "cpu" for d in self.mesh.devices.flat))
+    factor = BF16_CPU_SPLIT_FACTOR if bf16_on_cpu else 1
     return factor * MIN_SPLIT_FLOPS / (6 * self.cfg.num_params)
 
   def _floored_plans(self, key, mask, **kwargs):

@@ -8,13 +8,14 @@ out [out, in] (each output's weights contiguous) faster than the training layout
 16). A transpose written inside the decode program does not get there: XLA folds it back
 into the dot and keeps the [in, out] layout. So a program of its own writes the copy, once
 per generate call (about 0.15 s for SmolLM2's fp32 kernels, cast on the way), and the
-sampler decodes from it. GPUs and TPUs keep their measured path: the copy is CPU-only.
+sampler decodes from it; in an RL job the hybrid engine writes it as the actor's
+generation copy (hflax.sharding.hybrid_engine), and the sampler finds nothing left to
+copy. GPUs and TPUs keep their measured path: the copy is CPU-only.
 The copy lives beside the weights while the sampler runs, one per device holding a
 replica; where it would take more than half of the memory this process can still use,
-the sampler decodes from the weights as they are and says so once. So it does for
-weights that span processes: every process must then decide alike, and a memory reading
-is local. The copy is the sampler's own: a checkpoint or export of it would be
-transposed.
+the weights are decoded as they are, with a warning logged once. So are weights that
+span processes: every process must then decide alike, and a memory reading is local.
+The copy is the sampler's own: a checkpoint or export of it would be transposed.
 """
 from __future__ import annotations
 
@@ -37,11 +38,6 @@ class DecodingPlan:
   graphdef: nnx.GraphDef
   abstract: nnx.State
   dtypes: tuple
-
-  def apply(self, leaves) -> nnx.State:
-    """The copy from the state's leaves (arrays or tracers: the hybrid engine traces it)."""
-    return jax.tree.unflatten(jax.tree.structure(self.abstract), [
-        x if d is None else x.T.astype(d) for x, d in zip(leaves, self.dtypes)])
 
   def copy_bytes(self, leaves) -> int:
     """Bytes of the transposed kernels on this process's devices, a replica on each."""
@@ -67,9 +63,14 @@ def decoding_plan(graphdef, state) -> DecodingPlan | None:
   if not dtypes:
     return None
   copy_graphdef, abstract = nnx.split(model)
-  paths = [tuple(k.key for k in path[:-1])  # the last key is the Variable's value
+  paths = [tuple(getattr(k, "key", k) for k in path[:-1])  # the last: the Variable's value
            for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-  return DecodingPlan(copy_graphdef, abstract, tuple(dtypes.get(p) for p in paths))
+  leaf_dtypes = tuple(dtypes.get(p) for p in paths)
+  if sum(d is not None for d in leaf_dtypes) != len(dtypes):
+    # A kernel flagged out_in but left as stored would decode wrong, silently if square.
+    raise RuntimeError(f"decoding_plan: {len(dtypes)} kernels, but the state's leaf paths "
+                       f"match {sum(d is not None for d in leaf_dtypes)} of them")
+  return DecodingPlan(copy_graphdef, abstract, leaf_dtypes)
 
 
 def fits_in_memory(copy_bytes: int) -> bool:

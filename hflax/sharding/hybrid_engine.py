@@ -8,9 +8,11 @@ other devices.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +196,21 @@ def shard_bytes(state) -> dict:
   return held
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """One generation copy the engine writes: the graph it runs on, its shardings and
+  treedef, the training-layout shardings of its leaves, the bytes it moves, and the
+  program writing its leaves `picked` (by index in the training state's leaves) in the
+  training layout, or None."""
+  graphdef: Any
+  shardings: Any
+  treedef: Any
+  sources: list
+  moved: dict
+  program: Callable | None
+  picked: tuple
+
+
 class HybridEngine:
   """Builds the generation copy of the actor's parameters and measures the switch.
 
@@ -201,65 +218,87 @@ class HybridEngine:
   copy is the sampler's decoding copy (hflax.models.decode_layout: dense kernels stored
   [out, in] in their compute dtype), written by the same program as the cast: the actor
   then holds one generation copy, where the sampler would otherwise write a second one
-  from it on every call. `self.graphdef` is the graph the copy runs on.
+  from it on every call. Each switch checks that the copy fits (the memory left then,
+  the other roles' weights and caches included) and otherwise writes the plain copy.
+  `graphdef`, `shardings` and `moved` describe the copy last written (before the first
+  switch, the one preferred).
   """
 
   def __init__(self, train_mesh: Mesh, abstract_state, train_shardings, tensor: int = 1,
                dtype: str | None = None, strided: bool = True, graphdef=None):
     self.mesh = generate_mesh(train_mesh, tensor, strided)
     self.dtype = dtype
-    gen_abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
-                                abstract_state)
+    cast = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
+                        abstract_state)
     sources = jax.tree.leaves(train_shardings)
-    plan = self._decoding_plan(graphdef, gen_abstract, sources)
-    self.graphdef = plan.graphdef if plan else graphdef
-    self._program, self._picked = None, ()
-    if plan:
-      gen_abstract = plan.abstract
-      sources = [_transposed(s) if d is not None else s for s, d in zip(sources, plan.dtypes)]
-      # Every leaf when casting, else only the kernels (the rest is shared as it is).
-      self._picked = tuple(i for i, d in enumerate(plan.dtypes) if dtype or d is not None)
-      ops = tuple((plan.dtypes[i] is not None, plan.dtypes[i] or dtype) for i in self._picked)
-      self._program = jax.jit(functools.partial(_prepare, ops),
-                              out_shardings=[sources[i] for i in self._picked])
-    elif dtype:  # casting happens in the training layout, so fewer bytes cross devices
-      self._program = jax.jit(lambda s: jax.tree.map(lambda x: x.astype(dtype), s))
-    self.shardings = state_shardings(gen_abstract, self.mesh, GENERATE_RULES)
-    self._treedef = jax.tree.structure(gen_abstract)
-    self.moved = bytes_to_move(gen_abstract, sources, self.shardings)
+    self._plain = self._layout(graphdef, cast, sources, (None,) * len(sources))
+    plan = self._decoding_plan(graphdef, cast, sources)
+    self._decoding = plan and self._layout(plan.graphdef, plan.abstract, sources, plan.dtypes)
+    self._decoding_bytes = plan and _copy_bytes(plan, self._decoding)
+    self._use(self._decoding or self._plain)
+
+  def _layout(self, graphdef, abstract, sources, kernel_dtypes) -> _Layout:
+    """The copy whose leaves are cast to self.dtype, and the kernels with a dtype in
+    kernel_dtypes transposed to it; a leaf neither cast nor transposed passes as it is."""
+    sources = [_transposed(s) if d is not None else s for s, d in zip(sources, kernel_dtypes)]
+    ops = [(d is not None, d or self.dtype) for d in kernel_dtypes]
+    picked = tuple(i for i, (transpose, dtype) in enumerate(ops) if transpose or dtype)
+    # Written in the training layout, so fewer bytes cross devices.
+    program = picked and jax.jit(functools.partial(_prepare, tuple(ops[i] for i in picked)),
+                                 out_shardings=[sources[i] for i in picked])
+    shardings = state_shardings(abstract, self.mesh, GENERATE_RULES)
+    return _Layout(graphdef, shardings, jax.tree.structure(abstract), sources,
+                   bytes_to_move(abstract, sources, shardings), program or None, picked)
 
   def _decoding_plan(self, graphdef, abstract, sources):
-    """The decoding copy's plan, where it applies and fits: written in the training
-    layout, it takes a shard of every kernel on each training device."""
     devices = list(self.mesh.devices.flat) + [d for s in sources for d in s.device_set]
     local_cpu = all(d.platform == "cpu" and d.process_index == jax.process_index()
                     for d in devices)
     if graphdef is None or not local_cpu or not all(isinstance(s, NamedSharding) for s in sources):
       return None  # accelerators keep their measured path; processes would decide apart
-    plan = decoding_plan(graphdef, abstract)
-    if plan is None:
-      return None
-    size = sum(math.prod(s.shard_shape(x.shape)) * len(s.device_set) * jnp.dtype(d).itemsize
-               for x, s, d in zip(jax.tree.leaves(abstract), sources, plan.dtypes)
-               if d is not None)
-    return plan if fits_in_memory(size) else None
+    return decoding_plan(graphdef, abstract)
+
+  def _use(self, layout: _Layout):
+    self.graphdef, self.shardings, self.moved = layout.graphdef, layout.shardings, layout.moved
 
   def to_generate(self, train_state):
-    """The generation-layout copy, built shard by shard (see `assemble`)."""
+    """The generation-layout copy, built shard by shard (see `assemble`); self.graphdef
+    is then the graph it runs on."""
     start = time.perf_counter()
+    decoding = self._decoding is not None and fits_in_memory(self._decoding_bytes)
+    layout = self._decoding if decoding else self._plain
+    self._use(layout)
     leaves = jax.tree.leaves(train_state)
-    if self._picked:
-      for i, x in zip(self._picked, self._program([leaves[i] for i in self._picked])):
+    if layout.program:
+      for i, x in zip(layout.picked, layout.program([leaves[i] for i in layout.picked])):
         leaves[i] = x
-    elif self._program:
-      leaves = jax.tree.leaves(self._program(train_state))
-    gen_state = jax.tree.unflatten(self._treedef, [
-        assemble(x, s) for x, s in zip(leaves, jax.tree.leaves(self.shardings))])
+    gen_state = jax.tree.unflatten(layout.treedef, [
+        assemble(x, s) for x, s in zip(leaves, jax.tree.leaves(layout.shardings), strict=True)])
     jax.block_until_ready(gen_state)
     metrics = {"timing_s/reshard": time.perf_counter() - start,
-               "reshard/bytes_moved": float(self.moved["total"]),
-               "reshard/max_bytes_per_device": float(self.moved["max_per_device"])}
+               "reshard/bytes_moved": float(layout.moved["total"]),
+               "reshard/max_bytes_per_device": float(layout.moved["max_per_device"]),
+               "reshard/decoding_layout": float(decoding)}
     return gen_state, metrics
+
+
+def _copy_bytes(plan, layout: _Layout) -> int:
+  """Bytes the decoding copy's kernels take at the switch's peak: each training device's
+  shard of them, beside every distinct generation shard `assemble` writes anew (a device
+  already holding exactly its shard keeps that buffer; on CPUs replicas share one)."""
+  total = 0
+  shardings, abstract = jax.tree.leaves(layout.shardings), jax.tree.leaves(plan.abstract)
+  for i, dtype in enumerate(plan.dtypes):
+    if dtype is None:
+      continue
+    shape, item, src = abstract[i].shape, jnp.dtype(dtype).itemsize, layout.sources[i]
+    held = src.devices_indices_map(shape)
+    total += len(held) * math.prod(src.shard_shape(shape)) * item
+    fresh = {_region(index, shape) for device, index in
+             shardings[i].devices_indices_map(shape).items()
+             if device not in held or _region(held[device], shape) != _region(index, shape)}
+    total += sum(_elements(region) for region in fresh) * item
+  return total
 
 
 def _prepare(ops, leaves):
