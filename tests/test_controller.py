@@ -181,7 +181,9 @@ def test_hybrid_engine_switch():
                              np.asarray(out_train["rollout_log_probs"]), atol=1e-5)
   del gen_state
   # train -> generate -> train leaves the training parameters bit-identical.
-  actor.generate_sequences(prompts)
+  rollout = actor.generate_sequences(prompts)
+  # On CPUs the engine's copy is the sampler's decoding copy: the actor holds no other.
+  assert rollout.meta["metrics"]["reshard/decoding_layout"] == 1.0
   for a, b in zip(before, jax.tree.leaves(actor.params)):
     np.testing.assert_array_equal(a, np.asarray(b))
 

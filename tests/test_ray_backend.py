@@ -102,7 +102,10 @@ def _assert_same(ray_run, local_run):
       np.testing.assert_allclose(batch[key], np.asarray(ref_batch[key]), atol=2e-5, err_msg=key)
     assert set(metrics) == set(ref_metrics)
     for key, value in ref_metrics.items():
-      if not key.startswith("timing_s"):
+      # Which generation copy the engine wrote differs by design where a pool spans
+      # processes (never the decoding copy there: each process would decide on its own
+      # memory); the tokens above are the same.
+      if not key.startswith("timing_s") and key != "reshard/decoding_layout":
         np.testing.assert_allclose(float(metrics[key]), float(value), rtol=1e-4, atol=1e-6,
                                    err_msg=key)
   for role in ("actor", "critic"):
