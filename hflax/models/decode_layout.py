@@ -66,10 +66,11 @@ def decoding_plan(graphdef, state) -> DecodingPlan | None:
   paths = [tuple(getattr(k, "key", k) for k in path[:-1])  # the last: the Variable's value
            for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
   leaf_dtypes = tuple(dtypes.get(p) for p in paths)
-  if sum(d is not None for d in leaf_dtypes) != len(dtypes):
+  matched = sum(d is not None for d in leaf_dtypes)
+  if matched != len(dtypes):
     # A kernel flagged out_in but left as stored would decode wrong, silently if square.
     raise RuntimeError(f"decoding_plan: {len(dtypes)} kernels, but the state's leaf paths "
-                       f"match {sum(d is not None for d in leaf_dtypes)} of them")
+                       f"match {matched} of them")
   return DecodingPlan(copy_graphdef, abstract, leaf_dtypes)
 
 
@@ -93,7 +94,8 @@ def for_decoding(graphdef, state):
   if plan is None or not fits_in_memory(plan.copy_bytes(leaves)):
     return graphdef, state
   picked = [i for i, d in enumerate(plan.dtypes) if d is not None]
-  kernels = _transposed(tuple(leaves[i] for i in picked), tuple(plan.dtypes[i] for i in picked))
+  kernels = _copy_leaves(tuple((True, plan.dtypes[i]) for i in picked),
+                         [leaves[i] for i in picked])
   for i, kernel in zip(picked, kernels):
     leaves[i] = kernel
   return plan.graphdef, jax.tree.unflatten(jax.tree.structure(plan.abstract), leaves)
@@ -143,6 +145,9 @@ def _local_elements(x) -> int:
   return sum(shard.data.size for shard in x.addressable_shards)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _transposed(kernels, dtypes):
-  return tuple(k.T.astype(dtype) for k, dtype in zip(kernels, dtypes))
+def copy_leaves(ops, leaves):
+  """Each leaf transposed or not, and cast: ops holds a (transpose, dtype) pair per leaf."""
+  return [(x.T if transpose else x).astype(dtype) for x, (transpose, dtype) in zip(leaves, ops)]
+
+
+_copy_leaves = jax.jit(copy_leaves, static_argnums=0)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.models.decode_layout import decoding_plan, fits_in_memory
+from hflax.models.decode_layout import copy_leaves, decoding_plan, fits_in_memory
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
 
 
@@ -244,7 +244,7 @@ class HybridEngine:
     ops = [(d is not None, d or self.dtype) for d in kernel_dtypes]
     picked = tuple(i for i, (transpose, dtype) in enumerate(ops) if transpose or dtype)
     # Written in the training layout, so fewer bytes cross devices.
-    program = picked and jax.jit(functools.partial(_prepare, tuple(ops[i] for i in picked)),
+    program = picked and jax.jit(functools.partial(copy_leaves, tuple(ops[i] for i in picked)),
                                  out_shardings=[sources[i] for i in picked])
     shardings = state_shardings(abstract, self.mesh, GENERATE_RULES)
     return _Layout(graphdef, shardings, jax.tree.structure(abstract), sources,
@@ -299,11 +299,6 @@ def _copy_bytes(plan, layout: _Layout) -> int:
              if device not in held or _region(held[device], shape) != _region(index, shape)}
     total += sum(_elements(region) for region in fresh) * item
   return total
-
-
-def _prepare(ops, leaves):
-  """The generation copy's leaves in the training layout: each (transposed, dtype) op."""
-  return [(x.T if transpose else x).astype(dtype) for x, (transpose, dtype) in zip(leaves, ops)]
 
 
 def _transposed(sharding: NamedSharding) -> NamedSharding:
