@@ -4,6 +4,7 @@ loop, a packed update and forward pass), and its time model's ranking of the mod
 
 Stated factor, as tests/test_automap_memory.py: prediction / XLA within [0.7, 1.5].
 """
+import dataclasses
 import functools
 
 import jax
@@ -76,17 +77,18 @@ def packed_rows(cfg, length, sequences, scored):
           "advantages": jnp.ones((sequences, scored))}
 
 
-@pytest.mark.parametrize("layers, d, vocab, length, sequences, scored", [
-    (2, 512, 512, 1024, 8, 64),    # MLP activations, blockwise attention
-    (2, 64, 8192, 1024, 8, 128),   # the logits block of the row's 8 sequences
-    (2, 64, 4096, 512, 4, 128),    # dense attention scores of a 512-token row
+@pytest.mark.parametrize("layers, d, vocab, length, sequences, scored, tied", [
+    (2, 512, 512, 1024, 8, 64, False),    # MLP activations, blockwise attention
+    (2, 64, 8192, 1024, 8, 128, False),   # the logits block of the row's 8 sequences
+    (2, 64, 8192, 1024, 8, 128, True),    # and a tied head's transposed cotangent
+    (2, 64, 4096, 512, 4, 128, False),    # dense attention scores of a 512-token row
 ])
 def test_packed_update_and_forward_memory_within_factor(layers, d, vocab, length, sequences,
-                                                        scored):
+                                                        scored, tied):
   """A packed micro-batch: one row of `length` real tokens (the token budget). The actor's
   update as the packed path runs it (packed_log_probs, PPO-clip, AdamW, donated) and the
   packed log-prob pass, against the model's one row of budget tokens."""
-  cfg = config(layers, d, vocab)
+  cfg = dataclasses.replace(config(layers, d, vocab), tie_word_embeddings=tied)
   graphdef, state = create(cfg)
   params = nnx.state(nnx.merge(graphdef, state), nnx.Param)
   rows = packed_rows(cfg, length, sequences, scored)

@@ -24,6 +24,7 @@ Terms, and the runtime code each follows:
   packed rows    hflax/models/logprobs.py packed_log_probs: one row of the micro-batch's
                  real tokens; the logits block covers its sequences' response columns
   LM head        hflax/models/chunked_head.py: its backward pass holds four logits blocks
+                 with a tied embedding, one more than the forward's untied
 
 Checked against XLA's compiled memory analysis of the real programs in
 tests/test_automap_memory.py (CPU; within the factor stated there).
@@ -208,11 +209,14 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | Non
   per_layer = (rows * length * cfg.hidden_size * _size(cfg.dtype) if cfg.remat
                else saved_layer_bytes(cfg, rows, length, attention))
   forward = forward_bytes(cfg, rows, length, scored, attention, scored_rows).transient
-  # The LM head's hand-written backward pass (hflax/models/chunked_head.py) holds four
-  # logits blocks of one chunk: the recomputed logits, the probabilities, their cotangent
-  # and the transposed copy XLA makes of it for the weight gradient (measured in
-  # tests/test_automap_memory.py and tests/test_automap_runtime_modes.py).
-  head = 4 * _pass_logits_bytes(cfg, rows, length, scored, scored_rows)
+  # The LM head's hand-written backward pass (hflax/models/chunked_head.py) recomputes one
+  # chunk's logits. A tied head's gradient [V, D] contracts the cotangent's rows, and XLA
+  # held four logits blocks: the logits, the probabilities, their cotangent and its
+  # transposed copy. An untied head's kernel gradient reads the activations transposed
+  # (hflax/models/matmul.py): one block beyond the forward pass's two (measured in
+  # tests/test_automap_memory.py and tests/test_automap_runtime_modes.py, on CPU).
+  blocks = 4 if cfg.tie_word_embeddings else 1
+  head = blocks * _pass_logits_bytes(cfg, rows, length, scored, scored_rows)
   return cfg.num_layers * per_layer + 2 * forward + head
 
 
