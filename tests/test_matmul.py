@@ -38,7 +38,6 @@ def test_float32_is_a_plain_dot():
   np.testing.assert_array_equal(np.asarray(dense_dot(x, w, "float32")), np.asarray(x @ w))
 
 
-
 def test_the_float32_gradient_matches_autodiff_and_both_its_matmuls_go_to_the_library():
   """Autodiff's weight gradient contracts x's rows: XLA:CPU ran it as its generic dot,
   outside the matmul library a float32 training step compiles for (a replayed SmolLM2

@@ -24,7 +24,7 @@ Terms, and the runtime code each follows:
   packed rows    hflax/models/logprobs.py packed_log_probs: one row of the micro-batch's
                  real tokens; the logits block covers its sequences' response columns
   LM head        hflax/models/chunked_head.py: its backward pass holds four logits blocks
-                 with a tied embedding, one more than the forward's untied
+                 with a tied embedding; an untied head's, one beyond the forward's
 
 Checked against XLA's compiled memory analysis of the real programs in
 tests/test_automap_memory.py (CPU; within the factor stated there).
