@@ -544,6 +544,40 @@ def test_key_block_bounds_reach_back_to_the_shared_prompt():
   np.testing.assert_array_equal(bounds(), [[0, 0, 2, 2], [1, 2, 3, 4]])
 
 
+def test_blockwise_skips_the_other_responses_between_a_response_and_its_prompt(monkeypatch):
+  """A 4-token prompt shared by three 4-token responses, 4 x 4 blocks: the bounds leave
+  query block i the key blocks 0..i; it needs only its prompt's block and its own."""
+  seg, prefix, seen = _shared_rows([[(4, [4, 4, 4])]], 16)
+  np.testing.assert_array_equal(seg[0], np.repeat([1, 2, 3, 4], 4))
+  args = (jnp.arange(16)[None], jnp.asarray(seg), jnp.asarray(seg), 4, 4, jnp.asarray(prefix))
+  lo, hi = attention.key_block_bounds(*args)
+  np.testing.assert_array_equal([lo, hi], [[0, 0, 0, 0], [1, 2, 3, 4]])
+  np.testing.assert_array_equal(attention.key_blocks_taken(*args),
+                                [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]])
+  # Without prefix ids each response sees only itself.
+  np.testing.assert_array_equal(attention.key_blocks_taken(*args[:5]), np.eye(4, dtype=bool))
+  computed = []
+  scores = attention._scores
+
+  def counted(*a):
+    jax.debug.callback(lambda: computed.append(1))
+    return scores(*a)
+
+  monkeypatch.setattr(attention, "_scores", counted)
+  q, k, v = _qkv(1, 16, 16, 2, 1, 4, seed=5)
+  blk = functools.partial(attention.blockwise, q_block=4, k_block=4)
+  ids = (jnp.asarray(seg > 0), jnp.arange(16)[None], jnp.asarray(seg), jnp.asarray(seg),
+         jnp.asarray(prefix))
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)  # noqa: E731
+  got = jax.value_and_grad(loss(lambda q, k, v: blk(q, k, v, *ids)), (0, 1, 2))(q, k, v)
+  jax.effects_barrier()
+  assert len(computed) == 2 * 7  # forward and backward, against 2 * 10 within the bounds
+  want = jax.value_and_grad(loss(lambda q, k, v: _dense(q, k, v, seen)), (0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g, want_g in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, want_g, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_one_column_cache_writes_equal_a_dynamic_update_slice(dtype):
   """_write_slots' select over a bf16 cache's bits writes exactly what a

@@ -99,11 +99,14 @@ def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   Forward and backward (a custom VJP that recomputes each block's probabilities from the
   saved log-sum-exp, as FlashAttention-2 does) hold O(T + S) memory besides one
   [B, H, q_block, k_block] block of scores. Each query block loops only over the key
-  blocks `key_block_bounds` leaves it: none past the last slot it can see (causality),
-  and, with packed segments, none before the first key of its lowest segment. Packing
-  writes nonzero segment ids in non-decreasing order along a row, so one row of many
-  short sequences costs about sum(len_i^2) / 2 score pairs (up to block edges), not T^2 / 2
-  (rows of a batch share bounds: a layout differing per row skips less). A query that
+  blocks `key_blocks_taken` leaves it: none past the last slot it can see (causality),
+  none before the first key of its lowest segment, and none between a response and its
+  shared prompt that holds only other responses. Packing writes nonzero segment ids in
+  non-decreasing order along a row, so one row of many short sequences costs about
+  sum(len_i^2) / 2 score pairs (up to block edges), not T^2 / 2 (rows of a batch share
+  the blocks: a layout differing per row skips less). On a 2-core Xeon (fp32, one layer's
+  forward + backward) a 1000-token prompt shared by 8 responses of 150-250 tokens took
+  158 ms against 205 before the last rule. A query that
   sees no key outputs 0, not the reference's mean over all values: either is finite, and
   neither feeds a real token.
   Block sizes: 64 x 128 ran a 2048-token forward + backward of SmolLM2-135M-shaped
@@ -179,6 +182,31 @@ def key_block_bounds(q_slot_BxT, q_seg_BxT, k_seg_BxS, bq, bk, q_prefix_BxT=None
   return lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
+def key_blocks_taken(q_slot_BxT, q_seg_BxT, k_seg_BxS, bq, bk, q_prefix_BxT=None):
+  """[T // bq, S // bk] bool: the key blocks each query block computes, those within
+  `key_block_bounds` whose segment ids meet the ids the block's queries see (their own or
+  their prefix). Blocks are compared by their id ranges (pads, 0, left out), which hold
+  every id of a block whatever the order, so no visible pair is ever dropped; with
+  packing's non-decreasing ids this drops the blocks of the other responses that lie
+  between a response and its shared prompt, which the bounds keep."""
+  B, S = k_seg_BxS.shape
+  nk, top = S // bk, jnp.iinfo(jnp.int32).max
+  lo, hi = key_block_bounds(q_slot_BxT, q_seg_BxT, k_seg_BxS, bq, bk, q_prefix_BxT)
+  real = _blocks(q_seg_BxT, bq) > 0  # [nq, B, bq]
+
+  def id_range(ids, present):
+    return jnp.where(present, ids, top).min(-1), jnp.where(present, ids, 0).max(-1)
+
+  keys = k_seg_BxS.reshape(B, nk, bk)
+  k_lo, k_hi = id_range(keys, keys > 0)  # [B, nk]
+  meets = jnp.zeros((real.shape[0], nk), bool)
+  for ids in (q_seg_BxT, q_seg_BxT if q_prefix_BxT is None else q_prefix_BxT):
+    q_lo, q_hi = id_range(_blocks(ids, bq), real)  # [nq, B]
+    meets |= ((q_lo[..., None] <= k_hi) & (k_lo <= q_hi[..., None])).any(1)
+  j = jnp.arange(nk)
+  return meets & (j >= lo[:, None]) & (j < hi[:, None])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _flash(bq, bk, q, k, v, masks):
   return _flash_forward(bq, bk, q, k, v, masks)[0]
@@ -190,10 +218,11 @@ def _flash_forward(bq, bk, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, masks):
   _, q_slot, q_seg, k_seg, q_prefix = masks
 
   def query_block(_, xs):
-    q, slot, seg, prefix, lo, hi = xs
+    q, slot, seg, prefix, order, count = xs
 
-    def key_block(j, carry):
+    def key_block(n, carry):
       m, l, acc = carry
+      j = order[n]
       k, v, valid, k_seg = _key_block(k_BxKxDhxS, v_BxKxSxDh, masks, j, bk)
       s = _scores(q, k, valid, k_seg, slot, seg, prefix, j, bk)
       m_new = jnp.maximum(m, s.max(-1))
@@ -204,7 +233,7 @@ def _flash_forward(bq, bk, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, masks):
       return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
     m = jnp.full(q.shape[:-1], MASKED, jnp.float32)
-    m, l, acc = jax.lax.fori_loop(lo, hi, key_block,
+    m, l, acc = jax.lax.fori_loop(0, count, key_block,
                                   (m, jnp.zeros_like(m), jnp.zeros(q.shape, jnp.float32)))
     # A query that saw only masked scores summed exp(0) over them: its l is no sign of a
     # visible key, its max is. Its lse of -MASKED makes the backward's probabilities 0.
@@ -213,8 +242,11 @@ def _flash_forward(bq, bk, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, masks):
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1)), -MASKED)
     return None, (out.astype(q.dtype), lse)
 
+  take = key_blocks_taken(q_slot, q_seg, k_seg, bq, bk, q_prefix)
+  # Each query block's key blocks first, in order: the loop runs over those alone.
+  order = jnp.argsort(~take, axis=1, stable=True).astype(jnp.int32)
   xs = (_query_blocks(q_BxTxHxDh, KV, bq), _blocks(q_slot, bq), _blocks(q_seg, bq),
-        _blocks(q_prefix, bq), *key_block_bounds(q_slot, q_seg, k_seg, bq, bk, q_prefix))
+        _blocks(q_prefix, bq), order, take.sum(1, dtype=jnp.int32))
   _, (out, lse) = jax.lax.scan(query_block, None, xs)
   # [nq, B, KV, G, bq, Dh] -> [B, T, H, Dh]
   out_BxTxHxDh = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, T, H, Dh)
@@ -231,7 +263,7 @@ def _flash_backward(bq, bk, residuals, d_out_BxTxHxDh):
   # rowsum(dO * O): the softmax Jacobian's correction term, per query.
   deltas = jnp.sum(d_outs.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   slots, segs, prefixes = _blocks(q_slot, bq), _blocks(q_seg, bq), _blocks(q_prefix, bq)
-  lo, hi = key_block_bounds(q_slot, q_seg, k_seg, bq, bk, q_prefix)
+  take = key_blocks_taken(q_slot, q_seg, k_seg, bq, bk, q_prefix)
 
   def key_block(dq, j):
     k, v, valid, k_seg = _key_block(k_BxKxDhxS, v_BxKxSxDh, masks, j, bk)
@@ -252,7 +284,7 @@ def _flash_backward(bq, bk, residuals, d_out_BxTxHxDh):
       return dq.at[i].add(dq_i), dk, dv
 
     def maybe(i, carry):  # the forward pass skipped key block j for query block i
-      return jax.lax.cond((lo[i] <= j) & (j < hi[i]), query_block, lambda _, c: c, i, carry)
+      return jax.lax.cond(take[i, j], query_block, lambda _, c: c, i, carry)
 
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
