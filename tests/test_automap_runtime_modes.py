@@ -80,7 +80,7 @@ def packed_rows(cfg, length, sequences, scored):
 @pytest.mark.parametrize("layers, d, vocab, length, sequences, scored, tied", [
     (2, 512, 512, 1024, 8, 64, False),    # MLP activations, blockwise attention
     (2, 64, 8192, 1024, 8, 128, False),   # the logits block of the row's 8 sequences
-    (2, 64, 8192, 1024, 8, 128, True),    # and a tied head's transposed cotangent
+    (2, 64, 8192, 1024, 8, 128, True),    # the same with a tied head
     (2, 64, 4096, 512, 4, 128, False),    # dense attention scores of a 512-token row
 ])
 def test_packed_update_and_forward_memory_within_factor(layers, d, vocab, length, sequences,
