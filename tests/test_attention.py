@@ -400,8 +400,8 @@ def test_key_block_bounds_of_a_hand_built_packed_batch():
   np.testing.assert_array_equal(bounds(np.ones((1, 16), np.int32), 4), [[0] * 4, [1, 2, 3, 4]])
 
 
-def test_blockwise_computes_only_the_score_blocks_within_the_bounds(monkeypatch):
-  seg = _packed_segments([[2, 2, 6, 3, 1]], 16)  # above: lo [0, 1, 1, 2], hi [1, 2, 3, 4]
+def _count_score_blocks(monkeypatch) -> list:
+  """A list that grows by one for each score block blockwise attention computes."""
   computed = []
   scores = attention._scores
 
@@ -410,6 +410,12 @@ def test_blockwise_computes_only_the_score_blocks_within_the_bounds(monkeypatch)
     return scores(*args)
 
   monkeypatch.setattr(attention, "_scores", counted)
+  return computed
+
+
+def test_blockwise_computes_only_the_score_blocks_within_the_bounds(monkeypatch):
+  seg = _packed_segments([[2, 2, 6, 3, 1]], 16)  # above: lo [0, 1, 1, 2], hi [1, 2, 3, 4]
+  computed = _count_score_blocks(monkeypatch)
   q, k, v = _qkv(1, 16, 16, 2, 1, 4)
   seg_ids = jnp.asarray(seg)
 
@@ -556,14 +562,7 @@ def test_blockwise_skips_the_other_responses_between_a_response_and_its_prompt(m
                                 [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]])
   # Without prefix ids each response sees only itself.
   np.testing.assert_array_equal(attention.key_blocks_taken(*args[:5]), np.eye(4, dtype=bool))
-  computed = []
-  scores = attention._scores
-
-  def counted(*a):
-    jax.debug.callback(lambda: computed.append(1))
-    return scores(*a)
-
-  monkeypatch.setattr(attention, "_scores", counted)
+  computed = _count_score_blocks(monkeypatch)
   q, k, v = _qkv(1, 16, 16, 2, 1, 4, seed=5)
   blk = functools.partial(attention.blockwise, q_block=4, k_block=4)
   ids = (jnp.asarray(seg > 0), jnp.arange(16)[None], jnp.asarray(seg), jnp.asarray(seg),
