@@ -11,6 +11,14 @@ from hflax.models.matmul import dense_dot, tied_head, tied_logits
 from hlo_dots import dot_operand_types
 
 
+def _float32_training_options() -> dict:
+  """The options a float32 CPU training step compiles with; skips where there are none."""
+  options = train_compiler_options(jax.devices(), "float32")
+  if options is None:
+    pytest.skip("no CPU training options here (HFLAX_CPU_YNN=0 or not a CPU backend)")
+  return options
+
+
 @pytest.mark.parametrize("w_shape", [(16, 8), (16, 2, 8)])
 def test_bfloat16_dot_and_its_gradient_match_float32_on_rounded_inputs(w_shape):
   k = jax.random.split(jax.random.key(0), 3)
@@ -49,9 +57,7 @@ def test_the_float32_gradient_matches_autodiff_and_both_its_matmuls_go_to_the_li
                for f in (lambda x, w: dense_dot(x, w, jnp.float32), lambda x, w: x @ w))
   for a, b in zip(mine(x, w), ref(x, w)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-3)
-  options = train_compiler_options(jax.devices(), "float32")
-  if options is None:
-    pytest.skip("no CPU training options here (HFLAX_CPU_YNN=0 or not a CPU backend)")
+  options = _float32_training_options()
   text = mine.lower(x, w).compile(options).as_text()
   dots = re.findall(r"(ROOT )?%[\w.\-]+ = \S+ dot\(", text)
   # Each dot is the root of its own fused computation (the library's); a dot of the
@@ -129,9 +135,7 @@ def test_the_float32_tied_head_gradient_reads_the_cotangent_as_it_lies():
                          lambda h, e: jnp.einsum("btd,vd->btv", h, e)))
   for a, b in zip(mine(h, embed), ref(h, embed)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-  options = train_compiler_options(jax.devices(), "float32")
-  if options is None:
-    pytest.skip("no CPU training options here (HFLAX_CPU_YNN=0 or not a CPU backend)")
+  options = _float32_training_options()
   transposed = r"f32\[300,(64|2,32)\]"
   assert re.search(transposed, ref.lower(h, embed).compile(options).as_text())
   assert not re.search(transposed, mine.lower(h, embed).compile(options).as_text())

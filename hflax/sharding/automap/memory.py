@@ -23,8 +23,8 @@ Terms, and the runtime code each follows:
                  cache grown to P + new_tokens, and the prefill's working set before them
   packed rows    hflax/models/logprobs.py packed_log_probs: one row of the micro-batch's
                  real tokens; the logits block covers its sequences' response columns
-  LM head        hflax/models/chunked_head.py: its backward pass holds four logits blocks
-                 with a tied embedding; an untied head's, one beyond the forward's
+  LM head        hflax/models/chunked_head.py: its backward pass holds one logits block
+                 beyond the forward's two, tied or untied
 
 Checked against XLA's compiled memory analysis of the real programs in
 tests/test_automap_memory.py (CPU; within the factor stated there).
