@@ -90,14 +90,41 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype):
                          params=SamplingParams(max_new_tokens=8, temperature=0)
                          ).compile().as_text()
   shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", text))
-  # Kernels [out, in]: k/v, q/o, gate/up, the stacked gate+up of a decode step, down, head.
-  kernels = {"24,48", "48,48", "80,48", "160,48", "48,80", "64,48"}
+  # Kernels [out, in]: k/v, q/o, gate/up, the stacked gate+up of a decode step, down, head,
+  # and a decode step's q, k and v concatenated per KV group (2 groups x (2 + 2) x 12).
+  kernels = {"24,48", "48,48", "80,48", "160,48", "48,80", "64,48", "96,48"}
   reads = [(shapes[rhs], dims) for rhs, dims in re.findall(
       r" dot\(%[\w.\-]+, %([\w.\-]+)\),.*?rhs_contracting_dims=\{(\d+)\}", text)
       if shapes[rhs] in kernels]
   assert {shape for shape, _ in reads} == kernels
   # Contracting dimension 0 would be a kernel laid back out [in, out].
   assert all(dims == "1" for _, dims in reads), reads
+
+
+@pytest.mark.parametrize("changes", [{}, {"qkv_bias": True, "qk_norm": True}])
+def test_a_decode_step_projects_q_k_v_in_one_matmul(changes):
+  """The copy's decode steps compute q, k and v as one product per layer, and generate
+  what the model's three products do."""
+  graphdef, state = _model(**changes)
+  copy = for_decoding(graphdef, state)
+  prompts = [[5, 6, 7], [9] * 5, [4]]
+  params = SamplingParams(max_new_tokens=8, temperature=0)
+  want = generate(graphdef, jax.tree.map(np.asarray, state), prompts, params)  # no copy
+  got = generate(*copy, prompts, params)
+  np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))
+  np.testing.assert_allclose(np.asarray(got["rollout_log_probs"]),
+                             np.asarray(want["rollout_log_probs"]), rtol=1e-5, atol=1e-5)
+  tokens, mask = (jnp.asarray(x) for x in left_pad(prompts, 0))
+
+  def projections(graphdef, state):
+    text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0),
+                           params=params).compile().as_text()
+    shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", text))
+    rhs = re.findall(r" dot\(%[\w.\-]+, %([\w.\-]+)\)", text)
+    return sorted(shapes[r] for r in rhs if shapes[r] in ("24,48", "48,48", "96,48"))
+
+  # Prefill: q, k, v and o a layer; each decode step: qkv and o (2 layers).
+  assert projections(*copy) == ["24,48"] * 4 + ["48,48"] * 6 + ["96,48"] * 2
 
 
 def test_no_copy_where_it_would_not_fit_in_memory(monkeypatch, caplog):

@@ -84,9 +84,12 @@ class Attention(nnx.Module):
     teacher_forced = cache is None and isinstance(slot0, int) and slot0 == 0
     B, T, _ = x_BxTxD.shape
     KV, H, Dh = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
-    q_BxTxHxDh = self.q(x_BxTxD).reshape(B, T, H, Dh)
-    k_BxTxKxDh = self.k(x_BxTxD).reshape(B, T, KV, Dh)
-    v_BxTxKxDh = self.v(x_BxTxD).reshape(B, T, KV, Dh)
+    if T == 1 and self.q.out_in and self.k.out_in and self.v.out_in:
+      q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self._decode_projections(x_BxTxD)
+    else:
+      q_BxTxHxDh = self.q(x_BxTxD).reshape(B, T, H, Dh)
+      k_BxTxKxDh = self.k(x_BxTxD).reshape(B, T, KV, Dh)
+      v_BxTxKxDh = self.v(x_BxTxD).reshape(B, T, KV, Dh)
     if self.q_norm is not None:
       q_BxTxHxDh, k_BxTxKxDh = self.q_norm(q_BxTxHxDh), self.k_norm(k_BxTxKxDh)
     q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos, sin)
@@ -104,6 +107,30 @@ class Attention(nnx.Module):
                              segment_ids_BxT, segment_ids_BxT, prefix_ids_BxT, impl=cfg.attention,
                              teacher_forced=teacher_forced)
     return self.o(out_BxTxHxDh.reshape(B, T, H * Dh)), cache
+
+  def _decode_projections(self, x_BxTxD):
+    """q, k and v of one token per row from a decoding copy's [out, in] kernels in one
+    matmul instead of three: a decode step's small products are bound by reading the
+    kernels and by per-call overhead, not by FLOPs. The three are concatenated per KV group
+    ([KV, (G + 2) * Dh, D]), so a tensor-parallel split of the heads stays aligned with
+    the groups; XLA hoists the concatenation out of the decode loop, as the MLP's stack.
+    On a 2-core AMD EPYC (AVX2), SmolLM2 in float32: 16 chat prompts x 128 greedy tokens
+    took 23.45 against 25.04 s (same tokens); at 64 rows, bound by FLOPs, no change.
+    Only LoRA-free copies get here (decode_layout skips adapted kernels)."""
+    cfg = self.cfg
+    B, T, D = x_BxTxD.shape
+    KV, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    grouped = lambda dense, width: dense.kernel[...].reshape(KV, width, D)  # noqa: E731
+    kernel = jnp.concatenate([grouped(self.q, G * Dh), grouped(self.k, Dh),
+                              grouped(self.v, Dh)], axis=1)
+    y = dense_dot(x_BxTxD, kernel, self.q.dtype, out_in=True)  # [B, T, KV, (G + 2) * Dh]
+    if self.q.bias is not None:
+      bias = jnp.concatenate([self.q.bias[...].reshape(KV, G * Dh),
+                              self.k.bias[...].reshape(KV, Dh),
+                              self.v.bias[...].reshape(KV, Dh)], axis=1)
+      y = y + bias.astype(y.dtype)
+    q, k, v = jnp.split(y, [G * Dh, (G + 1) * Dh], axis=-1)
+    return q.reshape(B, T, KV * G, Dh), k, v
 
 
 def _write_slots(cache, new, slot0, axis):
