@@ -80,22 +80,27 @@ def test_adapted_kernels_stay_as_they_are():
                              rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_decode_program_reads_the_kernels_as_stored(dtype):
-  """XLA must not lay the kernels back out [in, out]: it did, in a copy hoisted out of the
-  decode loop, for matmuls of [B, 1, D] activations, and the layout's gain was lost."""
-  graphdef, state = for_decoding(*_model(dtype))
+def _kernel_reads(graphdef, state):
+  """(right operand's shape, its contracting dimension) of every dot in the program that
+  generates 8 greedy tokens for three prompts."""
   tokens, mask = (jnp.asarray(x) for x in left_pad([[5, 6, 7], [9] * 5, [4]], 0))
   text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0),
                          params=SamplingParams(max_new_tokens=8, temperature=0)
                          ).compile().as_text()
   shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", text))
+  return [(shapes[rhs], dims) for rhs, dims in re.findall(
+      r" dot\(%[\w.\-]+, %([\w.\-]+)\),.*?rhs_contracting_dims=\{(\d+)\}", text)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_program_reads_the_kernels_as_stored(dtype):
+  """XLA must not lay the kernels back out [in, out]: it did, in a copy hoisted out of the
+  decode loop, for matmuls of [B, 1, D] activations, and the layout's gain was lost."""
+  graphdef, state = for_decoding(*_model(dtype))
   # Kernels [out, in]: k/v, q/o, gate/up, the stacked gate+up of a decode step, down, head,
   # and a decode step's q, k and v concatenated per KV group (2 groups x (2 + 2) x 12).
   kernels = {"24,48", "48,48", "80,48", "160,48", "48,80", "64,48", "96,48"}
-  reads = [(shapes[rhs], dims) for rhs, dims in re.findall(
-      r" dot\(%[\w.\-]+, %([\w.\-]+)\),.*?rhs_contracting_dims=\{(\d+)\}", text)
-      if shapes[rhs] in kernels]
+  reads = [(shape, dims) for shape, dims in _kernel_reads(graphdef, state) if shape in kernels]
   assert {shape for shape, _ in reads} == kernels
   # Contracting dimension 0 would be a kernel laid back out [in, out].
   assert all(dims == "1" for _, dims in reads), reads
@@ -114,17 +119,10 @@ def test_a_decode_step_projects_q_k_v_in_one_matmul(changes):
   np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))
   np.testing.assert_allclose(np.asarray(got["rollout_log_probs"]),
                              np.asarray(want["rollout_log_probs"]), rtol=1e-5, atol=1e-5)
-  tokens, mask = (jnp.asarray(x) for x in left_pad(prompts, 0))
-
-  def projections(graphdef, state):
-    text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0),
-                           params=params).compile().as_text()
-    shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", text))
-    rhs = re.findall(r" dot\(%[\w.\-]+, %([\w.\-]+)\)", text)
-    return sorted(shapes[r] for r in rhs if shapes[r] in ("24,48", "48,48", "96,48"))
-
+  projections = sorted(shape for shape, _ in _kernel_reads(*copy)
+                       if shape in ("24,48", "48,48", "96,48"))
   # Prefill: q, k, v and o a layer; each decode step: qkv and o (2 layers).
-  assert projections(*copy) == ["24,48"] * 4 + ["48,48"] * 6 + ["96,48"] * 2
+  assert projections == ["24,48"] * 4 + ["48,48"] * 6 + ["96,48"] * 2
 
 
 def test_no_copy_where_it_would_not_fit_in_memory(monkeypatch, caplog):
