@@ -359,6 +359,46 @@ def test_blockwise_memory_grows_linearly_and_reference_quadratically():
   assert ref[8192] >= 20 * blk[8192], (ref, blk)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["left_padding", "per_row_slots", "shared_slot"])
+def test_one_query_matches_reference(case, dtype):
+  """A decode step's attention (one query per row, three query heads per KV head):
+  one_query's values are the reference's, in float32 and in bfloat16."""
+  B, S, H, KV, Dh = 3, 29, 6, 2, 16
+  q, k, v = (x.astype(dtype) for x in _qkv(B, 1, S, H, KV, Dh, seed=3))
+  valid = np.ones((B, S), bool)
+  valid[1, :9] = False
+  slot = np.full((1, 1), S - 1) if case == "shared_slot" else np.asarray([[S - 1], [20], [0]])
+  if case == "left_padding":
+    valid[2, :S - 1] = False  # a row whose only key is its own
+    slot = np.full((B, 1), S - 1)
+  valid, slot = jnp.asarray(valid), jnp.asarray(slot, jnp.int32)
+  got = jax.jit(attention.one_query)(q, k, v, valid, slot)
+  want = jax.jit(attention.reference)(q, k, v, valid, slot)
+  assert got.dtype == want.dtype == jnp.dtype(dtype)
+  tol = 1e-6 if dtype == "float32" else 1e-2
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=tol, rtol=tol)
+
+
+def test_auto_decodes_with_one_query_on_cpu_and_its_scores_are_not_a_dot(monkeypatch):
+  """"auto" sends one query per row to one_query (CPU) and longer queries elsewhere; the
+  compiled one_query has a single dot (the values'), the reference two."""
+  calls = []
+  real = attention.one_query
+  monkeypatch.setattr(attention, "one_query", lambda *a: calls.append(a[0].shape) or real(*a))
+  q, k, v = _qkv(2, 1, 24, 6, 2, 16)
+  valid, slot = jnp.ones((2, 24), bool), jnp.full((1, 1), 23, jnp.int32)
+  attention.attention(q, k, v, valid, slot)
+  q2, k2, v2 = _qkv(2, 24, 24, 6, 2, 16)
+  attention.attention(q2, k2, v2, valid, jnp.arange(24)[None])
+  assert calls == [(2, 1, 6, 16)]
+  dots = {name: len(dot_operand_types(jax.jit(fn).lower(q, k, v, valid, slot).compile()
+                                      .as_text()))
+          for name, fn in (("one_query", real), ("reference", attention.reference))}
+  assert dots == {"one_query": 1, "reference": 2}
+
+
 def test_sampler_greedy_tokens_are_the_same_with_blockwise(monkeypatch):
   from hflax.rollout import SamplingParams, generate
   monkeypatch.setattr(attention, "blockwise",
