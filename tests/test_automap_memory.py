@@ -217,6 +217,25 @@ def test_simulator_charges_dense_attention_and_the_sampler_cache():
   assert 0 < sampler.max_num_seqs < paged.max_num_seqs
 
 
+def test_simulator_counts_each_models_own_dtypes():
+  """One model in bfloat16 and in float32 (a CPU job's): the float32 reference keeps
+  twice the bytes, its generation copy and KV cache take twice the memory, so fewer
+  sequences fit, and a decode step reads twice the bytes."""
+  bf16 = automap.llama2_config("7b")
+  fp32 = bf16.replace(dtype="float32", param_dtype="float32")
+  prof, mesh = automap.get_profile("a100-80gb"), MeshShape(1, 8, 1)
+  kw = dict(prompt_len=1024, response_len=1024, prompts_per_step=64, mini_batch_size=64)
+  sims = {c.dtype: Simulator(automap.Workload.ppo(c, **kw), prof) for c in (bf16, fp32)}
+  resident = {k: s.resident("ref", mesh) for k, s in sims.items()}
+  assert resident == {"bfloat16": 2 * bf16.num_params / 8, "float32": 4 * bf16.num_params / 8}
+  fits = {k: s.generate(mesh, 1, 60e9).max_num_seqs for k, s in sims.items()}
+  assert 0 < fits["float32"] < fits["bfloat16"]
+  # One row, one token of context: the weights' bytes dominate the step's reads.
+  step = {k: s._decode_step((mesh, 1, 8), 1, 1) for k, s in sims.items()}
+  extra = 2 * bf16.num_params / sims["float32"].hbm_rate
+  assert step["float32"] - step["bfloat16"] == pytest.approx(extra, rel=1e-3)
+
+
 def test_bad_input_names_the_field():
   with pytest.raises(ValueError, match="attention"):
     memory.forward_bytes(config(), 1, 8, attention="flash")

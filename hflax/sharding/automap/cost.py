@@ -6,11 +6,14 @@ FSDP weight gathers are prefetched and partly hide behind compute (Overheads.hid
 tensor-parallel all-reduces sit on the critical path; the data-parallel gradient
 all-reduce runs after each mini-batch's last backward pass.
 
-Bytes: bf16 weights (2 bytes/param) for inference and generation; a trained model keeps
-16 bytes/param (bf16 weights and gradients, fp32 master copy, two fp32 Adam moments),
-sharded over fsdp x tensor and replicated over data. With LoRA only the adapters have
-gradients and optimizer state (the frozen base costs 2 bytes/param), and the backward
-pass skips the base weights' gradient matmuls: 2 forward-equivalents, not 3.
+Bytes: a model's weights, their gradients and FSDP gathers take its param_dtype's bytes;
+activations, the KV cache and the actor's generation copy (cast to the compute dtype, as
+the hybrid engine writes it) take its dtype's: 2 and 2 for the paper's bfloat16 models,
+4 and 4 for a float32 CPU job. A trained model keeps 16 bytes/param (weights and
+gradients, fp32 master copy, two fp32 Adam moments), sharded over fsdp x tensor and
+replicated over data. With LoRA only the adapters have gradients and optimizer state,
+and the backward pass skips the base weights' gradient matmuls: 2 forward-equivalents,
+not 3.
 
 Runtime modes (Workload): padded passes compute every row at the full width and waves of
 generation last as long as their longest row; packed passes compute the mean length's
@@ -30,7 +33,16 @@ from hflax.sharding.automap.profile import DeviceProfile
 from hflax.sharding.automap.workload import TRAINED, Workload
 
 TRAIN_BYTES_PER_PARAM = 16
-WEIGHT_BYTES = 2  # bf16
+
+
+def param_bytes(cfg: ModelConfig) -> int:
+  """Bytes of one stored weight (and of its gradient)."""
+  return memory.dtype_bytes(cfg.param_dtype)
+
+
+def compute_bytes(cfg: ModelConfig) -> int:
+  """Bytes of one activation, KV-cache entry or generation weight."""
+  return memory.dtype_bytes(cfg.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +162,10 @@ class Simulator:
   def resident(self, role: str, mesh: MeshShape) -> float:
     cfg = self.wl.models[role]
     if role not in TRAINED:
-      return WEIGHT_BYTES * cfg.num_params / mesh.shards
+      return param_bytes(cfg) * cfg.num_params / mesh.shards
     frozen = cfg.num_params if cfg.lora_rank else 0  # the base beneath the adapters
-    return (TRAIN_BYTES_PER_PARAM * trained_params(cfg) + WEIGHT_BYTES * frozen) / mesh.shards
+    return ((TRAIN_BYTES_PER_PARAM * trained_params(cfg) + param_bytes(cfg) * frozen)
+            / mesh.shards)
 
   def mesh_problem(self, role: str, mesh: MeshShape) -> str | None:
     wl = self.wl
@@ -166,8 +179,8 @@ class Simulator:
     the all-gathers of the weights over fsdp, one per weight tensor (so a pass can run
     layer by layer)."""
     tp = passes * 2 * cfg.num_layers * comm.all_reduce(
-        self.prof, tokens * cfg.hidden_size * WEIGHT_BYTES, mesh.tensor, mesh.tensor)
-    gather = comm.all_gather(self.prof, WEIGHT_BYTES * cfg.num_params / mesh.tensor,
+        self.prof, tokens * cfg.hidden_size * compute_bytes(cfg), mesh.tensor, mesh.tensor)
+    gather = comm.all_gather(self.prof, param_bytes(cfg) * cfg.num_params / mesh.tensor,
                              mesh.fsdp, mesh.shards, pieces=weight_tensors(cfg))
     return tp, gather
 
@@ -179,7 +192,7 @@ class Simulator:
     packed_tokens: a packed micro-batch, one row of that many tokens holding as many
     sequences as their mean length gives, instead of micro_seqs padded rows."""
     wl, t = self.wl, mesh.tensor
-    gathered = 2 * WEIGHT_BYTES * layer_params(cfg) / t if mesh.fsdp > 1 else 0.0
+    gathered = 2 * param_bytes(cfg) * layer_params(cfg) / t if mesh.fsdp > 1 else 0.0
     rows, length, scored_rows = micro_seqs, wl.seq_len, None
     if packed_tokens:
       rows, length = 1, math.ceil(packed_tokens)
@@ -252,7 +265,7 @@ class Simulator:
     fsdp = calls * gather * (2 + remat)  # gathers for forward and backward (+ recompute),
     # the reduce-scatter of gradients costing as much as one gather
     trained = trained_params(cfg)
-    grads = WEIGHT_BYTES * trained / mesh.shards
+    grads = param_bytes(cfg) * trained / mesh.shards
     sync = steps * comm.all_reduce(self.prof, grads, mesh.data, mesh.size)
     update = (steps * 2 * TRAIN_BYTES_PER_PARAM * trained / mesh.shards / self.hbm_rate
               * self.share(mesh))
@@ -278,7 +291,7 @@ class Simulator:
     and it receives the whole M / t_g from across the m-group.
     """
     cfg, m = self.wl.models["actor"], mesh.shards
-    shard = WEIGHT_BYTES * cfg.num_params / gen_tensor
+    shard = compute_bytes(cfg) * cfg.num_params / gen_tensor
     if not strided:
       return comm.transfer(self.prof, shard, m)
     if gen_tensor >= m:  # the generation shard is a slice of the training shard
@@ -299,11 +312,10 @@ class Simulator:
     if mesh.size % gen_tensor:
       return StageCost(reason=f"indivisible shape: t_g={gen_tensor} does not divide the "
                        f"pool's {mesh.size} devices")
-    weights = WEIGHT_BYTES * cfg.num_params / gen_tensor
+    weights = compute_bytes(cfg) * cfg.num_params / gen_tensor
     kv_heads = max(1, cfg.num_kv_heads // gen_tensor)  # fewer than t_g: replicated
     # The model's shape on one device of a t_g group, as the sampler allocates for it.
-    split = cfg.replace(num_heads=max(1, cfg.num_heads // gen_tensor), num_kv_heads=kv_heads,
-                        dtype="bfloat16")
+    split = cfg.replace(num_heads=max(1, cfg.num_heads // gen_tensor), num_kv_heads=kv_heads)
     run = self._slots if wl.continuous_batching else self._waves
     span = mesh.shards if strided else gen_tensor  # devices one tensor group spreads over
     cost = run((mesh, gen_tensor, span), free - weights, split)
@@ -380,7 +392,7 @@ class Simulator:
     return (batch * forward_flops(cfg, wl.prompt_len) / (gen_tensor * self.flops_rate)
             * self.share(mesh)
             + 2 * cfg.num_layers * comm.all_reduce(
-                self.prof, batch * wl.prompt_len * cfg.hidden_size * WEIGHT_BYTES,
+                self.prof, batch * wl.prompt_len * cfg.hidden_size * compute_bytes(cfg),
                 gen_tensor, span))
 
   def _decode_step(self, layout, batch, context) -> float:
@@ -388,11 +400,11 @@ class Simulator:
     tokens per row and all-reduces one token's activations twice per layer."""
     (mesh, gen_tensor, span), cfg = layout, self.wl.models["actor"]
     kv_heads = max(1, cfg.num_kv_heads // gen_tensor)
-    kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * WEIGHT_BYTES
-    read = WEIGHT_BYTES * cfg.num_params / gen_tensor + batch * kv_token * context
+    kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * compute_bytes(cfg)
+    read = compute_bytes(cfg) * cfg.num_params / gen_tensor + batch * kv_token * context
     flops = batch * (forward_flops(cfg, 1) + 4 * cfg.num_layers * cfg.num_heads *
                      cfg.head_dim * context) / gen_tensor
     token_comm = 2 * cfg.num_layers * comm.all_reduce(
-        self.prof, batch * cfg.hidden_size * WEIGHT_BYTES, gen_tensor, span)
+        self.prof, batch * cfg.hidden_size * compute_bytes(cfg), gen_tensor, span)
     return (max(read / self.hbm_rate, flops / self.flops_rate) * self.share(mesh) + token_comm
             + self.ovh.decode_step)

@@ -105,7 +105,7 @@ def blockwise_tile() -> tuple[int, int]:
   return params["q_block"].default, params["k_block"].default
 
 
-def _size(dtype: str) -> int:
+def dtype_bytes(dtype: str) -> int:
   return jnp.dtype(dtype).itemsize
 
 
@@ -117,13 +117,13 @@ def _check(attention: str | None, cfg: ModelConfig | None = None, keys: int = 10
 
 
 def weight_bytes(cfg: ModelConfig) -> float:
-  return cfg.num_params * _size(cfg.param_dtype)
+  return cfg.num_params * dtype_bytes(cfg.param_dtype)
 
 
 def optimizer_bytes(cfg: ModelConfig) -> float:
   """AdamW's two moments, in the trained parameters' dtype (optax keeps them so)."""
   trained = cfg.num_lora_params if cfg.lora_rank else cfg.num_params
-  return 2 * trained * _size(cfg.param_dtype)
+  return 2 * trained * dtype_bytes(cfg.param_dtype)
 
 
 def attention_scores_bytes(cfg: ModelConfig, rows: int, queries: int, keys: int,
@@ -140,7 +140,7 @@ def attention_scores_bytes(cfg: ModelConfig, rows: int, queries: int, keys: int,
 def layer_working_bytes(cfg: ModelConfig, rows: int, length: int,
                         attention: str | None = None) -> float:
   """The larger of one layer's MLP and attention working sets during a forward pass."""
-  tokens, act = rows * length, _size(cfg.dtype)
+  tokens, act = rows * length, dtype_bytes(cfg.dtype)
   d, f = cfg.hidden_size, cfg.intermediate_size
   qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
   mlp = tokens * (d + 3 * f) * act
@@ -173,7 +173,7 @@ def forward_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None =
   rows holding that many sequences of up to `scored` response positions each
   (packed_log_probs), whose valid tokens, at most the rows' tokens, go through the
   projection as one row."""
-  hidden = rows * length * cfg.hidden_size * _size(cfg.dtype)
+  hidden = rows * length * cfg.hidden_size * dtype_bytes(cfg.dtype)
   logits = _pass_logits_bytes(cfg, rows, length, scored, scored_rows)
   peak = max(layer_working_bytes(cfg, rows, length, attention), logits)
   return Footprint(weight_bytes(cfg), hidden + peak)
@@ -184,7 +184,7 @@ def saved_layer_bytes(cfg: ModelConfig, rows: int, length: int,
   """What one layer keeps for its backward pass without remat: the operands of its dots
   (normed inputs, q, k, v, attention output, gate, up, their product), the residual
   stream, and with dense attention its probabilities."""
-  tokens, act = rows * length, _size(cfg.dtype)
+  tokens, act = rows * length, dtype_bytes(cfg.dtype)
   d, f = cfg.hidden_size, cfg.intermediate_size
   heads = (2 * cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
   return (tokens * (4 * d + heads + 3 * f) * act
@@ -196,7 +196,7 @@ def update_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None = 
   """One optimizer step over a micro-batch of `rows` (make_train_step, donated)."""
   trained = cfg.num_lora_params if cfg.lora_rank else cfg.num_params
   resident = weight_bytes(cfg) + optimizer_bytes(cfg)
-  grads = trained * _size(cfg.param_dtype)
+  grads = trained * dtype_bytes(cfg.param_dtype)
   return Footprint(resident, grads + activation_bytes(cfg, rows, length, scored, attention,
                                                       scored_rows))
 
@@ -206,7 +206,7 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | Non
   """A training pass's activations: what each layer saved (its input alone with remat),
   and the backward pass of one layer, which holds that layer's forward working set and
   its gradients (about as large again)."""
-  per_layer = (rows * length * cfg.hidden_size * _size(cfg.dtype) if cfg.remat
+  per_layer = (rows * length * cfg.hidden_size * dtype_bytes(cfg.dtype) if cfg.remat
                else saved_layer_bytes(cfg, rows, length, attention))
   forward = forward_bytes(cfg, rows, length, scored, attention, scored_rows).transient
   # The LM head's hand-written backward pass (hflax/models/chunked_head.py) recomputes one
@@ -220,7 +220,7 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | Non
 
 
 def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int) -> float:
-  return 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * slots * _size(cfg.dtype)
+  return 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * slots * dtype_bytes(cfg.dtype)
 
 
 def generate_bytes(cfg: ModelConfig, prompts: int, prompt_len: int, new_tokens: int,
