@@ -129,10 +129,10 @@ def test_the_simulators_waves_are_the_actors():
   c.data.max_prompt_length, c.data.max_response_length = 8, 8
   sim = automap.Simulator(workload(c, CFG), automap.get_profile("a100-80gb"))
   # Per sequence as the sampler allocates it (automap/memory.py, checked against XLA's
-  # compiled memory analysis): its bf16 decode cache of 16 slots and its share of the
-  # prompt's prefill cache and attention scores.
-  kv_seq = memory.generate_bytes(CFG.replace(dtype="bfloat16"), 1, 8, 8, 2).transient / 2
-  weights = 2 * CFG.num_params
+  # compiled memory analysis): its decode cache of 16 slots in the model's float32 and its
+  # share of the prompt's prefill cache and attention scores.
+  kv_seq = memory.generate_bytes(CFG, 1, 8, 8, 2).transient / 2
+  weights = 4 * CFG.num_params
   mesh = MeshShape(2, 1, 1)  # 2 replicas of 4 prompts x 2 samples
   roomy = sim.generate(mesh, 1, free=weights + 100 * kv_seq)
   assert roomy.max_num_seqs == 100 and "waves" not in roomy.note
