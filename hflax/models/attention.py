@@ -55,11 +55,11 @@ def one_query(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   Why: XLA:CPU runs the scores' dot as B x kv_heads separate [groups, head_dim] x
   [head_dim, S] matmul calls, each too small to stream its keys at memory speed; the
   unrolled sum fuses into one loop vectorized along S. SmolLM2's 30 layers at 64 rows,
-  float32 on a 2-core AMD EPYC, 96 and 128 slots: 19 against 38 ms a decode step
-  (reading K alone takes about 17). The weighted sum of values stays a dot: it already
-  streams V at memory speed, and every unrolled form of it measured slower in the
-  decode loop. Products are the dot's (a bfloat16 product is exact in float32), their
-  order of summation is not.
+  float32 on a 2-core AMD EPYC, 96 and 128 slots: 20 against 38 ms a decode step (K is
+  165 MB a step: 18 ms at the 9 GB/s that reading it alone ran at). The weighted sum
+  of values stays a dot: it already streams V at memory speed, and every unrolled form
+  of it measured slower in the decode loop. Products are the dot's (a bfloat16 product
+  is exact in float32), their order of summation is not.
   """
   B, T, H, Dh = q_BxTxHxDh.shape
   if T != 1:
@@ -411,10 +411,11 @@ def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
 
   teacher_forced (static) says query t sits in slot t of S == T slots, which the kernels
   that take only causal masks need. "auto": one_query for decoding on CPU (T == 1), the
-  dense reference for decoding elsewhere (already linear in S) and short contexts; cuDNN on GPU where it applies (bfloat16 or
-  float16, no packed segments, teacher forced); the splash kernel on TPU (teacher forced,
-  T % 128 == 0, no prefix ids: it takes no such mask); blockwise everywhere else. "cudnn" and "splash" force their kernel
-  where it applies and leave the other calls (decoding, ...) to "auto"'s choice.
+  dense reference for decoding elsewhere (already linear in S) and for short contexts;
+  cuDNN on GPU where it applies (bfloat16 or float16, no packed segments, teacher
+  forced); the splash kernel on TPU (teacher forced, T % 128 == 0, no prefix ids: it
+  takes no such mask); blockwise everywhere else. "cudnn" and "splash" force their
+  kernel where it applies and leave the other calls (decoding, ...) to "auto"'s choice.
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention={impl!r} is not one of {IMPLEMENTATIONS}")
