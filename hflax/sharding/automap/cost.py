@@ -162,10 +162,9 @@ class Simulator:
   def resident(self, role: str, mesh: MeshShape) -> float:
     cfg = self.wl.models[role]
     if role not in TRAINED:
-      return param_bytes(cfg) * cfg.num_params / mesh.shards
-    frozen = cfg.num_params if cfg.lora_rank else 0  # the base beneath the adapters
-    return ((TRAIN_BYTES_PER_PARAM * trained_params(cfg) + param_bytes(cfg) * frozen)
-            / mesh.shards)
+      return memory.weight_bytes(cfg) / mesh.shards
+    frozen = memory.weight_bytes(cfg) if cfg.lora_rank else 0  # the base beneath the adapters
+    return (TRAIN_BYTES_PER_PARAM * trained_params(cfg) + frozen) / mesh.shards
 
   def mesh_problem(self, role: str, mesh: MeshShape) -> str | None:
     wl = self.wl

@@ -220,7 +220,8 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | Non
 
 
 def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int) -> float:
-  return 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * slots * dtype_bytes(cfg.dtype)
+  return (2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * slots
+          * dtype_bytes(cfg.dtype))
 
 
 def generate_bytes(cfg: ModelConfig, prompts: int, prompt_len: int, new_tokens: int,
