@@ -231,7 +231,7 @@ def test_simulator_counts_each_models_own_dtypes():
   fits = {k: s.generate(mesh, 1, 60e9).max_num_seqs for k, s in sims.items()}
   assert 0 < fits["float32"] < fits["bfloat16"]
   # One row, one token of context: the weights' bytes dominate the step's reads.
-  step = {k: s._decode_step((mesh, 1, 8), 1, 1) for k, s in sims.items()}
+  step = {k: s._decode_step((mesh, 1, 8), s.wl.models["actor"], 1, 1) for k, s in sims.items()}
   extra = 2 * bf16.num_params / sims["float32"].hbm_rate
   assert step["float32"] - step["bfloat16"] == pytest.approx(extra, rel=1e-3)
 

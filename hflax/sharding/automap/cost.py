@@ -347,7 +347,7 @@ class Simulator:
     cap = min(fits, wl.max_num_seqs) if wl.max_num_seqs else fits
     waves, prompts = generation_waves(wl.prompts_per_step, mesh.size // gen_tensor, n, cap)
     batch = prompts * n
-    step = self._decode_step(layout, batch, wl.prompt_len + wl.response_len / 2)
+    step = self._decode_step(layout, split, batch, wl.prompt_len + wl.response_len / 2)
     time = waves * (self._prefill(layout, batch) + wl.response_len * step)
     return StageCost(time, batch * kv_seq, note=f"waves={waves}" if waves > 1 else "",
                      max_num_seqs=fits)
@@ -382,7 +382,7 @@ class Simulator:
     # A slot taking a sequence copies its prompt's cache columns in (read and write).
     copy = 2 * rows * memory.kv_cache_bytes(split, 1, P) / self.hbm_rate
     time = (self._prefill(layout, rows) + copy * self.share(mesh)
-            + steps * self._decode_step(layout, slots, context))
+            + steps * self._decode_step(layout, split, slots, context))
     return StageCost(time, kept + slots * per_slot, note=f"slots={slots}" if slots < rows else "",
                      max_num_seqs=fits)
 
@@ -394,13 +394,13 @@ class Simulator:
                 self.prof, batch * wl.prompt_len * cfg.hidden_size * compute_bytes(cfg),
                 gen_tensor, span))
 
-  def _decode_step(self, layout, batch, context) -> float:
+  def _decode_step(self, layout, split, batch, context) -> float:
     """One decode step of `batch` rows: it reads the weights and the KV cache of `context`
-    tokens per row and all-reduces one token's activations twice per layer."""
+    tokens per row (`split`: the model's heads on one device of a t_g group) and
+    all-reduces one token's activations twice per layer."""
     (mesh, gen_tensor, span), cfg = layout, self.wl.models["actor"]
-    kv_heads = max(1, cfg.num_kv_heads // gen_tensor)
-    kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * compute_bytes(cfg)
-    read = compute_bytes(cfg) * cfg.num_params / gen_tensor + batch * kv_token * context
+    read = (compute_bytes(cfg) * cfg.num_params / gen_tensor
+            + memory.kv_cache_bytes(split, batch, context))
     flops = batch * (forward_flops(cfg, 1) + 4 * cfg.num_layers * cfg.num_heads *
                      cfg.head_dim * context) / gen_tensor
     token_comm = 2 * cfg.num_layers * comm.all_reduce(
