@@ -188,15 +188,47 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
     rng = jax.random.key(0)
   _check_slots(slots)
   if devices is None or len(devices) == 1:
+    tokens, mask, cut = without_shared_padding(tokens, mask)
     if devices:
       state, tokens, mask = jax.device_put((state, tokens, mask), devices[0])
     graphdef, state = for_decoding(graphdef, state)
-    return _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool),
-                     rng, params=params, segments=decode_segments(params.max_new_tokens),
-                     slots=_waiting_slots(slots, len(tokens) * params.n))
+    out = _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool),
+                    rng, params=params, segments=decode_segments(params.max_new_tokens),
+                    slots=_waiting_slots(slots, len(tokens) * params.n))
+    return with_columns_back(out, cut, params.n)
   mesh = _rows_mesh(devices)
   return generate_over_rows(graphdef, replicate(state, devices), np.asarray(tokens, np.int32),
                             np.asarray(mask, bool), rng, params, mesh, slots=slots)
+
+
+def without_shared_padding(tokens_BxP, mask_BxP):
+  """The prompts less their leading columns that are padding in every row, kept at the
+  power-of-two bucket of the longest prompt (a few widths compile, not one per batch):
+  prompts padded to a config's max_prompt_length would otherwise be prefilled over those
+  columns, and every decode step would read (and mask) their cache slots. Exact: no row
+  attends to a pad column and positions count real tokens only. Returns the trimmed
+  tokens and mask, and the columns cut (None when none are; given back by
+  with_columns_back)."""
+  if isinstance(mask_BxP, jax.Array) and not mask_BxP.is_fully_addressable:
+    return tokens_BxP, mask_BxP, None  # the processes holding it must pick one width
+  P = mask_BxP.shape[1]
+  cut = P - min(P, length_bucket(int(np.asarray(mask_BxP, bool).sum(axis=1).max())))
+  if cut == 0:
+    return tokens_BxP, mask_BxP, None
+  return tokens_BxP[:, cut:], mask_BxP[:, cut:], tokens_BxP[:, :cut]
+
+
+def with_columns_back(out: dict, cut_BxC, n: int) -> dict:
+  """The sampler's result at the caller's prompt width: the cut columns (padding in every
+  row) put back in front of each sample's prompt fields, as if generated untrimmed."""
+  if cut_BxC is None:
+    return out
+  head = np.repeat(np.asarray(cut_BxC, np.int32), n, axis=0)  # sample j of prompt i: i*n + j
+  none = np.zeros(head.shape, bool)
+  front = {"prompts": head, "input_ids": head, "prompt_mask": none, "attention_mask": none,
+           "position_ids": np.zeros(head.shape, np.int32)}
+  return {k: jnp.concatenate([front[k], v], axis=1) if k in front else v
+          for k, v in out.items()}
 
 
 def _waiting_slots(slots: int, rows: int) -> int:
@@ -225,6 +257,7 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
   """
   _check_slots(slots)
   graphdef, state = for_decoding(graphdef, state)
+  tokens_BxP, mask_BxP, cut = without_shared_padding(tokens_BxP, mask_BxP)
   count = tokens_BxP.shape[0]
   size = wave_rows or count
   size += -size % mesh.shape["data"]
@@ -245,7 +278,8 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
                                    first_row=start, slots=slots)))
   out = {k: jnp.concatenate([w[k] for w in waves]) if len(waves) > 1 else waves[0][k]
          for k in waves[0]}
-  return {k: v[:count * params.n] for k, v in out.items()} if pad else out
+  out = {k: v[:count * params.n] for k, v in out.items()} if pad else out
+  return with_columns_back(out, cut, params.n)
 
 
 def _rows_mesh(devices) -> Mesh:
