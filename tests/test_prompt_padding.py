@@ -64,7 +64,6 @@ def test_over_rows_in_waves_and_slots_equals_the_bucket_padded_batch(model):
   runs the program of the 16-column one (no new compile) and draws the same samples."""
   graphdef, state = model
   (tokens, mask), (narrow, narrow_mask) = prompts(seed=1, pad_id=0)
-  tokens = np.where(mask, tokens, 0)
   devices = jax.devices()[:2]
   placed, mesh, key = replicate(state, devices), _rows_mesh(devices), jax.random.key(2)
   run = lambda t, m: generate_over_rows(graphdef, placed, t, m, key, PARAMS, mesh,  # noqa: E731
