@@ -5,6 +5,7 @@ the same small programs again in each xdist worker, each `python -m hflax.launch
 subprocess and each Ray worker. The directory is fresh (nothing carries over between runs),
 shared through xdist's worker input and the environment, and removed when the run ends.
 """
+import gc
 import os
 import shutil
 import tempfile
@@ -54,6 +55,21 @@ def pytest_unconfigure(config):
   path = config.stash.get(_owned_cache, None)
   if path is not None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Free each module's compiled programs when it ends.
+
+  jax keeps every executable a process compiles, and XLA:CPU maps each one's code and data
+  as separate memory regions (about 8,700 after tests/test_controller.py alone). An xdist
+  worker running half the suite reached the kernel's limit of 65,530 mappings
+  (vm.max_map_count), and the next compile or cache write aborted the worker. Later
+  modules that need a program again read it back from the persistent cache.
+  """
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 def pytest_report_header(config):
