@@ -12,13 +12,18 @@ import enum
 import functools
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hflax.controller.batch import Batch
+from hflax.rollout.sampler import length_bucket
 
 
 # Batch.meta key of a padded batch: how many of its rows are real (the rest repeat them).
 LIVE_ROWS = "live_rows"
+# The fields as wide as a whole sequence (prompt and response); the rest are per row or
+# per response token.
+SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
 
 
 class Protocol(enum.Enum):
@@ -26,12 +31,15 @@ class Protocol(enum.Enum):
   DATA_PARALLEL = "data_parallel"
 
 
-def transfer(protocol: Protocol, inputs: tuple[str, ...] = ()):
+def transfer(protocol: Protocol, inputs: tuple[str, ...] = (), packs=None):
   """Declares a worker method's protocol and the Batch fields it reads.
 
   The wrapped method receives a dict of arrays already on its mesh and returns a dict of
   arrays (or a Batch, or plain metrics); array results are collected to `self.home`.
   The attributes set here are what a remote backend reads to split and gather.
+  A method reading whole sequences gets them less their shared leading padding
+  (`without_shared_padding`), unless `packs(self)` says this call packs its real tokens,
+  which skips all padding already (and keeps one input width, so one program).
   """
 
   def wrap(method):
@@ -41,6 +49,8 @@ def transfer(protocol: Protocol, inputs: tuple[str, ...] = ()):
       if missing:
         raise KeyError(f"{type(self).__name__}.{method.__name__} needs batch fields {missing}; "
                        f"the batch has {sorted(batch.keys())}")
+      if "input_ids" in inputs and not (packs is not None and packs(self)):
+        batch = without_shared_padding(batch)
       sharding = self.input_sharding(protocol)
       rows, pad = len(batch), 0
       if protocol is Protocol.DATA_PARALLEL:
@@ -57,6 +67,32 @@ def transfer(protocol: Protocol, inputs: tuple[str, ...] = ()):
     return call
 
   return wrap
+
+
+def without_shared_padding(batch: Batch) -> Batch:
+  """The batch less the leading sequence columns that are padding in every row, its
+  prompt part kept at a power-of-two bucket (a few widths compile, not one per batch).
+
+  The loader pads prompts to data.max_prompt_length; a padded forward or update would
+  compute every one of those columns. Exact: no token attends to a pad column, positions
+  count real tokens only, and every pass reads its results from the last columns (the
+  response's). Each process of a pool holds the whole batch, so all cut the same columns.
+  """
+  if "responses" not in batch or "attention_mask" not in batch:
+    return batch
+  mask = batch["attention_mask"]
+  if isinstance(mask, jax.Array) and not mask.is_fully_addressable:
+    return batch
+  used = np.asarray(mask, bool).any(axis=0)
+  prompt = mask.shape[1] - batch["responses"].shape[1]
+  first = int(np.argmax(used)) if used.any() else prompt
+  cut = prompt - min(prompt, length_bucket(max(prompt - first, 0)))
+  if cut <= 0:
+    return batch
+  # Cut on the host, where the mask already is: the fields go to the role's mesh next.
+  arrays = {k: np.asarray(v)[:, cut:] if k in SEQUENCE_FIELDS else v
+            for k, v in batch.arrays.items()}
+  return Batch(arrays, batch.objects, batch.meta)
 
 
 def first_rows(x, rows: int, pad: int):

@@ -50,6 +50,14 @@ MIN_SPLIT_FLOPS = 1e11
 BF16_CPU_SPLIT_FACTOR = 4
 
 
+def _packs_forward(worker) -> bool:
+  return worker.remove_padding
+
+
+def _packs_update(worker) -> bool:
+  return worker.update_cfg is not None and worker.update_cfg.packed
+
+
 class RoleWorker:
   """Parameters on a role's mesh in the training layout, plus the plumbing every role uses."""
 
@@ -486,7 +494,7 @@ class ActorRolloutWorker(RoleWorker):
     return (cfg is not None and cfg.epochs == 1 and rows <= cfg.mini_batch_size
             and not self.recompute_requested and not self.old_log_probs_in_reward)
 
-  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"), packs=_packs_forward)
   def compute_log_prob(self, rows, batch):
     if self.remove_padding:
       logp, entropy = self._packed_forward(_packed_log_probs_fn(self.graphdef, self.temperature),
@@ -503,7 +511,7 @@ class ActorRolloutWorker(RoleWorker):
     kernels, adapters, rest = split_for_merge(self.params)
     return nnx.merge_state(rest, self._merge(kernels, adapters))
 
-  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"), packs=_packs_forward)
   def compute_ref_log_prob(self, rows, batch):
     """With LoRA, the reference policy is the base model beneath the adapters (verl's
     ref_in_actor): the log-probs of the frozen weights, with no copy of them elsewhere."""
@@ -536,7 +544,7 @@ class ActorRolloutWorker(RoleWorker):
       self._opt_on_device = None
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask", "response_mask",
-                                            "old_log_probs", "advantages"))
+                                            "old_log_probs", "advantages"), packs=_packs_update)
   def update_actor(self, rows, batch):
     if self.loss_fn is None:
       raise ValueError("actor has no loss_fn; pass one (e.g. from hflax.algorithms)")
@@ -583,7 +591,7 @@ class ReferenceWorker(RoleWorker):
     super().__init__(placement, graphdef, state, **kw)
     self.temperature = temperature
 
-  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"), packs=_packs_forward)
   def compute_ref_log_prob(self, rows, batch):
     if self.remove_padding:
       logp, _ = self._packed_forward(_packed_log_probs_fn(self.graphdef, self.temperature),
@@ -601,7 +609,7 @@ class CriticWorker(RoleWorker):
     super().__init__(placement, graphdef, state, **kw)
     self.loss_fn = loss_fn
 
-  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"))
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"), packs=_packs_forward)
   def compute_values(self, rows, batch):
     if self.remove_padding:
       return {"values": self._packed_forward(_packed_values_fn(self.graphdef), rows, batch)}
@@ -609,7 +617,7 @@ class CriticWorker(RoleWorker):
         self.params, rows)}
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask", "response_mask",
-                                            "values", "returns"))
+                                            "values", "returns"), packs=_packs_update)
   def update_critic(self, rows, batch):
     values_of, loss = _values_fn(self.graphdef, _response_width(batch)), self.loss_fn
     if self.update_cfg.packed:
