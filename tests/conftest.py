@@ -12,8 +12,13 @@ import tempfile
 
 import pytest
 
+# Level 0: LLVM's quickest code generation. Tests compile thousands of small programs and
+# run most of them once; measured on the 2-core CPU, a compile-bound test took 20.0 s
+# instead of 25.7-26.9, and the real-model and numerics files (gguf, bf16_paths,
+# logprobs, attention: 90 tests) 549 s instead of 650, all passing at the same tolerances.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+                           " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
