@@ -117,5 +117,6 @@ def max_difference(out: dict, key: str | None = None) -> float:
   a, b = (out[name] if key is None else out[name][key] for name in ("trimmed", "every column"))
   return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 
+
 if __name__ == "__main__":
   sys.exit(main())

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hflax.controller.batch import Batch
-from hflax.rollout.sampler import length_bucket
+from hflax.rollout.sampler import shared_padding_cut
 
 
 # Batch.meta key of a padded batch: how many of its rows are real (the rest repeat them).
@@ -71,7 +71,7 @@ def transfer(protocol: Protocol, inputs: tuple[str, ...] = (), packs=None):
 
 def without_shared_padding(batch: Batch) -> Batch:
   """The batch less the leading sequence columns that are padding in every row, its
-  prompt part kept at a power-of-two bucket (a few widths compile, not one per batch).
+  prompt part kept at the longest prompt's bucket (sampler.shared_padding_cut).
 
   The loader pads prompts to data.max_prompt_length; a padded forward or update would
   compute every one of those columns. Exact: no token attends to a pad column, positions
@@ -81,13 +81,8 @@ def without_shared_padding(batch: Batch) -> Batch:
   if "responses" not in batch or "attention_mask" not in batch:
     return batch
   mask = batch["attention_mask"]
-  if isinstance(mask, jax.Array) and not mask.is_fully_addressable:
-    return batch
-  used = np.asarray(mask, bool).any(axis=0)
-  prompt = mask.shape[1] - batch["responses"].shape[1]
-  first = int(np.argmax(used)) if used.any() else prompt
-  cut = prompt - min(prompt, length_bucket(max(prompt - first, 0)))
-  if cut <= 0:
+  cut = shared_padding_cut(mask, prompt_width=mask.shape[1] - batch["responses"].shape[1])
+  if cut == 0:
     return batch
   # Cut on the host, where the mask already is: the fields go to the role's mesh next.
   arrays = {k: np.asarray(v)[:, cut:] if k in SEQUENCE_FIELDS else v

@@ -201,18 +201,27 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
                             np.asarray(mask, bool), rng, params, mesh, slots=slots)
 
 
+def shared_padding_cut(mask_BxT, prompt_width: int | None = None) -> int:
+  """How many leading columns of left-padded prompts (the first `prompt_width` columns,
+  default all) every row pads, less those that keep the longest prompt's power-of-two
+  bucket (a few widths compile, not one per batch). 0 for a mask another process holds
+  part of: the processes holding it must pick one width."""
+  if isinstance(mask_BxT, jax.Array) and not mask_BxT.is_fully_addressable:
+    return 0
+  P = mask_BxT.shape[1] if prompt_width is None else prompt_width
+  used = np.asarray(mask_BxT, bool)[:, :P].any(axis=0)
+  first = int(np.argmax(used)) if used.any() else P
+  return P - min(P, length_bucket(P - first))
+
+
 def without_shared_padding(tokens_BxP, mask_BxP):
-  """The prompts less their leading columns that are padding in every row, kept at the
-  power-of-two bucket of the longest prompt (a few widths compile, not one per batch):
-  prompts padded to a config's max_prompt_length would otherwise be prefilled over those
-  columns, and every decode step would read (and mask) their cache slots. Exact: no row
-  attends to a pad column and positions count real tokens only. Returns the trimmed
-  tokens and mask, and the columns cut (None when none are; given back by
-  with_columns_back)."""
-  if isinstance(mask_BxP, jax.Array) and not mask_BxP.is_fully_addressable:
-    return tokens_BxP, mask_BxP, None  # the processes holding it must pick one width
-  P = mask_BxP.shape[1]
-  cut = P - min(P, length_bucket(int(np.asarray(mask_BxP, bool).sum(axis=1).max())))
+  """The prompts less their leading columns that are padding in every row
+  (`shared_padding_cut`): prompts padded to a config's max_prompt_length would otherwise
+  be prefilled over those columns, and every decode step would read (and mask) their
+  cache slots. Exact: no row attends to a pad column and positions count real tokens
+  only. Returns the trimmed tokens and mask, and the columns cut (None when none are;
+  given back by with_columns_back)."""
+  cut = shared_padding_cut(mask_BxP)
   if cut == 0:
     return tokens_BxP, mask_BxP, None
   return tokens_BxP[:, cut:], mask_BxP[:, cut:], tokens_BxP[:, :cut]
