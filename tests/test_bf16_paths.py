@@ -89,3 +89,27 @@ def test_bf16_one_step_per_batch_skips_the_old_log_prob_pass(monkeypatch):
   worker.old_log_probs_in_reward = True
   worker.old_log_probs(batch)
   assert len(calls) == 1
+
+
+def test_swiglu_rounds_once_to_bf16_and_differentiates_as_float32():
+  """The MLP's silu(gate) * up in bfloat16: the float32 result rounded once (closer to
+  float32 than rounding each step), the float32 form's gradient, and float32 unchanged."""
+  from hflax.models.transformer import swiglu
+  rs = np.random.RandomState(0)
+  gate, up = (jnp.asarray(rs.normal(size=(16, 96)) * 3, jnp.float32) for _ in range(2))
+  wide = lambda g, u: jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)  # noqa: E731
+  g16, u16 = gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)
+  got = jax.jit(swiglu)(g16, u16)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(wide(g16, u16).astype(jnp.bfloat16), np.float32))
+  stepwise = jax.nn.silu(g16) * u16  # every step rounded to bfloat16
+  exact = wide(g16, u16)
+  assert (float(jnp.abs(got.astype(jnp.float32) - exact).max())
+          < float(jnp.abs(stepwise.astype(jnp.float32) - exact).max()))
+  cotangent = jnp.asarray(rs.normal(size=(16, 96)), jnp.bfloat16)
+  grads = jax.vjp(swiglu, g16, u16)[1](cotangent)
+  want = jax.vjp(lambda g, u: wide(g, u).astype(jnp.bfloat16), g16, u16)[1](cotangent)
+  for a, b in zip(grads, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  np.testing.assert_array_equal(swiglu(gate, up), jax.nn.silu(gate) * up)

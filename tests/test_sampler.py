@@ -11,7 +11,7 @@ from hf_models import tiny_hf_model
 from hflax.models import hf
 from hflax.models.logprobs import sequence_log_probs
 from hflax.rollout import SamplingParams, filter_logits, generate, left_pad, replicate
-from hflax.rollout.decoding import first_max, gumbel_max
+from hflax.rollout.decoding import argmax_rows, first_max, gumbel_max
 from hflax.rollout.sampler import compiled_variants, decode_segments
 
 log_probs_jit = jax.jit(sequence_log_probs, static_argnums=0, static_argnames="temperature")
@@ -171,6 +171,7 @@ def test_gumbel_max_draws_what_categorical_draws(rows, vocab):
     np.testing.assert_array_equal(jax.jit(gumbel_max)(keys, logits), want)
   assert int(want[0]) == 0 and (rows <= 2 or int(want[2]) == 3)
   np.testing.assert_array_equal(jax.jit(jax.vmap(first_max))(logits), jnp.argmax(logits, -1))
+  np.testing.assert_array_equal(jax.jit(argmax_rows)(logits), jnp.argmax(logits, -1))
 
 
 def test_compiles_once_per_length_bucket(pair):

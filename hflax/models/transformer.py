@@ -190,8 +190,31 @@ class MLP(nnx.Module):
       kernels = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1)
       pair = dense_dot(x, kernels, self.gate.dtype, out_in=out_in)
       gate, up = jnp.moveaxis(pair, -1 if out_in else -2, 0)
-      return self.down(jax.nn.silu(gate) * up)
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+      return self.down(swiglu(gate, up))
+    return self.down(swiglu(self.gate(x), self.up(x)))
+
+
+def swiglu(gate, up):
+  """silu(gate) * up, for a low-precision dtype computed in float32 and rounded once.
+
+  In bfloat16, XLA:CPU widened each of silu's steps to float32 and rounded it back: a
+  prefill's [4096, 1536] took 5.9 ms that way against 2-3 ms, and a 64-row decode step's
+  0.21 ms a layer against 0.11 (2-core AMD EPYC, Zen 5). Rounding once is also closer to
+  the float32 result. float32 keeps autodiff's plain form (the replayed fp32 update was
+  3% slower recomputing it).
+  """
+  if gate.dtype == jnp.float32:
+    return jax.nn.silu(gate) * up
+  return _swiglu_in_float32(gate, up)
+
+
+def _swiglu_in_float32(gate, up):
+  # Recomputed in the backward pass (jax.checkpoint), so training keeps only gate and up in
+  # their own dtype, not float32 intermediates.
+  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+_swiglu_in_float32 = jax.checkpoint(_swiglu_in_float32)
 
 
 class Block(nnx.Module):

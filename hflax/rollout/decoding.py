@@ -77,7 +77,7 @@ def pick_with_keys(logits_BxV, keys_B, params: SamplingParams):
   scaled = logits_BxV if params.greedy else logits_BxV / params.temperature
   log_probs = jax.nn.log_softmax(scaled, axis=-1)
   if params.greedy:
-    tokens = jnp.argmax(logits_BxV, axis=-1)
+    tokens = argmax_rows(logits_BxV)
   else:
     tokens = gumbel_max(keys_B, filter_logits(scaled, params.top_k, params.top_p))
   return tokens.astype(jnp.int32), jnp.take_along_axis(log_probs, tokens[:, None], -1)[:, 0]
@@ -87,6 +87,18 @@ def first_max(x_V):
   """jnp.argmax(x_V) (the first maximum; the first NaN if any), as a max and a min."""
   first = (x_V == jnp.max(x_V)) | jnp.isnan(x_V)
   return jnp.min(jnp.where(first, jnp.arange(x_V.shape[0], dtype=jnp.int32), x_V.shape[0]))
+
+
+def argmax_rows(logits_BxV):
+  """jnp.argmax(logits_BxV, axis=-1), computed as gumbel_max computes its pick on CPU.
+
+  XLA:CPU runs argmax's (value, index) reduction as scalar code: over 64 rows of a 49k
+  vocabulary it took 6.7 ms against 1.4 ms for a max and a min 8 rows at a time (2-core
+  AMD EPYC, Zen 5), a tenth of a greedy bfloat16 decode step there.
+  """
+  if jax.default_backend() != "cpu":
+    return jnp.argmax(logits_BxV, axis=-1)
+  return jax.lax.map(first_max, logits_BxV, batch_size=8)
 
 
 def gumbel_max(keys_B, logits_BxV):
