@@ -208,13 +208,11 @@ def swiglu(gate, up):
   return _swiglu_in_float32(gate, up)
 
 
+@jax.checkpoint
 def _swiglu_in_float32(gate, up):
   # Recomputed in the backward pass (jax.checkpoint), so training keeps only gate and up in
   # their own dtype, not float32 intermediates.
   return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
-
-
-_swiglu_in_float32 = jax.checkpoint(_swiglu_in_float32)
 
 
 class Block(nnx.Module):
