@@ -14,7 +14,7 @@ from hflax.rollout.decoding import decode_segments
 from hflax.rollout.sampler import (_generate, _rows_mesh, compiled_variants,
                                    generate_over_rows, without_shared_padding)
 
-WIDE = 40  # the loader's max_prompt_length; the longest prompt below is 11 tokens (bucket 16)
+WIDE = 40  # the loader's max_prompt_length; the longest prompt below is 11 tokens (bucket 12)
 PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, n=2, eos_ids=(7, 8, 9))
 
 
@@ -35,8 +35,8 @@ def prompts(seed=0, pad_id=1):
 def test_trims_to_the_longest_rows_bucket_and_only_shared_padding():
   (tokens, mask), _ = prompts()
   short, short_mask, cut = without_shared_padding(tokens, mask)
-  assert short.shape == (4, 16) and cut.shape == (4, WIDE - 16)
-  assert not mask[:, :WIDE - 16].any() and (short_mask.sum(1) == mask.sum(1)).all()
+  assert short.shape == (4, 12) and cut.shape == (4, WIDE - 12)
+  assert not mask[:, :WIDE - 12].any() and (short_mask.sum(1) == mask.sum(1)).all()
   full = np.ones((2, WIDE), bool)  # a row that fills the width: nothing to cut
   assert without_shared_padding(np.zeros((2, WIDE), np.int32), full)[2] is None
 
@@ -61,7 +61,7 @@ def test_wide_prompts_sample_what_the_untrimmed_program_samples(model):
 
 def test_over_rows_in_waves_and_slots_equals_the_bucket_padded_batch(model):
   """Split over 2 devices in waves of 2 prompts, 3 decode slots each: the 40-column batch
-  runs the program of the 16-column one (no new compile) and draws the same samples."""
+  runs the program of the 12-column one (no new compile) and draws the same samples."""
   graphdef, state = model
   (tokens, mask), (narrow, narrow_mask) = prompts(seed=1, pad_id=0)
   devices = jax.devices()[:2]

@@ -12,7 +12,7 @@ from hflax.models import hf
 from hflax.models.logprobs import sequence_log_probs
 from hflax.rollout import SamplingParams, filter_logits, generate, left_pad, replicate
 from hflax.rollout.decoding import argmax_rows, first_max, gumbel_max
-from hflax.rollout.sampler import compiled_variants, decode_segments
+from hflax.rollout.sampler import compiled_variants, decode_segments, length_bucket
 
 log_probs_jit = jax.jit(sequence_log_probs, static_argnums=0, static_argnames="temperature")
 PROMPT_LENGTHS = (5, 11, 2, 8)
@@ -172,6 +172,15 @@ def test_gumbel_max_draws_what_categorical_draws(rows, vocab):
   assert int(want[0]) == 0 and (rows <= 2 or int(want[2]) == 3)
   np.testing.assert_array_equal(jax.jit(jax.vmap(first_max))(logits), jnp.argmax(logits, -1))
   np.testing.assert_array_equal(jax.jit(argmax_rows)(logits), jnp.argmax(logits, -1))
+
+
+def test_length_buckets_are_powers_of_two_and_three_quarters_of_one():
+  widths = {n: length_bucket(n) for n in range(1, 200)}
+  assert sorted(set(widths.values())) == [8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+  assert widths[8] == 8 and widths[9] == 12 and widths[45] == 48 and widths[49] == 64
+  below = lambda w: w * 2 // 3 if w % 3 == 0 else w * 3 // 4  # noqa: E731 (the next bucket down)
+  assert all(below(w) < n <= w or w == 8 for n, w in widths.items())  # the smallest that holds n
+  assert length_bucket(3, minimum=1) == 3 and length_bucket(5, minimum=1) == 6
 
 
 def test_compiles_once_per_length_bucket(pair):

@@ -27,10 +27,10 @@ def sequences(prompt_lengths, prompt_width, response_width=4):
 def test_cuts_only_columns_padded_in_every_row_keeping_the_prompt_bucket():
   batch = sequences([5, 11, 2, 8], prompt_width=40)
   out = without_shared_padding(batch)
-  for k in ("input_ids", "attention_mask", "position_ids"):  # 16 prompt columns + 4
-    assert out[k].shape == (4, 20), k
-    np.testing.assert_array_equal(out[k], np.asarray(batch[k])[:, 24:], err_msg=k)
-  assert not batch["attention_mask"][:, :24].any()
+  for k in ("input_ids", "attention_mask", "position_ids"):  # 12 prompt columns + 4
+    assert out[k].shape == (4, 16), k  # 11 prompt tokens: bucket 12 (3/4 of 16)
+    np.testing.assert_array_equal(out[k], np.asarray(batch[k])[:, 28:], err_msg=k)
+  assert not batch["attention_mask"][:, :28].any()
   assert out["responses"] is batch["responses"] and out["response_mask"] is batch["response_mask"]
   # Nothing to cut: a prompt fills the width, prompts already at their bucket, no responses.
   for same in (sequences([40, 3], 40), sequences([5, 8], 8),

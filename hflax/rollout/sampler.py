@@ -1,7 +1,7 @@
 """Batched sampling with a preallocated KV cache: one prefill, then a lax.while_loop decode.
 
-Prompts are left-padded to a power-of-two bucket so the compiled program is reused
-across calls; the loop stops as soon as every row has produced an end token. The
+Prompts are left-padded to a length bucket (a power of two or three quarters of one) so
+the compiled program is reused across calls; the loop stops as soon as every row has produced an end token. The
 returned log-probs are those of the sampled tokens under softmax(logits / temperature)
 (the raw model distribution for greedy decoding), before top-k/top-p truncation:
 what teacher-forced `sequence_log_probs` computes for the same sequences: in float32 to
@@ -27,11 +27,20 @@ from hflax.rollout.decoding import (SamplingParams, decode_segments, grow, outpu
 
 
 def length_bucket(length: int, minimum: int = 8) -> int:
-  return max(minimum, 1 << max(0, length - 1).bit_length())
+  """The width a `length`-token prompt is padded to: the smallest power of two or three
+  quarters of one (..., 32, 48, 64, 96, 128, ...) that holds it, at least `minimum`.
+
+  Why the three-quarter steps: every padded column is prefilled and read by every decode
+  step. SmolLM2's 45-token chat prompts went to 64 columns with powers of two alone; at
+  48, 64 prompts x 128 greedy tokens (fp32, 2-core Zen 5 EPYC) took 11.9-12.4 s against
+  12.5-13.5. The cost: up to twice as many widths to compile."""
+  power = 1 << max(0, length - 1).bit_length()
+  three_quarters = power // 4 * 3
+  return max(minimum, three_quarters if power % 4 == 0 and length <= three_quarters else power)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = None):
-  """Left-pads token lists to `width` (default: the power-of-two bucket of the longest)."""
+  """Left-pads token lists to `width` (default: the length_bucket of the longest)."""
   if not prompts:
     raise ValueError("no prompts to generate from")
   longest = max(len(p) for p in prompts)
@@ -203,8 +212,8 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
 
 def shared_padding_cut(mask_BxT, prompt_width: int | None = None) -> int:
   """How many leading columns of left-padded prompts (the first `prompt_width` columns,
-  default all) every row pads, less those that keep the longest prompt's power-of-two
-  bucket (a few widths compile, not one per batch). 0 for a mask another process holds
+  default all) every row pads, less those that keep the longest prompt's length_bucket
+  (a few widths compile, not one per batch). 0 for a mask another process holds
   part of: the processes holding it must pick one width."""
   if isinstance(mask_BxT, jax.Array) and not mask_BxT.is_fully_addressable:
     return 0

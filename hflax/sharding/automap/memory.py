@@ -16,7 +16,7 @@ Terms, and the runtime code each follows:
                  (B x chunk about chunked_head.BLOCK_TOKENS), forward and backward alike
   update         donated weights and AdamW moments; gradients are transient; without remat
                  each layer keeps its dot operands for the backward pass
-  KV cache       hflax/rollout/sampler.py: the prompt's power-of-two bucket P, the prefill
+  KV cache       hflax/rollout/sampler.py: the prompt's length bucket P, the prefill
                  cache [B, P] and the decode cache grown to [B * n, P + new_tokens]
   slots          hflax/rollout/continuous.py (continuous batching): every prompt's prefill
                  cache [B, P] stays alive for the slots to copy from, beside `slots` rows of
