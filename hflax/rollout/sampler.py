@@ -4,10 +4,9 @@ Prompts are left-padded to a length bucket (a power of two or three quarters of 
 the compiled program is reused across calls; the loop stops as soon as every row has
 produced an end token. The returned log-probs are those of the sampled tokens under
 softmax(logits / temperature) (the raw model distribution for greedy decoding), before
-top-k/top-p truncation:
-what teacher-forced `sequence_log_probs` computes for the same sequences: in float32 to
-float precision (so a PPO step can start from them on-policy), in bfloat16 within its
-rounding (~1e-3; the actor then recomputes them).
+top-k/top-p truncation: what teacher-forced `sequence_log_probs` computes for the same
+sequences: in float32 to float precision (so a PPO step can start from them on-policy), in
+bfloat16 within its rounding (~1e-3; the actor then recomputes them).
 """
 from __future__ import annotations
 
