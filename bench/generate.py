@@ -196,6 +196,11 @@ def main(argv=None) -> int:
                       help="prompt counts (default 8 64; quick: 2 8)")
   parser.add_argument("--no-breakdown", action="store_true",
                       help="skip timing hflax's prefill on its own")
+  parser.add_argument("--temperature", type=float, default=0.0,
+                      help="sample at this temperature on both sides (default 0: greedy, the "
+                      "headline); with --top-k/--top-p, times their filters too")
+  parser.add_argument("--top-k", type=int, default=0, help="with --temperature (0: off)")
+  parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature (1: off)")
   parser.add_argument("--cpu-devices", type=int, default=os.cpu_count(),
                       help="also time hflax data-parallel over this many CPU devices, one per "
                       "core (default and most: os.cpu_count(); 1 turns it off)")
@@ -212,6 +217,8 @@ def main(argv=None) -> int:
                        ("batches", min(batches)), ("prompt_len", args.prompt_len)):
     if value < 1:
       raise ValueError(f"--{field.replace('_', '-')}: must be >= 1, got {value}")
+  if (args.top_k or args.top_p < 1) and args.temperature <= 0:
+    raise ValueError("--top-k/--top-p: sampling only, set --temperature > 0")
   precisions = ("fp32", "bf16") if args.precision == "both" else (args.precision,)
 
   import torch
@@ -237,9 +244,13 @@ def main(argv=None) -> int:
     pad_id = tokenizer.pad_id
     make_prompts = lambda B, rng: chat_prompts(tokenizer, B)  # noqa: E731
   split_devices = jax.devices()[:args.cpu_devices] if args.cpu_devices > 1 else []
-  params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, eos_ids=(), pad_id=pad_id)
-  hf_kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                   use_cache=True, eos_token_id=None, pad_token_id=pad_id, num_beams=1)
+  params = SamplingParams(max_new_tokens=new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, eos_ids=(), pad_id=pad_id)
+  hf_kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, use_cache=True,
+                   eos_token_id=None, pad_token_id=pad_id, num_beams=1)
+  # transformers' own defaults (top_k=50) would filter where hflax does not: both get ours.
+  hf_kwargs.update(dict(do_sample=True, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p) if args.temperature > 0 else dict(do_sample=False))
   rows, extra = [], []
   for precision in precisions:
     cfg, graphdef, state, hf_model = load_models(args, precision)
@@ -270,7 +281,7 @@ def main(argv=None) -> int:
         devices, placed = variants[name]
         t0 = time.perf_counter()
         out = jax.block_until_ready(generate(graphdef, placed, (tokens, mask), params,
-                                             devices=devices))
+                                             rng=jax.random.key(0), devices=devices))
         return time.perf_counter() - t0, out
 
       def run_hf():
@@ -347,7 +358,10 @@ def main(argv=None) -> int:
 
   # ---------------------------------------------------------------- report
   print()
-  print(f"Greedy generation, {'random' if args.toy else 'chat'} prompts (bucket "
+  mode = ("Greedy generation" if args.temperature == 0 else
+          f"Sampled generation (temperature {args.temperature:g}, top_k {args.top_k}, top_p "
+          f"{args.top_p:g}; rows match / agree compare draws, not a check)")
+  print(f"{mode}, {'random' if args.toy else 'chat'} prompts (bucket "
         f"{rows[0]['width']}), {new_tokens} new tokens, no early stop, median of {repeats} "
         f"alternating reps; peak RSS = the process's peak while that precision ran (both "
         f"frameworks' weights and caches)")

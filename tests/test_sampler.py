@@ -11,7 +11,8 @@ from hf_models import tiny_hf_model
 from hflax.models import hf
 from hflax.models.logprobs import sequence_log_probs
 from hflax.rollout import SamplingParams, filter_logits, generate, left_pad, replicate
-from hflax.rollout.decoding import argmax_rows, first_max, gumbel_max
+from hflax.rollout.decoding import (argmax_rows, first_max, gumbel_max, nucleus_by_bisection,
+                                    nucleus_by_sort, pick_with_keys)
 from hflax.rollout.sampler import compiled_variants, decode_segments, length_bucket
 
 log_probs_jit = jax.jit(sequence_log_probs, static_argnums=0, static_argnames="temperature")
@@ -172,6 +173,42 @@ def test_gumbel_max_draws_what_categorical_draws(rows, vocab):
   assert int(want[0]) == 0 and (rows <= 2 or int(want[2]) == 3)
   np.testing.assert_array_equal(jax.jit(jax.vmap(first_max))(logits), jnp.argmax(logits, -1))
   np.testing.assert_array_equal(jax.jit(argmax_rows)(logits), jnp.argmax(logits, -1))
+  _check_pick(logits)
+
+
+def _check_pick(logits):
+  """pick_with_keys: greedy, jnp.argmax; sampled (temperature 0.7), categorical's draw;
+  the log-prob, log_softmax's entry for the token, to float32 rounding."""
+  keys = jax.random.split(jax.random.key(7), logits.shape[0])
+  for params, want in ((SamplingParams(temperature=0.0), jnp.argmax(logits, -1)),
+                       (SamplingParams(temperature=0.7),
+                        jax.vmap(jax.random.categorical)(keys, logits / 0.7))):
+    tokens, log_probs = jax.jit(pick_with_keys, static_argnums=2)(
+        logits, None if params.greedy else keys, params)
+    np.testing.assert_array_equal(tokens, want)
+    scaled = logits if params.greedy else logits / 0.7
+    expected = jnp.take_along_axis(jax.nn.log_softmax(scaled, -1), want[:, None], -1)[:, 0]
+    np.testing.assert_allclose(log_probs, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
+def test_nucleus_bisection_finds_the_sorted_threshold_at_vocab_size(top_p):
+  """The CPU's nucleus (no sort) against the sorted cumulative sum on rows of a 49k
+  vocabulary, peaked like a language model's and flat, with a tie at the threshold."""
+  rs = np.random.RandomState(int(top_p * 100))
+  logits = rs.standard_t(3, size=(6, 49152)).astype(np.float32) * np.float32([[6], [3], [1],
+                                                                                [.1], [2], [4]])
+  logits[4, :50] = logits[4].max()  # 50 tied maxima
+  logits[5, 1:] = -np.inf  # one token left (after a top-k filter, say)
+  logits = jnp.asarray(logits)
+  np.testing.assert_array_equal(jax.jit(nucleus_by_bisection, static_argnums=1)(logits, top_p),
+                                jax.jit(nucleus_by_sort, static_argnums=1)(logits, top_p))
+  # After a top-k filter (the nucleus then found among the k, already sorted).
+  top_k = jax.jit(filter_logits, static_argnums=(1, 2))(logits, 60, 1.0)
+  both = jax.jit(filter_logits, static_argnums=(1, 2))(logits, 60, top_p)
+  want = jnp.where(top_k < nucleus_by_sort(top_k, top_p), -jnp.inf, top_k)
+  np.testing.assert_array_equal(both, want)
+  assert bool(jnp.all(jnp.isfinite(both[4, :50])))  # the tied maxima all kept
 
 
 def test_length_buckets_are_powers_of_two_and_three_quarters_of_one():

@@ -50,16 +50,79 @@ def filter_logits(logits_BxV, top_k: int = 0, top_p: float = 1.0):
   ties at either threshold are kept.
   """
   if top_k > 0:
-    kth = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0][..., -1:]
+    # The k-th largest as the least of the top k: asked for top_k's last value alone, XLA
+    # sorts the whole row (64 rows of a 49k vocabulary on a 2-core AMD EPYC: 448 ms against
+    # 5 ms a decode step).
+    top_BxK = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0]
+    kth = jnp.min(top_BxK, axis=-1, keepdims=True)
     logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
-  if top_p < 1.0:
-    sorted_desc = -jnp.sort(-logits_BxV, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    kept = mass_before < top_p
-    threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    logits_BxV = jnp.where(logits_BxV < threshold, -jnp.inf, logits_BxV)
+    if top_p < 1.0:
+      threshold = nucleus_in_top(top_BxK, logits_BxV, top_p)
+      logits_BxV = jnp.where(logits_BxV < threshold, -jnp.inf, logits_BxV)
+  elif top_p < 1.0:
+    nucleus = nucleus_by_bisection if jax.default_backend() == "cpu" else nucleus_by_sort
+    logits_BxV = jnp.where(logits_BxV < nucleus(logits_BxV, top_p), -jnp.inf, logits_BxV)
   return logits_BxV
+
+
+def nucleus_in_top(top_BxK, filtered_BxV, top_p):
+  """nucleus_by_sort's threshold for a row left with its top k (top_BxK, descending, as
+  lax.top_k gives them): the nucleus lies among them, already sorted. Values tied with
+  the k-th that the filter kept come after it in the order, so they change the
+  normalizer (summed over the whole filtered row) and nothing before them."""
+  # The max as a reduction, not top_BxK[:, :1]: XLA turns a slice of top_k into a sort.
+  first = jnp.max(top_BxK, axis=-1, keepdims=True)
+  total = jnp.sum(jnp.exp(filtered_BxV - first), axis=-1, keepdims=True)
+  probs = jnp.exp(top_BxK - first) / total
+  kept = jnp.cumsum(probs, axis=-1) - probs < top_p
+  return jnp.min(jnp.where(kept, top_BxK, jnp.inf), axis=-1, keepdims=True)
+
+
+def nucleus_by_sort(logits_BxV, top_p):
+  """[B, 1]: the least logit of each row's nucleus, from the row sorted."""
+  sorted_desc = -jnp.sort(-logits_BxV, axis=-1)
+  probs = jax.nn.softmax(sorted_desc, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  kept = mass_before < top_p
+  return jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+
+
+def nucleus_by_bisection(logits_BxV, top_p):
+  """nucleus_by_sort's threshold without a sort: the least logit v whose strictly greater
+  logits hold less than top_p of the probability, found by bisecting v over the floats'
+  order (32 halvings of the int32 keys that order them). The mass above v is summed
+  unsorted, so a nucleus whose mass lies within rounding of top_p may differ in its last
+  tokens from the sorted cumulative sum's.
+
+  Why: XLA:CPU sorts each 49k-id row in about 8 ms (a decode step of 64 rows: 528 ms);
+  the 32 masked sums took 40 ms (2-core AMD EPYC)."""
+  top = jnp.max(logits_BxV, axis=-1, keepdims=True)
+  weights = jnp.exp(logits_BxV - top)
+  total = jnp.sum(weights, axis=-1, keepdims=True)
+  # Invariant: the mass above lo's value reaches top_p and the mass above hi's does not.
+  lo, hi = _order_key(jnp.min(logits_BxV, axis=-1, keepdims=True)) - 1, _order_key(top)
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    # (hi - lo) // 2 through uint32: the difference of two int32 keys can overflow int32.
+    mid = lo + ((hi.astype(jnp.uint32) - lo.astype(jnp.uint32)) >> 1).astype(jnp.int32)
+    above = jnp.sum(jnp.where(logits_BxV > _key_value(mid), weights, 0), axis=-1,
+                    keepdims=True)
+    short = above < top_p * total
+    return jnp.where(short, lo, mid), jnp.where(short, mid, hi)
+
+  return _key_value(jax.lax.fori_loop(0, 32, halve, (lo, hi))[1])
+
+
+def _order_key(x):
+  """int32 keys in the order of the float32 values x (-0.0 just below +0.0)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _key_value(key):
+  """The float32 value of an _order_key."""
+  return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ 0x7FFFFFFF, key), jnp.float32)
 
 
 def pick(logits_BxV, key, params: SamplingParams, rows_B):
