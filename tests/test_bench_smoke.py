@@ -58,3 +58,17 @@ def test_generate_quick_prints_every_row():
       assert cells[7] in ("PASS", "MISS") and cells[10] in ("PASS", "MISS")
   assert "[fp32] matmul peak (float32)" in out and "[bf16] matmul peak (bfloat16)" in out
   assert "peak resident memory of the process" in out
+
+
+def test_generate_samples_with_filters_on_both_sides():
+  out = run("generate.py", "--quick", "--toy", "--precision", "fp32", "--batches", "2",
+            "--new-tokens", "8", "--cpu-devices", "1", "--no-breakdown", "--temperature", "0.7",
+            "--top-k", "5", "--top-p", "0.9")
+  assert "Sampled generation (temperature 0.7, top_k 5, top_p 0.9" in out
+  rows = [line for line in out.splitlines() if line.strip().startswith("fp32 |")]
+  assert len(rows) == 1 and float(rows[0].split("|")[3]) > 0
+  greedy_filter = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "bench", "generate.py"), "--quick", "--toy",
+       "--top-p", "0.9"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert greedy_filter.returncode != 0
+  assert "--top-k/--top-p: sampling only, set --temperature > 0" in greedy_filter.stderr
