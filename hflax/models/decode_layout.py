@@ -105,8 +105,9 @@ def for_decoding(graphdef, state):
 @functools.lru_cache(maxsize=16)
 def _cached_plan(graphdef, treedef, structs) -> DecodingPlan | None:
   """decoding_plan by the state's structure, once: merging the model and splitting its copy
-  took about 75 ms of Python in every generate call, and a fresh copy graphdef cost the
-  sampler's compiled-program lookup a deep comparison with the one it had compiled for."""
+  in every generate call cost Python time (SmolLM2: for_decoding 79-97 ms a call, 53-57
+  with the plan cached), and a fresh copy graphdef cost the sampler's compiled-program
+  lookup a deep comparison with the one it had compiled for."""
   return decoding_plan(graphdef, jax.tree.unflatten(treedef, structs))
 
 
