@@ -79,12 +79,10 @@ def nucleus_in_top(top_BxK, filtered_BxV, top_p):
 
 
 def nucleus_by_sort(logits_BxV, top_p):
-  """[B, 1]: the least logit of each row's nucleus, from the row sorted."""
+  """[B, 1]: the least logit of each row's nucleus, from the row sorted (all of it its
+  "top", summed in sorted order as softmax over the sorted row would)."""
   sorted_desc = -jnp.sort(-logits_BxV, axis=-1)
-  probs = jax.nn.softmax(sorted_desc, axis=-1)
-  mass_before = jnp.cumsum(probs, axis=-1) - probs
-  kept = mass_before < top_p
-  return jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+  return nucleus_in_top(sorted_desc, sorted_desc, top_p)
 
 
 def nucleus_by_bisection(logits_BxV, top_p):
