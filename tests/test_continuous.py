@@ -1,9 +1,10 @@
 """Continuous batching (slots) samples exactly what the wave sampler does."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hflax.models import ModelConfig, create
+from hflax.models import ModelConfig, create, init_cache, transformer
 from hflax.rollout import SamplingParams, generate, generation_slots
 from hflax.rollout.sampler import _rows_mesh, compiled_variants, generate_over_rows, left_pad
 
@@ -160,3 +161,26 @@ def test_bfloat16_slots_sample_what_waves_do(prompts):
   np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))
   np.testing.assert_allclose(np.asarray(got["rollout_log_probs"]),
                              np.asarray(want["rollout_log_probs"]), atol=1e-6)
+
+
+def test_bfloat16_keys_held_as_bits_sample_what_bfloat16_keys_do(prompts, monkeypatch):
+  """On CPU a bf16 cache holds its keys as their uint16 bits, written in place; decoding
+  reads them back as the same bf16 numbers, so rows sample the tokens that keys held as
+  bf16 (written through a select) give, in waves and in slots."""
+  cfg = CFG.replace(dtype="bfloat16")
+  on_cpu = jax.default_backend() == "cpu"
+  assert init_cache(cfg, 2, 4)[0]["k"].dtype == (jnp.uint16 if on_cpu else jnp.bfloat16)
+  assert init_cache(cfg, 2, 4)[0]["v"].dtype == jnp.bfloat16
+  graphdef, state = create(cfg, seed=3)
+  params = SamplingParams(max_new_tokens=N, temperature=1.0, n=2)
+  key = jax.random.key(5)
+  got = [generate(graphdef, state, prompts, params, rng=key, slots=s) for s in (0, 3)]
+  monkeypatch.setattr(transformer, "key_cache_dtype", jnp.dtype)
+  jax.clear_caches()  # the sampler's programs were traced with the bits
+  assert init_cache(cfg, 2, 4)[0]["k"].dtype == jnp.bfloat16
+  want = [generate(graphdef, state, prompts, params, rng=key, slots=s) for s in (0, 3)]
+  jax.clear_caches()
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g["responses"]), np.asarray(w["responses"]))
+    np.testing.assert_allclose(np.asarray(g["rollout_log_probs"]),
+                               np.asarray(w["rollout_log_probs"]), atol=1e-6)
