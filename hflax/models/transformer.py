@@ -167,7 +167,7 @@ def key_cache_dtype(dtype):
   rewrote every cached key through a select (cache_where) and the scores' loop read a
   float32 copy of them. On the bits, the new column is written in place. SmolLM2 in
   bfloat16, 64 chat prompts x 128 greedy tokens on two devices of a 2-core AMD EPYC (Zen 5):
-  8.5-8.8 against 8.9-9.5 s, the same tokens. The values stay bfloat16: their weighted
+  8.47-8.82 against 9.10-9.50 s, the same tokens. The values stay bfloat16: their weighted
   sum is a matmul, which wants a bfloat16 buffer (a view of bits was copied every step)."""
   dtype = jnp.dtype(dtype)
   return KEY_BITS if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype
