@@ -135,9 +135,7 @@ class Attention(nnx.Module):
 
 def _write_slots(cache, new, slot0, axis):
   """cache with `new` written at columns slot0.. of `axis`; slot0 a scalar or one per row."""
-  if cache.dtype == KEY_BITS:
-    new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), KEY_BITS)
-  new = new.astype(cache.dtype)
+  new = _as_bits(new) if cache.dtype == KEY_BITS else new.astype(cache.dtype)
   if new.shape[axis] == 1 and _widened_on_cpu(cache):
     at = jnp.reshape(slot0, (-1,) + (1,) * (cache.ndim - 1))
     return cache_where(cache_columns(cache, axis) == at, new, cache)
@@ -154,10 +152,22 @@ def _widened_on_cpu(cache) -> bool:
   """XLA:CPU widens bfloat16 data movement (dynamic-update-slice, select) to float32: a
   one-column write converted the whole cache, 55 of 165 ms a decode step for SmolLM2 at
   64 rows. On its uint16 bits the same select runs at memory speed (4 ms a step)."""
-  return cache.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+  return _bfloat16_on_cpu(cache.dtype)
+
+
+def _bfloat16_on_cpu(dtype) -> bool:
+  return jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu"
 
 
 KEY_BITS = jnp.uint16
+
+
+def _as_bits(x):
+  return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), KEY_BITS)
+
+
+def _from_bits(bits):
+  return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
 def key_cache_dtype(dtype):
@@ -170,15 +180,12 @@ def key_cache_dtype(dtype):
   bfloat16, 64 chat prompts x 128 greedy tokens on two devices of a 2-core AMD EPYC (Zen 5):
   8.47-8.82 against 9.10-9.50 s, the same tokens. The values stay bfloat16: their weighted
   sum is a matmul, which wants a bfloat16 buffer (a view of bits was copied every step)."""
-  dtype = jnp.dtype(dtype)
-  return KEY_BITS if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype
+  return jnp.dtype(KEY_BITS if _bfloat16_on_cpu(dtype) else dtype)
 
 
 def stored_keys(k_cache):
   """The keys of a cache as numbers (bfloat16 where key_cache_dtype stores bits)."""
-  if k_cache.dtype == KEY_BITS:
-    return jax.lax.bitcast_convert_type(k_cache, jnp.bfloat16)
-  return k_cache
+  return _from_bits(k_cache) if k_cache.dtype == KEY_BITS else k_cache
 
 
 def cache_columns(cache, axis):
@@ -191,8 +198,7 @@ def cache_where(mask, new, cache):
   """jnp.where(mask, new, cache) for a KV cache (bfloat16 ones on CPU through their bits)."""
   if not _widened_on_cpu(cache):
     return jnp.where(mask, new.astype(cache.dtype), cache)
-  bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)  # noqa: E731
-  return jax.lax.bitcast_convert_type(jnp.where(mask, bits(new), bits(cache)), jnp.bfloat16)
+  return _from_bits(jnp.where(mask, _as_bits(new), _as_bits(cache)))
 
 
 class MLP(nnx.Module):
