@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hflax.models import chunked_head
 from hflax.models.chunked_head import BLOCK_TOKENS, chunk_columns, chunked_log_probs
 from hflax.models.matmul import tied_head
 from hlo_dots import dot_operand_types
@@ -96,7 +97,29 @@ def test_the_softmax_sums_stay_off_the_matmul_library():
   text = fn.lower(hidden, embed).compile().as_text()
   library = re.findall(r"= (\w+\[[\d,]*\])\S* fusion\([^)]*\), kind=kCustom", text)
   assert library.count(f"f32[{B},{C}]") <= 1, library
-  assert len(dot_operand_types(text)) == 4  # logits; recomputed logits and two gradients
+  assert len(dot_operand_types(text)) == 3  # logits (kept for the backward), two gradients
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, dtype):
+  # On CPU the forward keeps the chunks' logits (KEPT_LOGITS_BYTES) and the backward reads
+  # them instead of recomputing: one matmul fewer per chunk, the same numbers.
+  hidden, targets, embed, _, weights = inputs(dtype)
+
+  def run(h, e):  # 2 of the N = 3 chunks live: the third is never written nor read
+    return objective(*chunked_log_probs(tied_head(e, dtype), h, targets, 2, 0.7), weights)
+
+  def compiled():
+    fn = jax.jit(jax.value_and_grad(run, (0, 1)))
+    return fn, len(dot_operand_types(fn.lower(hidden, embed).compile().as_text()))
+
+  kept, kept_dots = compiled()
+  monkeypatch.setattr(chunked_head, "KEPT_LOGITS_BYTES", 0)  # too small: recompute
+  recomputed, recomputed_dots = compiled()
+  assert (kept_dots, recomputed_dots) == (3, 4)
+  for a, b in zip(jax.tree.leaves(kept(hidden, embed)),
+                  jax.tree.leaves(recomputed(hidden, embed))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_a_chunk_holds_a_block_of_tokens_whatever_the_rows():

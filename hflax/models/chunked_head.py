@@ -9,7 +9,8 @@ vocabulary: d/dz_j of log p_t is [j = t] - p_j and of the entropy -p_j (z_j - me
 z = logits / T. Against autodiff of a rematerialised scan under a conditional, this keeps
 one chunk's logits alive at a time, never stacks or zero-fills the head's weights per
 chunk, and passes over each block of logits three times (two in the forward, one in the
-backward).
+backward). On CPU, where the recompute is a quarter of the head's matmuls and memory is
+plentiful, the forward keeps the logits of up to KEPT_LOGITS_BYTES of chunks instead.
 """
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ from jax import lax
 # replayed bench/rl_step.py update went 14.42 -> 13.96 s (fp32) and 7.93 -> 7.45 s (bf16).
 # 1024 was no faster. The price is memory: four [512, V] float32 blocks in the backward.
 BLOCK_TOKENS = 512
+# On CPU the forward keeps the chunks' logits for the backward, instead of recomputing them
+# there, when all N chunks' logits fit in this many bytes (else it recomputes, holding one
+# chunk at a time as on accelerators, where the recompute is cheap and memory is not). The
+# backward then runs two of the head's matmuls per chunk instead of three, on the same
+# logits (bit-equal gradients). SmolLM2-135M, bf16, bench/rl_step.py's update replayed
+# (four 768-token packed micro-batches, two 512-token chunks each): see bench/README.md.
+KEPT_LOGITS_BYTES = 1 << 30
 
 
 def chunk_columns(rows: int, columns: int, chunk: int | None = None) -> int:
@@ -65,27 +73,37 @@ def chunked_log_probs(head, hidden_NxBxCxD, targets_NxBxC, live, temperature: fl
   [B, C, V], differentiated with respect to whatever arrays it closes over."""
   head_fn, consts = jax.closure_convert(head, hidden_NxBxCxD[0])
   live = jnp.clip(jnp.asarray(live, jnp.int32), 0, hidden_NxBxCxD.shape[0])
-  return _project(head_fn, float(temperature), hidden_NxBxCxD, targets_NxBxC, live, *consts)
+  logits = jax.eval_shape(head, hidden_NxBxCxD[0])
+  keep = (jax.default_backend() == "cpu" and
+          hidden_NxBxCxD.shape[0] * logits.size * logits.dtype.itemsize <= KEPT_LOGITS_BYTES)
+  return _project(head_fn, float(temperature), keep, hidden_NxBxCxD, targets_NxBxC, live,
+                  *consts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _project(head, temperature, hidden, targets, live, *consts):
-  return _forward(head, temperature, hidden, targets, live, *consts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _project(head, temperature, keep, hidden, targets, live, *consts):
+  return _forward(head, temperature, keep, hidden, targets, live, *consts)[0]
 
 
-def _forward(head, temperature, hidden, targets, live, *consts):
+def _forward(head, temperature, keep, hidden, targets, live, *consts):
   zeros = jnp.zeros(targets.shape, jnp.float32)
+  logits = jax.eval_shape(head, hidden[0], *consts)
+  # Chunks past `live` are never written: the backward does not read them either.
+  kept = jnp.empty((hidden.shape[0] if keep else 0, *logits.shape), logits.dtype)
 
-  def chunk(i, outs):
-    stats = softmax_stats(head(hidden[i], *consts), targets[i], temperature)
-    return tuple(o.at[i].set(s) for o, s in zip(outs, stats))
+  def chunk(i, carry):
+    outs, kept = carry
+    logits = head(hidden[i], *consts)
+    stats = softmax_stats(logits, targets[i], temperature)
+    return (tuple(o.at[i].set(s) for o, s in zip(outs, stats)),
+            kept.at[i].set(logits) if keep else kept)
 
-  logp, ent, lse, mean = lax.fori_loop(0, live, chunk, (zeros,) * 4)
-  return (logp, ent), (hidden, targets, live, lse, mean, consts)
+  (logp, ent, lse, mean), kept = lax.fori_loop(0, live, chunk, ((zeros,) * 4, kept))
+  return (logp, ent), (hidden, targets, live, lse, mean, kept, consts)
 
 
-def _backward(head, temperature, saved, cotangents):
-  hidden, targets, live, lse, mean, consts = saved
+def _backward(head, temperature, keep, saved, cotangents):
+  hidden, targets, live, lse, mean, kept, consts = saved
   d_logp, d_ent = cotangents
   floating = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
 
@@ -98,6 +116,8 @@ def _backward(head, temperature, saved, cotangents):
   def chunk(i, carry):
     d_hidden, d_consts = carry
     logits, pull = jax.vjp(head_of, hidden[i], *float_consts)
+    if keep:  # the forward's logits; XLA drops the recomputed ones, now unused
+      logits = kept[i]
     z = logits.astype(jnp.float32) / temperature
     hit = jnp.arange(z.shape[-1]) == targets[i][..., None]
     dz = logits_cotangent(z, hit, *(x[i][..., None] for x in (lse, mean, d_logp, d_ent)))

@@ -1,9 +1,10 @@
 """Per-token log-probs and entropy under a model, never holding [B, T, V] float32 at once.
 
 The vocabulary projection runs over sequence chunks (hflax/models/chunked_head.py: a loop
-over the live chunks whose backward pass recomputes each chunk's logits), so the forward
-pass and its gradient keep one chunk's [B, chunk, V] logits alive, not the whole
-sequence's. A chunk holds about chunked_head.BLOCK_TOKENS tokens (B x chunk) unless the
+over the live chunks whose backward pass recomputes each chunk's logits, or on CPU reads
+the forward's while they fit chunked_head.KEPT_LOGITS_BYTES), so the forward pass and its
+gradient keep one chunk's [B, chunk, V] logits alive, not the whole sequence's, or on CPU
+at most that many bytes of them. A chunk holds about chunked_head.BLOCK_TOKENS tokens (B x chunk) unless the
 caller sets `chunk`, its width in columns.
 """
 from __future__ import annotations
