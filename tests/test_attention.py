@@ -632,3 +632,42 @@ def test_one_column_cache_writes_equal_a_dynamic_update_slice(dtype):
       want[b, :, :, s] = np.asarray(new.astype(dtype))[b, :, :, 0]
     assert got.dtype == cache.dtype
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_longest_segment_ignores_padding():
+  seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [0, 1, 1, 1, 1, 2, 2, 0]])
+  assert int(attention.longest_segment(seg)) == 4
+  assert int(attention.longest_segment(jnp.zeros((2, 5), jnp.int32))) == 0
+
+
+def test_packed_rows_of_short_sequences_take_the_narrow_key_blocks(monkeypatch):
+  # blockwise(short_k_block=...) picks the key block at run time from the longest packed
+  # sequence: narrow where all are short (prompt-sharing GRPO rows), wide for long ones.
+  seg = _packed_segments([[2, 2, 6, 3, 1]], 16)  # the longest sequence: 6 slots
+  q, k, v = _qkv(1, 16, 16, 2, 1, 4)
+  seg_ids = jnp.asarray(seg)
+  masks = (jnp.asarray(seg > 0), jnp.arange(16)[None], seg_ids, seg_ids)
+  real = masks[0][:, :, None, None]  # pads see no key: blockwise gives 0, the reference not
+  computed = _count_score_blocks(monkeypatch)
+
+  def run(**blocks):
+    def loss(q, k, v):
+      return jnp.sum(real * attention.blockwise(q, k, v, *masks, **blocks) ** 2)
+    before = len(computed)
+    value, grads = jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+    jax.effects_barrier()
+    return len(computed) - before, value, grads
+
+  narrow, wide = run(q_block=4, k_block=4), run(q_block=4, k_block=8)
+  assert narrow[0] != wide[0]
+  for limit, want in ((6, narrow), (5, wide)):
+    monkeypatch.setattr(attention, "SHORT_SEGMENT_KEYS", limit)
+    got = run(q_block=4, k_block=8, short_k_block=4)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    for g, w in zip(got[2], want[2]):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  ref = jax.grad(lambda q, k, v: jnp.sum(real * attention.reference(q, k, v, *masks) ** 2),
+                 (0, 1, 2))(q, k, v)
+  for g, r in zip(narrow[2], ref):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
