@@ -644,7 +644,7 @@ def test_packed_rows_of_short_sequences_take_the_narrow_key_blocks(monkeypatch):
   # blockwise(short_k_block=...) picks the key block at run time from the longest packed
   # sequence: narrow where all are short (prompt-sharing GRPO rows), wide for long ones.
   seg = _packed_segments([[2, 2, 6, 3, 1]], 16)  # the longest sequence: 6 slots
-  q, k, v = _qkv(1, 16, 16, 2, 1, 4)
+  q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(1, 16, 16, 2, 1, 4))  # 16-bit only
   seg_ids = jnp.asarray(seg)
   masks = (jnp.asarray(seg > 0), jnp.arange(16)[None], seg_ids, seg_ids)
   real = masks[0][:, :, None, None]  # pads see no key: blockwise gives 0, the reference not
@@ -664,10 +664,16 @@ def test_packed_rows_of_short_sequences_take_the_narrow_key_blocks(monkeypatch):
     monkeypatch.setattr(attention, "SHORT_SEGMENT_KEYS", limit)
     got = run(q_block=4, k_block=8, short_k_block=4)
     assert got[0] == want[0]
-    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(got[1]), f32(want[1]), rtol=1e-6)
     for g, w in zip(got[2], want[2]):
-      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(f32(g), f32(w), rtol=1e-5, atol=1e-6)
   ref = jax.grad(lambda q, k, v: jnp.sum(real * attention.reference(q, k, v, *masks) ** 2),
                  (0, 1, 2))(q, k, v)
   for g, r in zip(narrow[2], ref):
-    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+    err = np.abs(f32(g) - f32(r)).max()
+    assert err <= 0.02 * np.abs(f32(r)).max(), err
+  # float32 keeps the wide blocks whatever the sequences.
+  monkeypatch.setattr(attention, "SHORT_SEGMENT_KEYS", 6)
+  q, k, v = _qkv(1, 16, 16, 2, 1, 4)
+  assert run(q_block=4, k_block=8, short_k_block=4)[0] == wide[0]

@@ -143,9 +143,11 @@ def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   attention in ~0.45 s on this loaded CPU, 128 x 256 in 0.7 s, 256 x 512 in 1.8 s
   (less causal skipping, larger live blocks). With `short_k_block` (what `attention`
   passes), packed rows whose sequences are all at most SHORT_SEGMENT_KEYS long take key
-  blocks that narrow instead (a run-time choice: both are compiled).
+  blocks that narrow instead (a run-time choice: both are compiled), in 16-bit dtypes
+  only (measured: see chunked_head.KEPT_LOGITS_BYTES for float32).
   """
-  if short_k_block and short_k_block < k_block and q_seg_BxT is not None:
+  if (short_k_block and short_k_block < k_block and q_seg_BxT is not None
+      and jnp.dtype(q_BxTxHxDh.dtype).itemsize < 4):
     q_prefix_BxT = q_seg_BxT if q_prefix_BxT is None else q_prefix_BxT
     narrow, wide = (functools.partial(blockwise, q_block=q_block, k_block=kb)
                     for kb in (short_k_block, k_block))
@@ -177,6 +179,9 @@ def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
 # 45-token prompts, 10-60-token responses) 8.3 against 7.0 ms at 768 tokens and 18.1
 # against 15.1 at 1536; 100-300-token responses in 2048: 22.6 against 19.6; one sequence
 # of 1024: 24.5 against 25.8, of 2048: 92.7 against 104.0 (fewer, wider blocks win there).
+# float32 keeps 128: alone its attention was faster 64-wide too (8.8 against 6.8 ms at
+# 768 tokens), but the replayed fp32 update measured slower with both of this session's
+# changes (see chunked_head.KEPT_LOGITS_BYTES), which have not been told apart there.
 SHORT_SEGMENT_KEYS = 1024
 SHORT_K_BLOCK = 64
 

@@ -9,8 +9,9 @@ vocabulary: d/dz_j of log p_t is [j = t] - p_j and of the entropy -p_j (z_j - me
 z = logits / T. Against autodiff of a rematerialised scan under a conditional, this keeps
 one chunk's logits alive at a time, never stacks or zero-fills the head's weights per
 chunk, and passes over each block of logits three times (two in the forward, one in the
-backward). On CPU, where the recompute is a quarter of the head's matmuls and memory is
-plentiful, the forward keeps the logits of up to KEPT_LOGITS_BYTES of chunks instead.
+backward). On CPU in 16-bit compute, where the recompute is a quarter of the head's
+matmuls and memory is plentiful, the forward keeps the logits of up to KEPT_LOGITS_BYTES
+of chunks instead.
 """
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ from jax import lax
 # replayed bench/rl_step.py update went 14.42 -> 13.96 s (fp32) and 7.93 -> 7.45 s (bf16).
 # 1024 was no faster. The price is memory: four [512, V] float32 blocks in the backward.
 BLOCK_TOKENS = 512
-# On CPU the forward keeps the chunks' logits for the backward, instead of recomputing them
-# there, when all N chunks' logits fit in this many bytes (else it recomputes, holding one
+# On CPU, computing in 16 bits, the forward keeps the chunks' logits for the backward,
+# instead of recomputing them there, when all N chunks' logits fit in this many bytes (else it recomputes, holding one
 # chunk at a time as on accelerators, where the recompute is cheap and memory is not). The
 # backward then runs two of the head's matmuls per chunk instead of three, on the same
 # logits (bit-equal gradients). SmolLM2-135M, bf16, bench/rl_step.py's update replayed
 # (four 768-token packed micro-batches, two 512-token chunks each): see bench/README.md.
+# Not in float32: there the replayed update measured slower with this and 64-wide key
+# blocks (8.47-9.26 s before against 9.00-9.92 after, three alternating rounds).
 KEPT_LOGITS_BYTES = 1 << 30
 
 
@@ -74,7 +77,7 @@ def chunked_log_probs(head, hidden_NxBxCxD, targets_NxBxC, live, temperature: fl
   head_fn, consts = jax.closure_convert(head, hidden_NxBxCxD[0])
   live = jnp.clip(jnp.asarray(live, jnp.int32), 0, hidden_NxBxCxD.shape[0])
   logits = jax.eval_shape(head, hidden_NxBxCxD[0])
-  keep = (jax.default_backend() == "cpu" and
+  keep = (jax.default_backend() == "cpu" and jnp.dtype(hidden_NxBxCxD.dtype).itemsize < 4 and
           hidden_NxBxCxD.shape[0] * logits.size * logits.dtype.itemsize <= KEPT_LOGITS_BYTES)
   return _project(head_fn, float(temperature), keep, hidden_NxBxCxD, targets_NxBxC, live,
                   *consts)
