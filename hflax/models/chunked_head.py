@@ -28,8 +28,9 @@ from jax import lax
 # 1024 was no faster. The price is memory: four [512, V] float32 blocks in the backward.
 BLOCK_TOKENS = 512
 # On CPU, computing in 16 bits, the forward keeps the chunks' logits for the backward,
-# instead of recomputing them there, when all N chunks' logits fit in this many bytes (else it recomputes, holding one
-# chunk at a time as on accelerators, where the recompute is cheap and memory is not). The
+# instead of recomputing them there, when all N chunks' logits fit in this many bytes
+# (else it recomputes, holding one chunk at a time as on accelerators, where the
+# recompute is cheap and memory is not). The
 # backward then runs two of the head's matmuls per chunk instead of three, on the same
 # logits (bit-equal gradients). SmolLM2-135M, bf16, bench/rl_step.py's update replayed
 # (four 768-token packed micro-batches, two 512-token chunks each): see bench/README.md.
@@ -76,22 +77,21 @@ def chunked_log_probs(head, hidden_NxBxCxD, targets_NxBxC, live, temperature: fl
   [B, C, V], differentiated with respect to whatever arrays it closes over."""
   head_fn, consts = jax.closure_convert(head, hidden_NxBxCxD[0])
   live = jnp.clip(jnp.asarray(live, jnp.int32), 0, hidden_NxBxCxD.shape[0])
-  logits = jax.eval_shape(head, hidden_NxBxCxD[0])
-  keep = (jax.default_backend() == "cpu" and jnp.dtype(hidden_NxBxCxD.dtype).itemsize < 4 and
-          hidden_NxBxCxD.shape[0] * logits.size * logits.dtype.itemsize <= KEPT_LOGITS_BYTES)
-  return _project(head_fn, float(temperature), keep, hidden_NxBxCxD, targets_NxBxC, live,
-                  *consts)
+  return _project(head_fn, float(temperature), hidden_NxBxCxD, targets_NxBxC, live, *consts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _project(head, temperature, keep, hidden, targets, live, *consts):
-  return _forward(head, temperature, keep, hidden, targets, live, *consts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _project(head, temperature, hidden, targets, live, *consts):
+  return _forward(head, temperature, hidden, targets, live, *consts)[0]
 
 
-def _forward(head, temperature, keep, hidden, targets, live, *consts):
+def _forward(head, temperature, hidden, targets, live, *consts):
   zeros = jnp.zeros(targets.shape, jnp.float32)
   logits = jax.eval_shape(head, hidden[0], *consts)
-  # Chunks past `live` are never written: the backward does not read them either.
+  keep = (jax.default_backend() == "cpu" and jnp.dtype(hidden.dtype).itemsize < 4 and
+          hidden.shape[0] * logits.size * logits.dtype.itemsize <= KEPT_LOGITS_BYTES)
+  # Chunks past `live` are never written: the backward does not read them either. Not
+  # keeping: no chunk (the backward tells by the shape).
   kept = jnp.empty((hidden.shape[0] if keep else 0, *logits.shape), logits.dtype)
 
   def chunk(i, carry):
@@ -105,7 +105,7 @@ def _forward(head, temperature, keep, hidden, targets, live, *consts):
   return (logp, ent), (hidden, targets, live, lse, mean, kept, consts)
 
 
-def _backward(head, temperature, keep, saved, cotangents):
+def _backward(head, temperature, saved, cotangents):
   hidden, targets, live, lse, mean, kept, consts = saved
   d_logp, d_ent = cotangents
   floating = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
@@ -119,7 +119,7 @@ def _backward(head, temperature, keep, saved, cotangents):
   def chunk(i, carry):
     d_hidden, d_consts = carry
     logits, pull = jax.vjp(head_of, hidden[i], *float_consts)
-    if keep:  # the forward's logits; XLA drops the recomputed ones, now unused
+    if kept.shape[0]:  # the forward's logits; XLA drops the recomputed ones, now unused
       logits = kept[i]
     z = logits.astype(jnp.float32) / temperature
     hit = jnp.arange(z.shape[-1]) == targets[i][..., None]
