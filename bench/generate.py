@@ -35,6 +35,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -48,11 +49,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from hflax.models import ModelConfig, create, init_cache, positions_from_mask  # noqa: E402
+from hflax.models import ModelConfig, create  # noqa: E402
 from hflax.models.hf import export_checkpoint  # noqa: E402
 from hflax.models.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer  # noqa: E402
 import common  # noqa: E402
-from hflax.rollout import sampler  # noqa: E402
+from hflax.rollout import decoding, sampler  # noqa: E402
 from hflax.rollout.sampler import SamplingParams, generate, left_pad, replicate  # noqa: E402
 
 TARGET_RATIO = {64: 3.0}  # hflax tokens/s over transformers tokens/s, by batch size
@@ -77,18 +78,22 @@ def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
   return cfg.num_layers * per_layer, d * cfg.vocab_size
 
 
-def generation_flops(cfg: ModelConfig, batch: int, prompt_width: int, new_tokens: int) -> dict:
+def generation_flops(cfg: ModelConfig, batch: int, prompt_width: int, new_tokens: int,
+                     shared: int = 0) -> dict:
   """FLOPs the sampler executes for one generate call, counted from the program it runs.
 
   The prefill attends over the prompt_width slots of its cache and runs the lm_head only
-  on the last position; it yields the first new token. The decode loop then runs
+  on the last position; it yields the first new token. The prompts' `shared` first
+  tokens (sampler.shared_prefix_length) are prefilled once, for one row, and each row's
+  other prompt_width - shared columns after them. The decode loop then runs
   new_tokens - 1 single-token steps in segments; a step in a segment ending at step e
   attends over all prompt_width + e slots of the cache at that point (masked ones
   included), i.e. 4 * layers * heads * head_dim * width FLOPs per query for QK^T and PV.
   """
   body, head = matmul_params(cfg)
   per_slot = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
-  prefill = batch * (prompt_width * (2 * body + per_slot * prompt_width) + 2 * head)
+  per_column = 2 * body + per_slot * prompt_width
+  prefill = shared * per_column + batch * ((prompt_width - shared) * per_column + 2 * head)
   ends = sampler.segment_ends(new_tokens, sampler.decode_segments(new_tokens))
   widths = [prompt_width + next(e for e in ends if step < e) for step in range(1, new_tokens)]
   decode = batch * sum(2 * (body + head) + per_slot * w for w in widths)
@@ -138,13 +143,11 @@ def matmul_peak(sizes, repeats: int, dtype: str = "float32") -> tuple[float, dic
 def make_prefill_only(graphdef):
   """A jitted copy of the sampler's prefill, to split prefill from decode time."""
 
-  @jax.jit
-  def prefill(state, tokens_BxP, mask_BxP):
+  @functools.partial(jax.jit, static_argnums=3)
+  def prefill(state, tokens_BxP, mask_BxP, shared):
     model = nnx.merge(graphdef, state)
-    B, P = tokens_BxP.shape
-    hidden, cache = model(tokens_BxP, positions_from_mask(mask_BxP), mask_BxP,
-                          cache=init_cache(model.cfg, B, P), slot0=0)
-    return jnp.argmax(model.logits(hidden[:, -1]), axis=-1), cache
+    last_BxD, cache, _ = decoding.prefill(model, tokens_BxP, mask_BxP, shared)
+    return jnp.argmax(model.logits(last_BxD), axis=-1), cache
 
   return prefill
 
@@ -309,7 +312,8 @@ def main(argv=None) -> int:
         peaks.append(measure_peak())
       hf_t = statistics.median(hf_times)
       hf_tokens = hf_out[:, width:].numpy()
-      flops = generation_flops(cfg, B, width, new_tokens)
+      shared = sampler.shared_prefix_length(tokens, mask)
+      flops = generation_flops(cfg, B, width, new_tokens, shared)
       generated = B * new_tokens
       for name in variants:
         hx_tokens = np.asarray(hx_out[name]["responses"])
@@ -332,18 +336,18 @@ def main(argv=None) -> int:
                          hx_t=hx_t, hf_t=hf_t, gflops=flops["total"] / hx_t / 1e9, frac=frac,
                          peaks=peaks, peak=peak, match=match, agree=first,
                          compile=compile_s[name], hx_times=hx_times[name], hf_times=hf_times,
-                         cache_width=flops["cache_width"], width=width,
+                         cache_width=flops["cache_width"], width=width, shared=shared,
                          rss=common.window_peak_rss_mib()))
       print(f"[{precision}] batch {B}: hflax {statistics.median(hx_times['hflax']):.2f} s, "
             f"transformers {hf_t:.2f} s per call", flush=True)
 
       if not args.no_breakdown:
         prefill = make_prefill_only(graphdef)
-        jax.block_until_ready(prefill(state, tokens, mask))
+        jax.block_until_ready(prefill(state, tokens, mask, shared))
         pre = []
         for _ in range(max(3, repeats)):
           t0 = time.perf_counter()
-          jax.block_until_ready(prefill(state, tokens, mask))
+          jax.block_until_ready(prefill(state, tokens, mask, shared))
           pre.append(time.perf_counter() - t0)
         pre_t = statistics.median(pre)
         dec_t = max(statistics.median(hx_times["hflax"]) - pre_t, 1e-9)
@@ -398,7 +402,8 @@ def main(argv=None) -> int:
           f"{len(split_devices)} CPU devices (jax_num_cpu_devices, one per core): the rows are "
           f"split, the weights replicated")
   print(f"FLOPs: 2*(non-embedding matmul + lm_head params) per decoded token, prefill body on "
-        f"every prompt position + lm_head on the last, attention 4*L*H*Dh*S with S = the cache "
+        f"every prompt position it computes (the first {rows[0]['shared']} tokens, every "
+        f"prompt's, once) + lm_head on the last, attention 4*L*H*Dh*S with S = the cache "
         f"width each step attends over (the cache grows in segments: "
         f"{rows[0]['cache_width']} slots, masked slots included)")
   for r in rows:

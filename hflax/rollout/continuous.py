@@ -21,11 +21,11 @@ from flax import nnx
 from hflax.models.transformer import (cache_columns, cache_where, init_cache,
                                       positions_from_mask)
 from hflax.rollout.decoding import (SamplingParams, grow, outputs, pick, pick_with_keys,
-                                    segment_ends)
+                                    prefill, segment_ends)
 
 
 def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, *,
-                 params: SamplingParams, segments: int, slots: int):
+                 params: SamplingParams, segments: int, slots: int, shared: int = 0):
   """The wave sampler's _decode for one device's rows, decoded `slots` rows at a time."""
   model = nnx.merge(graphdef, state)
   B, P = prompts_BxP.shape
@@ -34,9 +34,8 @@ def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, row
   rows_R = (rows_B[:, None] * n + jnp.arange(n)).reshape(R)
   prompt_pos_BxP = positions_from_mask(prompt_mask_BxP)
 
-  hidden, store = model(prompts_BxP, prompt_pos_BxP, prompt_mask_BxP,
-                        cache=init_cache(model.cfg, B, P), slot0=0)
-  logits = jnp.repeat(model.logits(hidden[:, -1]), n, axis=0)
+  last_BxD, store, store_valid_BxP = prefill(model, prompts_BxP, prompt_mask_BxP, shared)
+  logits = jnp.repeat(model.logits(last_BxD), n, axis=0)
   first, first_logp = pick(logits, jax.random.fold_in(rng, 0), params, rows_R)
   eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
   out_tokens = jnp.full((R, N), params.pad_id, jnp.int32).at[:, 0].set(first)
@@ -66,7 +65,7 @@ def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, row
       cache = [{"k": put(o["k"], s["k"], 3), "v": put(o["v"], s["v"], 2)}
                for o, s in zip(cache, store)]
       # The response columns of the slot's previous row stay, unseen: only the mask resets.
-      kv_valid = jnp.where(take[:, None], jnp.pad(prompt_mask_BxP[prompt],
+      kv_valid = jnp.where(take[:, None], jnp.pad(store_valid_BxP[prompt],
                                                   [(0, 0), (0, kv_valid.shape[1] - P)]),
                            kv_valid)
       return {**c, "cache": cache, "kv_valid": kv_valid,

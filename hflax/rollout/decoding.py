@@ -1,6 +1,6 @@
-"""The pieces of one decode step that the wave sampler (sampler.py) and continuous
-batching (continuous.py) share: sampling parameters, the token pick, the cache's growth
-between loop segments, and the result fields.
+"""The pieces of generation that the wave sampler (sampler.py) and continuous batching
+(continuous.py) share: sampling parameters, the prompts' prefill, the token pick, the
+cache's growth between loop segments, and the result fields.
 
 The log-probs returned with each token are those of the sampled token under
 softmax(logits / temperature) (the raw model distribution for greedy decoding), before
@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from hflax.models.transformer import positions_from_mask
+from hflax.models.transformer import init_cache, positions_from_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,40 @@ class SamplingParams:
   @property
   def greedy(self) -> bool:
     return self.temperature == 0
+
+
+def prefill(model, prompts_BxP, prompt_mask_BxP, shared: int = 0):
+  """The prompts' KV cache (width P), its validity mask, and each row's last hidden state
+  [B, D] (the first new token's).
+
+  shared (static): the prompts' first `shared` real tokens are the same in every row and
+  each row has at least one token after them (sampler.shared_prefix_length). They are
+  prefilled once, for one row, and every row's cache starts with a copy of theirs; the
+  rest of each prompt follows, left-padded: the cache holds [prefix | pads | rest] where
+  the prompts hold [pads | prefix | rest]. Attention reads slots through the mask and
+  positions count real tokens, so the layout changes nothing a row computes; the copy
+  saves (B - 1) x shared tokens of prefill, a chat template's system prompt.
+  """
+  B, P = prompts_BxP.shape
+  cfg = model.cfg
+  if not shared:
+    hidden, cache = model(prompts_BxP, positions_from_mask(prompt_mask_BxP), prompt_mask_BxP,
+                          cache=init_cache(cfg, B, P), slot0=0)
+    return hidden[:, -1], cache, prompt_mask_BxP
+  C = shared
+  # Row i's prompt starts at column P - len_i; its first C tokens are every row's.
+  start = P - prompt_mask_BxP[0].sum(dtype=jnp.int32)
+  prefix_1xC = jax.lax.dynamic_slice_in_dim(prompts_BxP[:1], start, C, axis=1)
+  kv_valid_BxP = jnp.concatenate([jnp.ones((B, C), bool), prompt_mask_BxP[:, :P - C]], axis=1)
+  _, cache = model(prefix_1xC, jnp.arange(C)[None], kv_valid_BxP[:1],
+                   cache=init_cache(cfg, 1, P), slot0=0)
+  cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (B,) + x.shape[1:]), cache)
+  # Row i's rest, right-aligned in columns C..P-1: prompt columns C.. hold it where the
+  # mask (shifted by C) is set; the other columns are masked out whatever they hold.
+  positions_BxP = positions_from_mask(kv_valid_BxP)
+  hidden, cache = model(prompts_BxP[:, C:], positions_BxP[:, C:], kv_valid_BxP, cache=cache,
+                        slot0=C)
+  return hidden[:, -1], cache, kv_valid_BxP
 
 
 def filter_logits(logits_BxV, top_k: int = 0, top_p: float = 1.0):

@@ -20,10 +20,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hflax.models.decode_layout import for_decoding
-from hflax.models.transformer import init_cache, positions_from_mask
+from hflax.models.transformer import positions_from_mask
 from hflax.rollout import continuous
 from hflax.rollout.decoding import (SamplingParams, decode_segments, grow, outputs, pick,
-                                    segment_ends)
+                                    prefill, segment_ends)
 
 
 def length_bucket(length: int, minimum: int = 8) -> int:
@@ -58,13 +58,17 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, width: int | None = 
   return tokens, mask
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments", "mesh", "slots"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "params", "segments", "mesh", "slots",
+                                             "shared"))
 def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: SamplingParams,
               segments: int = 1, live_B=None, mesh: Mesh | None = None, first_row=0,
-              slots: int = 0):
+              slots: int = 0, shared: int = 0):
   """slots (optional): continuous batching, each device decoding at most that many rows
   at once and giving a finished row's slot to the next (hflax.rollout.continuous);
   0 decodes all of its rows together until the last ends.
+
+  shared (optional): the first `shared` real tokens of every prompt row are the same
+  (shared_prefix_length), prefilled once (decoding.prefill).
 
   live_B (optional, bool [B]): False marks padding rows, born finished so that they
   never keep the decode loop running.
@@ -83,9 +87,10 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
           first_row + jnp.arange(B))
   if slots:
     decode = functools.partial(continuous.decode_slots, graphdef, params=params,
-                               segments=segments, slots=slots)
+                               segments=segments, slots=slots, shared=shared)
   else:
-    decode = functools.partial(_decode, graphdef, params=params, segments=segments)
+    decode = functools.partial(_decode, graphdef, params=params, segments=segments,
+                               shared=shared)
   if mesh is None or mesh.shape.get("data", 1) == 1:
     return decode(*args)
   if B % mesh.shape["data"]:
@@ -97,21 +102,19 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
 
 
 def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, *,
-            params: SamplingParams, segments: int):
-  """Prefill and decode loop for one device's rows (rows_B: their indices in the batch)."""
+            params: SamplingParams, segments: int, shared: int = 0):
+  """Prefill and decode loop for one device's rows (rows_B: their indices in the batch);
+  shared: decoding.prefill's."""
   model = nnx.merge(graphdef, state)
-  cfg = model.cfg
   B, P = prompts_BxP.shape
   N, n, R = params.max_new_tokens, params.n, B * params.n
   rows_R = (rows_B[:, None] * n + jnp.arange(n)).reshape(R)  # sample j of prompt i: i*n + j
   prompt_pos_BxP = positions_from_mask(prompt_mask_BxP)
 
   # The n samples of a prompt share one prefill; the cache is copied after it.
-  hidden, cache = model(prompts_BxP, prompt_pos_BxP, prompt_mask_BxP,
-                        cache=init_cache(cfg, B, P), slot0=0)
+  last_BxD, cache, kv_valid = prefill(model, prompts_BxP, prompt_mask_BxP, shared)
   widen = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
-  cache, kv_valid, logits = jax.tree.map(widen, (cache, prompt_mask_BxP,
-                                                 model.logits(hidden[:, -1])))
+  cache, kv_valid, logits = jax.tree.map(widen, (cache, kv_valid, model.logits(last_BxD)))
 
   eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
   tok, logp = pick(logits, jax.random.fold_in(rng, 0), params, rows_R)
@@ -198,12 +201,14 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
   _check_slots(slots)
   if devices is None or len(devices) == 1:
     tokens, mask, cut = without_shared_padding(tokens, mask)
+    shared = shared_prefix_length(tokens, mask)
     if devices:
       state, tokens, mask = jax.device_put((state, tokens, mask), devices[0])
     graphdef, state = for_decoding(graphdef, state)
     out = _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool),
                     rng, params=params, segments=decode_segments(params.max_new_tokens),
-                    slots=_waiting_slots(slots, len(tokens) * params.n))
+                    slots=_waiting_slots(slots, len(tokens) * params.n),
+                    shared=shared)
     return with_columns_back(out, cut, params.n)
   mesh = _rows_mesh(devices)
   return generate_over_rows(graphdef, replicate(state, devices), np.asarray(tokens, np.int32),
@@ -221,6 +226,29 @@ def shared_padding_cut(mask_BxT, prompt_width: int | None = None) -> int:
   used = np.asarray(mask_BxT, bool)[:, :P].any(axis=0)
   first = int(np.argmax(used)) if used.any() else P
   return P - min(P, length_bucket(P - first))
+
+
+SHARED_PREFIX_STEP = 8
+
+
+def shared_prefix_length(tokens_BxP, mask_BxP, step: int = SHARED_PREFIX_STEP) -> int:
+  """How many first real tokens every left-padded prompt row has in common, less any
+  that would leave a row with none after them, rounded down to a multiple of `step` (a
+  few widths compile, not one per batch): what decoding.prefill computes once. 0 for one
+  row, or for a mask another process holds part of (its processes must agree)."""
+  if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in (tokens_BxP, mask_BxP)):
+    return 0
+  tokens, mask = np.asarray(tokens_BxP), np.asarray(mask_BxP, bool)
+  B, P = tokens.shape
+  lengths = mask.sum(axis=1)
+  shortest = int(lengths.min()) if B else 0
+  if B < 2 or shortest < 2:
+    return 0
+  # Each row's first `shortest` real tokens, side by side: row i's start at P - len_i.
+  firsts = np.take_along_axis(tokens, (P - lengths)[:, None] + np.arange(shortest), axis=1)
+  differs = np.any(firsts != firsts[:1], axis=0)
+  common = int(np.argmax(differs)) if differs.any() else shortest
+  return min(common, shortest - 1) // step * step
 
 
 def without_shared_padding(tokens_BxP, mask_BxP):
@@ -285,6 +313,7 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
   rows = NamedSharding(mesh, PartitionSpec("data"))
   slots = _waiting_slots(slots, size // mesh.shape["data"] * params.n)
   segments = decode_segments(params.max_new_tokens)
+  shared = shared_prefix_length(tokens_BxP, mask_BxP)
   collect = collect or (lambda x: x)
   waves = []
   for start in range(0, count + pad, size):
@@ -293,7 +322,7 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
         (tokens_BxP[pick], mask_BxP[pick], live[start:start + size]), rows)
     waves.append(collect(_generate(graphdef, state, tokens, mask, rng, params=params,
                                    segments=segments, live_B=live_B, mesh=mesh,
-                                   first_row=start, slots=slots)))
+                                   first_row=start, slots=slots, shared=shared)))
   out = {k: jnp.concatenate([w[k] for w in waves]) if len(waves) > 1 else waves[0][k]
          for k in waves[0]}
   out = {k: v[:count * params.n] for k, v in out.items()} if pad else out
