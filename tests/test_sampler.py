@@ -176,6 +176,15 @@ def test_gumbel_max_draws_what_categorical_draws(rows, vocab):
   _check_pick(logits)
 
 
+def test_argmax_rows_past_float32_exact_indices():
+  """Indices above 2^24 are not all float32 numbers: a vocabulary that long is counted in
+  int32 (16777217 would round to 16777216 in float32)."""
+  logits = jnp.zeros((1, 2**24 + 3), jnp.float32).at[0, 2**24 + 1].set(1.0)
+  assert int(jax.jit(argmax_rows)(logits)[0]) == 2**24 + 1
+  small = jnp.zeros((2, 5), jnp.float32).at[0, 3].set(jnp.nan).at[1, 1:].set(2.0)
+  np.testing.assert_array_equal(jax.jit(argmax_rows)(small), [3, 1])
+
+
 def _check_pick(logits):
   """pick_with_keys: greedy, jnp.argmax; sampled (temperature 0.7), categorical's draw;
   the log-prob, log_softmax's entry for the token, to float32 rounding."""
