@@ -31,3 +31,13 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides):
       if name.endswith("bias") or "norm" in name:
         p.add_(0.1 * torch.randn_like(p))
   return model.eval()
+
+
+def loaded_pair(family: str, path, seed: int = 0):
+  """(transformers model, hflax graphdef, state): a tiny model saved to `path` and loaded
+  back by hflax, for tests that compare the two."""
+  from hflax.models import hf
+  model = tiny_hf_model(family, seed=seed)
+  model.save_pretrained(path)
+  _, graphdef, state = hf.load_checkpoint(str(path))
+  return model, graphdef, state

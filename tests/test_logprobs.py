@@ -5,18 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import tiny_hf_model
-from hflax.models import hf
+from hf_models import loaded_pair
 from hflax.models.logprobs import sequence_log_probs
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-  model = tiny_hf_model("qwen3", seed=2)
-  path = tmp_path_factory.mktemp("qwen3")
-  model.save_pretrained(path)
-  _, graphdef, state = hf.load_checkpoint(str(path))
-  return model, graphdef, state
+  return loaded_pair("qwen3", tmp_path_factory.mktemp("qwen3"), seed=2)
 
 
 def _batch():

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_models import tiny_hf_model
-from hflax.models import hf
+from hf_models import loaded_pair
 from hflax.models.logprobs import sequence_log_probs
 from hflax.rollout import SamplingParams, filter_logits, generate, left_pad, replicate
 from hflax.rollout.decoding import (argmax_rows, first_max, gumbel_max, nucleus_by_bisection,
@@ -21,11 +20,7 @@ PROMPT_LENGTHS = (5, 11, 2, 8)
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def pair(request, tmp_path_factory):
-  model = tiny_hf_model(request.param, seed=1)
-  path = tmp_path_factory.mktemp(request.param)
-  model.save_pretrained(path)
-  _, graphdef, state = hf.load_checkpoint(str(path))
-  return model, graphdef, state
+  return loaded_pair(request.param, tmp_path_factory.mktemp(request.param), seed=1)
 
 
 def _prompts(seed=0):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from flax import nnx
 
-from hf_models import tiny_hf_model
-from hflax.models import ModelConfig, create, hf
+from hf_models import loaded_pair
+from hflax.models import ModelConfig, create
 from hflax.models.logprobs import sequence_log_probs
 from hflax.rollout import SamplingParams, generate, left_pad, sampler
 from hflax.rollout.decoding import prefill
@@ -72,11 +72,7 @@ def test_prefill_writes_the_prefix_once_and_each_rest_after_it():
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def pair(request, tmp_path_factory):
-  model = tiny_hf_model(request.param, seed=2)
-  path = tmp_path_factory.mktemp(request.param)
-  model.save_pretrained(path)
-  _, graphdef, state = hf.load_checkpoint(str(path))
-  return model, graphdef, state
+  return loaded_pair(request.param, tmp_path_factory.mktemp(request.param), seed=2)
 
 
 def test_greedy_from_a_shared_prefix_equals_transformers_generate(pair, monkeypatch):
