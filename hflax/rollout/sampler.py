@@ -152,10 +152,15 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
   return outputs(widen(prompts_BxP), widen(prompt_mask_BxP), out_tokens, out_logp, out_mask)
 
 
+def _partly_elsewhere(x) -> bool:
+  """Whether x is a jax array that other processes hold part of (not readable here)."""
+  return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
 def _check_left_padded(mask):
   """The first token is sampled after the last column: a right-padded row would continue
   from a pad position, silently."""
-  if isinstance(mask, jax.Array) and not mask.is_fully_addressable:
+  if _partly_elsewhere(mask):
     return  # another process holds part of it (the workers pad through the data loader)
   mask = np.asarray(mask, bool)
   if mask.ndim != 2:
@@ -220,7 +225,7 @@ def shared_padding_cut(mask_BxT, prompt_width: int | None = None) -> int:
   default all) every row pads, less those that keep the longest prompt's length_bucket
   (a few widths compile, not one per batch). 0 for a mask another process holds
   part of: the processes holding it must pick one width."""
-  if isinstance(mask_BxT, jax.Array) and not mask_BxT.is_fully_addressable:
+  if _partly_elsewhere(mask_BxT):
     return 0
   P = mask_BxT.shape[1] if prompt_width is None else prompt_width
   used = np.asarray(mask_BxT, bool)[:, :P].any(axis=0)
@@ -236,13 +241,13 @@ def shared_prefix_length(tokens_BxP, mask_BxP, step: int = SHARED_PREFIX_STEP) -
   that would leave a row with none after them, rounded down to a multiple of `step` (a
   few widths compile, not one per batch): what decoding.prefill computes once. 0 for one
   row, or for a mask another process holds part of (its processes must agree)."""
-  if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in (tokens_BxP, mask_BxP)):
+  if _partly_elsewhere(tokens_BxP) or _partly_elsewhere(mask_BxP) or len(mask_BxP) < 2:
     return 0
   tokens, mask = np.asarray(tokens_BxP), np.asarray(mask_BxP, bool)
-  B, P = tokens.shape
+  P = tokens.shape[1]
   lengths = mask.sum(axis=1)
-  shortest = int(lengths.min()) if B else 0
-  if B < 2 or shortest < 2:
+  shortest = int(lengths.min())
+  if shortest < 2:
     return 0
   # Each row's first `shortest` real tokens, side by side: row i's start at P - len_i.
   firsts = np.take_along_axis(tokens, (P - lengths)[:, None] + np.arange(shortest), axis=1)
