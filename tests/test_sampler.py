@@ -10,7 +10,8 @@ import torch
 from hf_models import loaded_pair
 from hflax.models.logprobs import sequence_log_probs
 from hflax.rollout import SamplingParams, filter_logits, generate, left_pad, replicate
-from hflax.rollout.decoding import (argmax_rows, first_max, gumbel_max, nucleus_by_bisection,
+from hflax.rollout.decoding import (argmax_rows, first_max, greedy_pick, gumbel_max,
+                                    nucleus_by_bisection,
                                     nucleus_by_sort, pick_with_keys)
 from hflax.rollout.sampler import compiled_variants, decode_segments, length_bucket
 
@@ -178,6 +179,36 @@ def test_argmax_rows_past_float32_exact_indices():
   assert int(jax.jit(argmax_rows)(logits)[0]) == 2**24 + 1
   small = jnp.zeros((2, 5), jnp.float32).at[0, 3].set(jnp.nan).at[1, 1:].set(2.0)
   np.testing.assert_array_equal(jax.jit(argmax_rows)(small), [3, 1])
+
+
+@pytest.mark.parametrize("case", ["plain", "near_ties", "nan", "inf", "all_minus_inf"])
+def test_greedy_pick_is_argmax_and_log_softmax(case):
+  """greedy_pick against jnp.argmax and log_softmax: logits of a peaked 49k vocabulary,
+  maxima a few float32 steps apart at tiny magnitudes (where exp(logit - max) rounds to
+  1.0) with ties, and the rows that take the argmax fallback (NaN, +inf, all -inf)."""
+  rs = np.random.RandomState(3)
+  logits = rs.standard_t(3, size=(5, 49152)).astype(np.float32) * 5
+  if case == "near_ties":
+    logits = logits * np.float32(1e-6)
+    top = logits.max(axis=1)
+    logits[:, 700] = np.nextafter(top, np.float32(np.inf))  # one step above the old max
+    logits[:, 300] = top  # one step below the new one, earlier in the row
+    logits[1, 900] = logits[1, 700]  # a tie after the first maximum
+    logits[2, 40] = logits[2, 700]  # a tie before it
+  elif case == "nan":
+    logits[2, 7] = logits[2, 3] = np.nan
+  elif case == "inf":
+    logits[1, 11] = logits[1, 5] = np.inf
+  elif case == "all_minus_inf":
+    logits[4] = -np.inf
+  logits = jnp.asarray(logits)
+  tokens, log_probs = jax.jit(greedy_pick)(logits)
+  want = jnp.argmax(logits, -1)
+  np.testing.assert_array_equal(tokens, want)
+  expected = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), want[:, None], -1)[:, 0]
+  np.testing.assert_allclose(log_probs, expected, rtol=1e-6, atol=1e-6)
+  if case == "near_ties":
+    np.testing.assert_array_equal(tokens, [700, 700, 40, 700, 700])
 
 
 def _check_pick(logits):

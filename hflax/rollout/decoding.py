@@ -169,12 +169,35 @@ def pick(logits_BxV, key, params: SamplingParams, rows_B):
 
 def pick_with_keys(logits_BxV, keys_B, params: SamplingParams):
   """pick with each row's own key (unused when greedy)."""
-  scaled = logits_BxV if params.greedy else logits_BxV / params.temperature
   if params.greedy:
-    tokens = argmax_rows(logits_BxV)
-  else:
-    tokens = gumbel_max(keys_B, filter_logits(scaled, params.top_k, params.top_p))
+    return greedy_pick(logits_BxV)
+  scaled = logits_BxV / params.temperature
+  tokens = gumbel_max(keys_B, filter_logits(scaled, params.top_k, params.top_p))
   return tokens.astype(jnp.int32), chosen_log_probs(scaled, tokens)
+
+
+def greedy_pick(logits_BxV):
+  """(argmax_rows(logits), chosen_log_probs(logits, argmax)): each row's first maximum and
+  its log-prob, -log(sum(exp(logits - max))).
+
+  On CPU both come from one difference logits - max: the maximum is the first entry
+  where it is 0 (XLA:CPU then reads the logits twice, not four times). A row where no
+  difference is 0 or whose log-prob is NaN (a NaN or +inf logit) sends the batch to
+  argmax_rows."""
+  logits_BxV = logits_BxV.astype(jnp.float32)
+  top_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
+  diff_BxV = logits_BxV - top_Bx1
+  log_prob_B = -jnp.log(jnp.sum(jnp.exp(diff_BxV), axis=-1))
+  V = logits_BxV.shape[-1]
+  if jax.default_backend() != "cpu" or V > 2**24:
+    return argmax_rows(logits_BxV).astype(jnp.int32), log_prob_B
+  index = jax.lax.broadcasted_iota(jnp.float32, logits_BxV.shape, 1)
+  first_B = jnp.min(jnp.where(diff_BxV == 0, index, V), axis=-1)
+  # A NaN logit: XLA:CPU's max may skip it, but the sum does not.
+  found = (first_B < V) & ~jnp.isnan(log_prob_B)
+  tokens_B = jax.lax.cond(jnp.all(found), lambda: first_B.astype(jnp.int32),
+                          lambda: argmax_rows(logits_BxV).astype(jnp.int32))
+  return tokens_B, log_prob_B
 
 
 def chosen_log_probs(logits_BxV, tokens_B):
