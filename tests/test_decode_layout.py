@@ -65,6 +65,41 @@ def test_the_copy_computes_what_the_model_does(dtype, tol):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
 
 
+def test_the_last_copy_is_reused_while_its_weights_live(monkeypatch):
+  import gc
+  import weakref
+
+  import hflax.models.decode_layout as decode_layout
+  graphdef, state = _model()
+  copies = []
+  monkeypatch.setattr(decode_layout, "_copy_leaves",
+                      lambda *a: copies.append(1) or decode_layout.copy_leaves(*a))
+  first = for_decoding(graphdef, state)
+  again = for_decoding(graphdef, jax.tree.map(lambda x: x, state))  # the same arrays
+  assert again[0] is first[0] and again[1] is first[1] and len(copies) == 1
+
+  # New weights (even of the same shapes) get a copy of their own values.
+  changed = jax.tree.map(lambda x: x + 1, state)
+  fresh = for_decoding(graphdef, changed)
+  assert len(copies) == 2
+  np.testing.assert_array_equal(np.asarray(_dense(*fresh)[0].kernel[...]),
+                                np.asarray(_dense(graphdef, changed)[0].kernel[...].T))
+  assert for_decoding(graphdef, state)[1] is not first[1]  # only the last copy is kept
+
+  # The kept copy goes when the weights it was made from do.
+  kept = weakref.ref(for_decoding(graphdef, changed)[1]["layers"][0]["mlp"]["down"]["kernel"][...])
+  assert kept() is not None
+  del fresh, changed
+  gc.collect()
+  assert kept() is None
+
+  # A deleted (e.g. donated) source is not read through its old copy.
+  for_decoding(graphdef, state)
+  state["layers"][0]["mlp"]["down"]["kernel"][...].delete()
+  with pytest.raises(RuntimeError, match="deleted"):
+    for_decoding(graphdef, state)
+
+
 def test_adapted_kernels_stay_as_they_are():
   cfg = lora_config(ModelConfig(**CFG), 4, 8.0, "q_proj,down_proj")
   graphdef, state = create(cfg, seed=3)
@@ -131,6 +166,7 @@ def test_no_copy_where_it_would_not_fit_in_memory(monkeypatch, caplog):
   kernel_bytes = sum(m.kernel[...].size * 2 for m in _dense(graphdef, state))
   monkeypatch.setattr(decode_layout, "available_memory", lambda: 2 * kernel_bytes + 2)
   assert for_decoding(graphdef, state)[0] is not graphdef  # fits: half is enough
+  decode_layout.forget_decoding_copy()  # else the copy written above is reused
   monkeypatch.setattr(decode_layout, "available_memory", lambda: 2 * kernel_bytes - 2)
   with caplog.at_level("WARNING"):
     copy = for_decoding(graphdef, state)
