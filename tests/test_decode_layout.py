@@ -9,7 +9,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hflax.models import ModelConfig, create
-from hflax.models.decode_layout import available_memory, for_decoding
+from hflax.models.decode_layout import (available_memory, build_leaves, decoding_plan,
+                                         for_decoding)
 from hflax.models.lora import lora_config
 from hflax.models.transformer import Dense
 from hflax.rollout import SamplingParams, generate, left_pad
@@ -31,18 +32,41 @@ def _dense(graphdef, state):
   return [m for _, m in nnx.iter_modules(nnx.merge(graphdef, state)) if isinstance(m, Dense)]
 
 
+def _fused(layer_old, dtype):
+  """What a layer's stacked gate/up and grouped q/k/v kernels must hold, from the
+  training layout: [mlp, 2, embed] and [kv_heads, (G + 2) * head_dim, embed]."""
+  t = lambda dense: np.asarray(dense.kernel[...].astype(dtype)).T  # noqa: E731
+  mlp, attn = layer_old.mlp, layer_old.attn
+  pair = np.stack([t(mlp.gate), t(mlp.up)], axis=1)
+  KV = CFG["num_kv_heads"]
+  qkv = np.concatenate([t(d).reshape(KV, -1, CFG["hidden_size"])
+                        for d in (attn.q, attn.k, attn.v)], axis=1)
+  return pair, qkv
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernels_are_stored_out_in_in_the_compute_dtype(dtype):
   graphdef, state = _model(dtype)
   copy = for_decoding(graphdef, state)
-  before, after = _dense(graphdef, state), _dense(*copy)
-  assert len(after) == len(before) == 2 * 7 + 1  # 7 a layer and the untied LM head
-  for old, new in zip(before, after):
-    assert new.out_in and not old.out_in
-    assert new.kernel[...].dtype == jnp.dtype(dtype)
-    assert new.kernel.axes == old.kernel.axes[::-1]
-    np.testing.assert_array_equal(np.asarray(new.kernel[...]),
-                                  np.asarray(old.kernel[...].T.astype(dtype)))
+  old, new = nnx.merge(graphdef, state), nnx.merge(*copy)
+  # o and down a layer and the untied LM head stay Dense, stored [out, in].
+  pairs = [(a, b) for layer_old, layer_new in zip(old.layers, new.layers)
+           for a, b in ((layer_old.attn.o, layer_new.attn.o),
+                        (layer_old.mlp.down, layer_new.mlp.down))] + [(old.lm_head, new.lm_head)]
+  assert len(_dense(*copy)) == len(pairs) == 2 * 2 + 1
+  for before, after in pairs:
+    assert after.out_in and not before.out_in
+    assert after.kernel[...].dtype == jnp.dtype(dtype)
+    assert after.kernel.axes == before.kernel.axes[::-1]
+    np.testing.assert_array_equal(np.asarray(after.kernel[...]),
+                                  np.asarray(before.kernel[...].T.astype(dtype)))
+  # gate and up stacked, q, k and v grouped: one kernel each, made once in the copy.
+  for layer_old, layer_new in zip(old.layers, new.layers):
+    assert layer_new.mlp.gate is None and layer_new.attn.q is None
+    pair, qkv = _fused(layer_old, dtype)
+    assert layer_new.mlp.pair[...].dtype == layer_new.attn.qkv[...].dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(layer_new.mlp.pair[...]), pair)
+    np.testing.assert_array_equal(np.asarray(layer_new.attn.qkv[...]), qkv)
   # Everything else is the same array, not a copy.
   assert copy[1]["embed"][...] is state["embed"][...]
   # A decoding copy is left as it is.
@@ -72,8 +96,8 @@ def test_the_last_copy_is_reused_while_its_weights_live(monkeypatch):
   import hflax.models.decode_layout as decode_layout
   graphdef, state = _model()
   copies = []
-  monkeypatch.setattr(decode_layout, "_copy_leaves",
-                      lambda *a: copies.append(1) or decode_layout.copy_leaves(*a))
+  monkeypatch.setattr(decode_layout, "_build_leaves",
+                      lambda *a: copies.append(1) or decode_layout.build_leaves(*a))
   first = for_decoding(graphdef, state)
   again = for_decoding(graphdef, jax.tree.map(lambda x: x, state))  # the same arrays
   assert again[0] is first[0] and again[1] is first[1] and len(copies) == 1
@@ -83,7 +107,7 @@ def test_the_last_copy_is_reused_while_its_weights_live(monkeypatch):
   fresh = for_decoding(graphdef, changed)
   assert len(copies) == 2
   np.testing.assert_array_equal(np.asarray(_dense(*fresh)[0].kernel[...]),
-                                np.asarray(_dense(graphdef, changed)[0].kernel[...].T))
+                                np.asarray(nnx.merge(graphdef, changed).layers[0].attn.o.kernel[...].T))
   assert for_decoding(graphdef, state)[1] is not first[1]  # only the last copy is kept
 
   # The kept copy goes when the weights it was made from do.
@@ -132,9 +156,9 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype):
   """XLA must not lay the kernels back out [in, out]: it did, in a copy hoisted out of the
   decode loop, for matmuls of [B, 1, D] activations, and the layout's gain was lost."""
   graphdef, state = for_decoding(*_model(dtype))
-  # Kernels [out, in]: k/v, q/o, gate/up, the stacked gate+up of a decode step, down, head,
-  # and a decode step's q, k and v concatenated per KV group (2 groups x (2 + 2) x 12).
-  kernels = {"24,48", "48,48", "80,48", "160,48", "48,80", "64,48", "96,48"}
+  # Kernels [out, in]: o, gate and up stacked, down, head, and q, k and v concatenated per
+  # KV group (2 groups x (2 + 2) x 12), read as 2-D.
+  kernels = {"48,48", "160,48", "48,80", "64,48", "96,48"}
   reads = [(shape, dims) for shape, dims in _kernel_reads(graphdef, state) if shape in kernels]
   assert {shape for shape, _ in reads} == kernels
   # Contracting dimension 0 would be a kernel laid back out [in, out].
@@ -142,9 +166,9 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype):
 
 
 @pytest.mark.parametrize("changes", [{}, {"qkv_bias": True, "qk_norm": True}])
-def test_a_decode_step_projects_q_k_v_in_one_matmul(changes):
-  """The copy's decode steps compute q, k and v as one product per layer, and generate
-  what the model's three products do."""
+def test_the_copy_projects_q_k_v_in_one_matmul(changes):
+  """The copy's prefill and decode steps compute q, k and v as one product per layer
+  (biases grouped alike), and generate what the model's three products do."""
   graphdef, state = _model(**changes)
   copy = for_decoding(graphdef, state)
   prompts = [[5, 6, 7], [9] * 5, [4]]
@@ -156,8 +180,8 @@ def test_a_decode_step_projects_q_k_v_in_one_matmul(changes):
                              np.asarray(want["rollout_log_probs"]), rtol=1e-5, atol=1e-5)
   projections = sorted(shape for shape, _ in _kernel_reads(*copy)
                        if shape in ("24,48", "48,48", "96,48"))
-  # Prefill: q, k, v and o a layer; each decode step: qkv and o (2 layers).
-  assert projections == ["24,48"] * 4 + ["48,48"] * 6 + ["96,48"] * 2
+  # Prefill and each decode step: qkv and o (2 layers); no lone q, k or v.
+  assert projections == ["48,48"] * 4 + ["96,48"] * 4
 
 
 def test_no_copy_where_it_would_not_fit_in_memory(monkeypatch, caplog):
@@ -238,9 +262,13 @@ def test_the_hybrid_engine_writes_the_decoding_copy(dtype, generate_dtype):
 
   assert for_decoding(engine.graphdef, gen)[1] is gen  # nothing left for the sampler to copy
   cast = jax.tree.map(lambda x: x.astype(generate_dtype or x.dtype), state)
-  want_graphdef, want = for_decoding(graphdef, cast)
+  # Its kernels kept apart (the engine moves leaves one to one), each stacked in the
+  # decode step instead.
+  plan = decoding_plan(graphdef, cast, fuse=False)
+  want_graphdef = plan.graphdef
+  want = build_leaves(plan.recipes, jax.tree.leaves(cast))
   assert engine.graphdef == want_graphdef
-  for got, ref in zip(jax.tree.leaves(gen), jax.tree.leaves(want), strict=True):
+  for got, ref in zip(jax.tree.leaves(gen), want, strict=True):
     assert got.dtype == ref.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
   # Each kernel is split over the tensor axis as the plain copy's, along its own axis.

@@ -6,11 +6,13 @@ out [out, in] (each output's weights contiguous) faster than the training layout
 [in, out]: SmolLM2-135M's layer matmuls, bfloat16 on a 2-core Xeon, took 14.5 against
 20.9 ms a step for 16 rows and 23.7 against 29.7 for 64 (float32: 33.8 against 39.8 for
 16). A transpose written inside the decode program does not get there: XLA folds it back
-into the dot and keeps the [in, out] layout. So a program of its own writes the copy, once
-per generate call (about 0.15 s for SmolLM2's fp32 kernels, cast on the way), and the
-sampler decodes from it; in an RL job the hybrid engine writes it as the actor's
-generation copy (hflax.sharding.hybrid_engine), and the sampler finds nothing left to
-copy. GPUs and TPUs keep their measured path: the copy is CPU-only.
+into the dot and keeps the [in, out] layout. So a program of its own writes the copy
+(about 0.15 s for SmolLM2's fp32 kernels, cast on the way), with each layer's gate and up
+stacked and its q, k and v grouped into one kernel (decoding_plan), and the sampler
+decodes from it; in an RL job the hybrid engine writes it as the actor's generation copy
+(hflax.sharding.hybrid_engine; its kernels kept apart, stacked in each decode step), and
+the sampler finds nothing left to copy. GPUs and TPUs keep their measured path: the copy
+is CPU-only.
 The copy lives beside the weights while the sampler runs, one per device holding a
 replica; where it would take more than half of the memory this process can still use,
 the weights are decoded as they are, with a warning logged once. So are weights that
@@ -26,58 +28,130 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 import weakref
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models.transformer import Dense
+from hflax.models.transformer import MLP, Attention, Dense
+
+
+class Recipe(NamedTuple):
+  """How one leaf of a decoding copy is made from the state's leaves (`sources`, indices
+  in jax.tree.leaves order): "keep" (cast to `dtype` where given), "transpose" (a kernel
+  stored [out, in]), "stack" (kernels stored [out, in] and stacked on a new axis 1: the
+  MLP's gate and up as [mlp, 2, embed]), "groups" (q, k and v, each split into `shape[0]`
+  KV groups along its output axis and concatenated per group: kernels stored [out, in],
+  [KV, (G + 2) * head_dim, embed]; biases [KV, (G + 2) * head_dim])."""
+  kind: str
+  sources: tuple
+  dtype: Any
+  shape: tuple
+
+  @property
+  def identity(self) -> bool:
+    return self.kind == "keep" and self.dtype is None
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodingPlan:
   """How a state becomes its decoding copy: `graphdef` and `abstract` (shape structs) are
-  the copy's; `dtypes` has, for each leaf of the state in jax.tree.leaves order, the
-  dtype its kernel is stored in transposed, or None for a leaf kept as it is."""
+  the copy's; `recipes` has one Recipe per leaf of the copy (jax.tree.leaves order of
+  `abstract`)."""
   graphdef: nnx.GraphDef
   abstract: nnx.State
-  dtypes: tuple
+  recipes: tuple
 
   def copy_bytes(self, leaves) -> int:
-    """Bytes of the transposed kernels on this process's devices, a replica on each."""
-    return sum(_local_elements(x) * jnp.dtype(d).itemsize
-               for x, d in zip(leaves, self.dtypes) if d is not None)
+    """Bytes of the kernels it writes on this process's devices, a replica on each."""
+    return sum(_local_elements(leaves[i]) * jnp.dtype(r.dtype).itemsize
+               for r in self.recipes if r.kind != "keep" for i in r.sources)
 
 
-def decoding_plan(graphdef, state) -> DecodingPlan | None:
+def decoding_plan(graphdef, state, fuse: bool = True) -> DecodingPlan | None:
   """The plan for `state` (arrays or shape structs), or None where no plain
-  (adapter-free) kernel is left to transpose."""
+  (adapter-free) kernel is left to transpose; fuse=False keeps every kernel a leaf of its
+  own (the hybrid engine moves leaves one to one), stacked in each decode step instead.
+
+  Why stacked and concatenated kernels: a decode step multiplies one token per row by each
+  kernel, and its small products are bound by reading kernels and by per-call overhead, so
+  q, k and v are one matmul and so are gate and up (on CPU the pair ran 1.6x (64 rows) to
+  2.7x (8 rows) faster than two). Written into the copy, the stack is made once; made
+  inside the generate program, it was rewritten on every call (SmolLM2 fp32: ~0.1 s)."""
   model = nnx.merge(graphdef, state)
-  dtypes = {}
+  paths = {p: i for i, p in enumerate(_leaf_paths(state))}
+  made = {}  # the copy's leaf path -> Recipe
+  for path, m in list(nnx.iter_modules(model)) if fuse else ():
+    if isinstance(m, MLP) and _plain(m.gate, m.up) and m.gate.bias is None:
+      _fuse(m, path, ("gate", "up"), "pair", "stack", ("mlp", None, "embed"), paths, made)
+    elif isinstance(m, Attention) and _plain(m.q, m.k, m.v):
+      _fuse(m, path, ("q", "k", "v"), "qkv", "groups", ("kv_heads", None, "embed"), paths,
+            made)
   for path, m in nnx.iter_modules(model):
-    if isinstance(m, Dense) and not m.out_in and m.lora_a is None:
+    if isinstance(m, Dense) and _plain(m):
       kernel = m.kernel.get_value()
-      # The compute dtype (what the matmul reads), never widened: a bfloat16 generation
-      # copy computing in float32 stays bfloat16.
-      dtype = min(m.dtype, kernel.dtype, key=lambda d: jnp.dtype(d).itemsize)
-      dtypes[(*path, "kernel")] = jnp.dtype(dtype)
+      dtype = _compute_dtype(m)
+      made[(*path, "kernel")] = Recipe("transpose", (paths[(*path, "kernel")],), dtype,
+                                       kernel.shape[::-1])
       m.kernel = m.kernel.replace(jax.ShapeDtypeStruct(kernel.shape[::-1], dtype),
                                   axes=tuple(reversed(m.kernel.axes)))
       m.out_in = True
-  if not dtypes:
+  if not made:
     return None
   copy_graphdef, abstract = nnx.split(model)
-  paths = [tuple(getattr(k, "key", k) for k in path[:-1])  # the last: the Variable's value
-           for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-  leaf_dtypes = tuple(dtypes.get(p) for p in paths)
-  matched = sum(d is not None for d in leaf_dtypes)
-  if matched != len(dtypes):
-    # A kernel flagged out_in but left as stored would decode wrong, silently if square.
-    raise RuntimeError(f"decoding_plan: {len(dtypes)} kernels, but the state's leaf paths "
-                       f"match {matched} of them")
-  return DecodingPlan(copy_graphdef, abstract, leaf_dtypes)
+  recipes = []
+  for path, leaf in zip(_leaf_paths(abstract), jax.tree.leaves(abstract)):
+    recipe = made.pop(path, None) or Recipe("keep", (paths[path],), None, leaf.shape)
+    recipes.append(recipe)
+  if made:
+    # A leaf flagged as the copy's but not found in it would decode from the wrong array.
+    raise RuntimeError(f"decoding_plan: {sorted(made)} not among the copy's leaves")
+  return DecodingPlan(copy_graphdef, abstract, tuple(recipes))
+
+
+def _plain(*denses) -> bool:
+  """Dense modules of the training layout without an adapter (those stay as they are)."""
+  return all(isinstance(d, Dense) and not d.out_in and d.lora_a is None for d in denses)
+
+
+def _compute_dtype(dense):
+  """What the matmul reads, never widened: a bfloat16 generation copy computing in
+  float32 stays bfloat16."""
+  return jnp.dtype(min(dense.dtype, dense.kernel.get_value().dtype,
+                       key=lambda d: jnp.dtype(d).itemsize))
+
+
+def _fuse(module, path, names, attr, kind, axes, paths, made):
+  """Replaces module's Dense `names` by one Param `attr` (kernels by `kind`; their biases,
+  where present, as `attr`_bias grouped alike) and records the recipes."""
+  denses = [getattr(module, n) for n in names]
+  dtype = _compute_dtype(denses[0])
+  kernels = [d.kernel.get_value() for d in denses]
+  D = kernels[0].shape[0]
+  if kind == "stack":
+    shape = (kernels[0].shape[1], len(names), D)
+  else:
+    groups = module.cfg.num_kv_heads
+    shape = (groups, sum(k.shape[1] for k in kernels) // groups, D)
+  setattr(module, attr, nnx.Param(jax.ShapeDtypeStruct(shape, dtype), axes=axes))
+  made[(*path, attr)] = Recipe(kind, tuple(paths[(*path, n, "kernel")] for n in names),
+                               dtype, shape)
+  if denses[0].bias is not None:
+    bias = denses[0].bias.get_value()
+    setattr(module, f"{attr}_bias",
+            nnx.Param(jax.ShapeDtypeStruct(shape[:2], bias.dtype), axes=axes[:2]))
+    made[(*path, f"{attr}_bias")] = Recipe(
+        kind, tuple(paths[(*path, n, "bias")] for n in names), None, shape[:2])
+  for n in names:
+    setattr(module, n, None)
+
+
+def _leaf_paths(state) -> list[tuple]:
+  """Each leaf's path of keys, less the last (the Variable's value)."""
+  return [tuple(getattr(k, "key", k) for k in path[:-1])
+          for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
 def fits_in_memory(copy_bytes: int) -> bool:
@@ -106,14 +180,11 @@ def for_decoding(graphdef, state):
   _last_copy.forget()  # before the new copy is written: never two held at once
   if not fits_in_memory(plan.copy_bytes(leaves)):
     return graphdef, state
-  sources = list(leaves)
-  picked = [i for i, d in enumerate(plan.dtypes) if d is not None]
-  kernels = _copy_leaves(tuple((True, plan.dtypes[i]) for i in picked),
-                         [leaves[i] for i in picked])
-  for i, kernel in zip(picked, kernels):
-    leaves[i] = kernel
-  copy = plan.graphdef, jax.tree.unflatten(jax.tree.structure(plan.abstract), leaves)
-  _last_copy.keep(plan, sources, copy)
+  picked = tuple(r for r in plan.recipes if not r.identity)
+  written = iter(_build_leaves(picked, leaves))
+  out = [leaves[r.sources[0]] if r.identity else next(written) for r in plan.recipes]
+  copy = plan.graphdef, jax.tree.unflatten(jax.tree.structure(plan.abstract), out)
+  _last_copy.keep(plan, leaves, copy)
   return copy
 
 
@@ -121,15 +192,15 @@ class _LastCopy:
   """The last decoding copy written, with weak references to the arrays it was made
   from: jax arrays are immutable, so while those very objects live (and are not deleted,
   e.g. donated to an update) the copy still holds their values. Dropped as soon as any of
-  them is collected, so it never outlives the weights it copies."""
+  them is collected, so it never outlives the weights it copies. No lock: the references'
+  callback runs inside garbage collection, which any allocation under a lock can start
+  (a deadlock), and a single attribute assignment is atomic already."""
 
   def __init__(self):
-    self._lock = threading.Lock()
     self._entry = None  # (plan, weak references to the sources, copy, token)
 
   def of(self, plan, leaves):
-    with self._lock:
-      entry = self._entry
+    entry = self._entry
     if entry is None or entry[0] is not plan or len(entry[1]) != len(leaves):
       return None
     if any(ref() is not x for ref, x in zip(entry[1], leaves)):
@@ -142,16 +213,12 @@ class _LastCopy:
     token = object()  # not the entry itself: the references' callback would keep it alive
 
     def drop(_):  # a source collected: its copy goes with it
-      with self._lock:
-        if self._entry is not None and self._entry[3] is token:
-          self._entry = None
-    entry = (plan, tuple(weakref.ref(x, drop) for x in sources), copy, token)
-    with self._lock:
-      self._entry = entry
+      if self._entry is not None and self._entry[3] is token:
+        self._entry = None
+    self._entry = (plan, tuple(weakref.ref(x, drop) for x in sources), copy, token)
 
   def forget(self):
-    with self._lock:
-      self._entry = None
+    self._entry = None
 
 
 _last_copy = _LastCopy()
@@ -216,9 +283,19 @@ def _local_elements(x) -> int:
   return sum(shard.data.size for shard in x.addressable_shards)
 
 
-def copy_leaves(ops, leaves):
-  """Each leaf transposed or not, and cast: ops holds a (transpose, dtype) pair per leaf."""
-  return [(x.T if transpose else x).astype(dtype) for x, (transpose, dtype) in zip(leaves, ops)]
+def build_leaves(recipes, leaves):
+  """The copy's leaves that `recipes` make from the state's `leaves`."""
+  return [_build(r, [leaves[i] for i in r.sources]) for r in recipes]
 
 
-_copy_leaves = jax.jit(copy_leaves, static_argnums=0)
+def _build(recipe: Recipe, xs):
+  kernels = recipe.kind != "keep" and xs[0].ndim == 2  # a bias is grouped, not transposed
+  xs = [(x.T if kernels else x).astype(recipe.dtype or x.dtype) for x in xs]
+  if recipe.kind == "stack":
+    return jnp.stack(xs, axis=1)
+  if recipe.kind == "groups":
+    return jnp.concatenate([x.reshape(recipe.shape[0], -1, *x.shape[1:]) for x in xs], axis=1)
+  return xs[0]
+
+
+_build_leaves = jax.jit(build_leaves, static_argnums=0)

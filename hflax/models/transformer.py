@@ -77,6 +77,8 @@ class Attention(nnx.Module):
     self.o = Dense(h * hd, d, ("q_heads", "embed"), bias=cfg.o_bias, **on("o_proj"))
     self.q_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
     self.k_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
+    # A decoding copy's q, k and v kernels in one (decode_layout), in place of q, k and v.
+    self.qkv, self.qkv_bias = nnx.data(None), nnx.data(None)
 
   def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache, segment_ids_BxT=None,
                prefix_ids_BxT=None):
@@ -84,8 +86,14 @@ class Attention(nnx.Module):
     teacher_forced = cache is None and isinstance(slot0, int) and slot0 == 0
     B, T, _ = x_BxTxD.shape
     KV, H, Dh = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
-    if T == 1 and self.q.out_in and self.k.out_in and self.v.out_in:
-      q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self._decode_projections(x_BxTxD)
+    if self.qkv is not None:
+      q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self._grouped_projections(
+          x_BxTxD, self.qkv[...], None if self.qkv_bias is None else self.qkv_bias[...])
+    elif T == 1 and self.q.out_in and self.k.out_in and self.v.out_in:
+      # The hybrid engine's copy keeps q, k and v apart (its transfer moves leaves one to
+      # one): grouped here, XLA hoists the concatenation out of the decode loop.
+      q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self._grouped_projections(
+          x_BxTxD, *_grouped((self.q, self.k, self.v), KV))
     else:
       q_BxTxHxDh = self.q(x_BxTxD).reshape(B, T, H, Dh)
       k_BxTxKxDh = self.k(x_BxTxD).reshape(B, T, KV, Dh)
@@ -108,29 +116,30 @@ class Attention(nnx.Module):
                              teacher_forced=teacher_forced)
     return self.o(out_BxTxHxDh.reshape(B, T, H * Dh)), cache
 
-  def _decode_projections(self, x_BxTxD):
-    """q, k and v of one token per row from a decoding copy's [out, in] kernels in one
-    matmul instead of three: a decode step's small products are bound by reading the
-    kernels and by per-call overhead, not by FLOPs. The three are concatenated per KV group
-    ([KV, (G + 2) * Dh, D]), so a tensor-parallel split of the heads stays aligned with
-    the groups; XLA hoists the concatenation out of the decode loop, as the MLP's stack.
-    On a 2-core AMD EPYC (AVX2), SmolLM2 in float32: 16 chat prompts x 128 greedy tokens
-    took 23.45 against 25.04 s (same tokens); at 64 rows, bound by FLOPs, no change.
-    Only LoRA-free copies get here (decode_layout skips adapted kernels)."""
+  def _grouped_projections(self, x_BxTxD, kernel, bias):
+    """q, k and v from a decoding copy's kernel [KV, (G + 2) * Dh, D] (q, k and v
+    concatenated per KV group, so a tensor-parallel split of the heads stays aligned with
+    the groups) in one matmul instead of three: a decode step's small products are bound
+    by reading the kernels and by per-call overhead, not by FLOPs. On a 2-core AMD EPYC
+    (AVX2), SmolLM2 in float32: 16 chat prompts x 128 greedy tokens took 23.45 against
+    25.04 s (same tokens); at 64 rows, bound by FLOPs, no change."""
     cfg = self.cfg
-    B, T, D = x_BxTxD.shape
+    B, T, _ = x_BxTxD.shape
     KV, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    grouped = lambda dense, width: dense.kernel[...].reshape(KV, width, D)  # noqa: E731
-    kernel = jnp.concatenate([grouped(self.q, G * Dh), grouped(self.k, Dh),
-                              grouped(self.v, Dh)], axis=1)
-    y = dense_dot(x_BxTxD, kernel, self.q.dtype, out_in=True)  # [B, T, KV, (G + 2) * Dh]
-    if self.q.bias is not None:
-      bias = jnp.concatenate([self.q.bias[...].reshape(KV, G * Dh),
-                              self.k.bias[...].reshape(KV, Dh),
-                              self.v.bias[...].reshape(KV, Dh)], axis=1)
+    y = dense_dot(x_BxTxD, kernel, self.o.dtype, out_in=True)  # [B, T, KV, (G + 2) * Dh]
+    if bias is not None:
       y = y + bias.astype(y.dtype)
     q, k, v = jnp.split(y, [G * Dh, (G + 1) * Dh], axis=-1)
     return q.reshape(B, T, KV * G, Dh), k, v
+
+
+def _grouped(denses, groups):
+  """Kernels stored [out, in] (and biases) concatenated per KV group along out."""
+  kernel = jnp.concatenate([d.kernel[...].reshape(groups, -1, d.kernel.shape[-1])
+                            for d in denses], axis=1)
+  if denses[0].bias is None:
+    return kernel, None
+  return kernel, jnp.concatenate([d.bias[...].reshape(groups, -1) for d in denses], axis=1)
 
 
 def _write_slots(cache, new, slot0, axis):
@@ -208,16 +217,21 @@ class MLP(nnx.Module):
     self.gate = Dense(d, f, ("embed", "mlp"), bias=b, **on("gate_proj"))
     self.up = Dense(d, f, ("embed", "mlp"), bias=b, **on("up_proj"))
     self.down = Dense(f, d, ("mlp", "embed"), bias=b, **on("down_proj"))
+    # A decoding copy's gate and up kernels stacked [mlp, 2, embed] (decode_layout), in
+    # place of gate and up: one matmul, the product [..., mlp, 2]. Stacked in front, the
+    # flattened [2 * mlp, embed] would split a tensor-parallel mlp axis in its minor half,
+    # and XLA gathered the whole pair.
+    self.pair = nnx.data(None)
 
   def __call__(self, x):
+    if self.pair is not None:
+      gate, up = jnp.moveaxis(dense_dot(x, self.pair[...], self.down.dtype, out_in=True), -1, 0)
+      return self.down(swiglu(gate, up))
     plain = self.gate.bias is None and self.gate.lora_a is None and self.up.lora_a is None
     if x.shape[-2] == 1 and plain:
-      # Decoding one token: one matmul over both kernels (stacked, so a tensor-parallel
-      # split of the mlp axis stays where it is) instead of two. XLA hoists the stack out
-      # of the decode loop; on CPU the pair runs 1.6x (64 rows) to 2.7x (8 rows) faster.
-      # A decoding copy's kernels are [mlp, embed]: stacked [mlp, 2, embed], the product
-      # [..., mlp, 2]. Stacked in front, the flattened [2 * mlp, embed] would split a
-      # tensor-parallel mlp axis in its minor half, and XLA gathered the whole pair.
+      # Decoding one token from kernels kept apart (the training layout, or the hybrid
+      # engine's copy): stacked here ([embed, 2, mlp], or [mlp, 2, embed] stored [out, in]);
+      # XLA hoists the stack out of the decode loop.
       out_in = self.gate.out_in
       kernels = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1)
       pair = dense_dot(x, kernels, self.gate.dtype, out_in=out_in)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.models.decode_layout import copy_leaves, decoding_plan, fits_in_memory
+from hflax.models.decode_layout import Recipe, build_leaves, decoding_plan, fits_in_memory
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
 
 
@@ -200,8 +200,8 @@ def shard_bytes(state) -> dict:
 class _Layout:
   """One generation copy the engine writes: the graph it runs on, its shardings and
   treedef, the training-layout shardings of its leaves, the bytes it moves, and the
-  program writing its leaves `picked` (by index in the training state's leaves) in the
-  training layout, or None."""
+  program writing its leaves `picked` (by index in the copy's leaves, from the training
+  state's) in the training layout, or None; `recipes` make each of its leaves."""
   graphdef: Any
   shardings: Any
   treedef: Any
@@ -209,6 +209,7 @@ class _Layout:
   moved: dict
   program: Callable | None
   picked: tuple
+  recipes: tuple
 
 
 class HybridEngine:
@@ -231,24 +232,27 @@ class HybridEngine:
     cast = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
                         abstract_state)
     sources = jax.tree.leaves(train_shardings)
-    self._plain = self._layout(graphdef, cast, sources, (None,) * len(sources))
+    self._plain = self._layout(graphdef, cast, sources, [
+        Recipe("keep", (i,), None, x.shape) for i, x in enumerate(jax.tree.leaves(cast))])
     plan = self._decoding_plan(graphdef, cast, sources)
-    self._decoding = plan and self._layout(plan.graphdef, plan.abstract, sources, plan.dtypes)
+    self._decoding = plan and self._layout(plan.graphdef, plan.abstract, sources, plan.recipes)
     self._decoding_bytes = plan and _copy_bytes(plan, self._decoding)
     self._use(self._decoding or self._plain)
 
-  def _layout(self, graphdef, abstract, sources, kernel_dtypes) -> _Layout:
-    """The copy whose leaves are cast to self.dtype, and the kernels with a dtype in
-    kernel_dtypes transposed to it; a leaf neither cast nor transposed passes as it is."""
-    sources = [_transposed(s) if d is not None else s for s, d in zip(sources, kernel_dtypes)]
-    ops = [(d is not None, d or self.dtype) for d in kernel_dtypes]
-    picked = tuple(i for i, (transpose, dtype) in enumerate(ops) if transpose or dtype)
+  def _layout(self, graphdef, abstract, train_sources, recipes) -> _Layout:
+    """The copy whose leaves `recipes` make from the training state's (decode_layout's
+    Recipe), every leaf cast to self.dtype where set; a leaf neither cast nor made from
+    others passes as it is."""
+    recipes = [r._replace(dtype=r.dtype or self.dtype) for r in recipes]
+    sources = [_source(r, train_sources) for r in recipes]
+    picked = tuple(i for i, r in enumerate(recipes) if not r.identity)
     # Written in the training layout, so fewer bytes cross devices.
-    program = picked and jax.jit(functools.partial(copy_leaves, tuple(ops[i] for i in picked)),
+    program = picked and jax.jit(functools.partial(build_leaves, tuple(recipes[i] for i in picked)),
                                  out_shardings=[sources[i] for i in picked])
     shardings = state_shardings(abstract, self.mesh, GENERATE_RULES)
     return _Layout(graphdef, shardings, jax.tree.structure(abstract), sources,
-                   bytes_to_move(abstract, sources, shardings), program or None, picked)
+                   bytes_to_move(abstract, sources, shardings), program or None, picked,
+                   tuple(recipes))
 
   def _decoding_plan(self, graphdef, abstract, sources):
     devices = list(self.mesh.devices.flat) + [d for s in sources for d in s.device_set]
@@ -256,7 +260,8 @@ class HybridEngine:
                     for d in devices)
     if graphdef is None or not local_cpu or not all(isinstance(s, NamedSharding) for s in sources):
       return None  # accelerators keep their measured path; processes would decide apart
-    return decoding_plan(graphdef, abstract)
+    # Unfused: a leaf made of several would need its own resharding (and bytes count).
+    return decoding_plan(graphdef, abstract, fuse=False)
 
   def _use(self, layout: _Layout):
     self.graphdef, self.shardings, self.moved = layout.graphdef, layout.shardings, layout.moved
@@ -269,11 +274,10 @@ class HybridEngine:
     layout = self._decoding if decoding else self._plain
     self._use(layout)
     leaves = jax.tree.leaves(train_state)
-    if layout.program:
-      for i, x in zip(layout.picked, layout.program([leaves[i] for i in layout.picked])):
-        leaves[i] = x
+    written = iter(layout.program(leaves) if layout.program else ())
+    copy = [leaves[r.sources[0]] if r.identity else next(written) for r in layout.recipes]
     gen_state = jax.tree.unflatten(layout.treedef, [
-        assemble(x, s) for x, s in zip(leaves, jax.tree.leaves(layout.shardings), strict=True)])
+        assemble(x, s) for x, s in zip(copy, jax.tree.leaves(layout.shardings), strict=True)])
     jax.block_until_ready(gen_state)
     metrics = {"timing_s/reshard": time.perf_counter() - start,
                "reshard/bytes_moved": float(layout.moved["total"]),
@@ -288,10 +292,10 @@ def _copy_bytes(plan, layout: _Layout) -> int:
   already holding exactly its shard keeps that buffer; on CPUs replicas share one)."""
   total = 0
   shardings, abstract = jax.tree.leaves(layout.shardings), jax.tree.leaves(plan.abstract)
-  for i, dtype in enumerate(plan.dtypes):
-    if dtype is None:
+  for i, recipe in enumerate(plan.recipes):
+    if recipe.kind == "keep":
       continue
-    shape, item, src = abstract[i].shape, jnp.dtype(dtype).itemsize, layout.sources[i]
+    shape, item, src = abstract[i].shape, jnp.dtype(recipe.dtype).itemsize, layout.sources[i]
     held = src.devices_indices_map(shape)
     total += len(held) * math.prod(src.shard_shape(shape)) * item
     fresh = {_region(index, shape) for device, index in
@@ -299,6 +303,17 @@ def _copy_bytes(plan, layout: _Layout) -> int:
              if device not in held or _region(held[device], shape) != _region(index, shape)}
     total += sum(_elements(region) for region in fresh) * item
   return total
+
+
+def _source(recipe: Recipe, train_sources) -> NamedSharding:
+  """Where the copy program writes a leaf: its training sharding, transposed for a kernel
+  stored [out, in]."""
+  first = train_sources[recipe.sources[0]]
+  if recipe.kind == "keep":
+    return first
+  if recipe.kind == "transpose":
+    return _transposed(first)
+  raise ValueError(f"hybrid engine: no training layout for a '{recipe.kind}' leaf")
 
 
 def _transposed(sharding: NamedSharding) -> NamedSharding:
