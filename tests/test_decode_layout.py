@@ -14,7 +14,7 @@ from hflax.models.decode_layout import (available_memory, build_leaves, decoding
 from hflax.models.lora import lora_config
 from hflax.models.transformer import Dense
 from hflax.rollout import SamplingParams, generate, left_pad
-from hflax.rollout.sampler import _generate, generate_over_rows
+from hflax.rollout.sampler import _generate, generate_over_rows, placed, replicate
 from hflax.sharding.hybrid_engine import HybridEngine
 from hflax.sharding.layouts import (GENERATE_AXES, GENERATE_RULES, TRAIN_RULES, state_shardings,
                                     train_mesh)
@@ -122,6 +122,25 @@ def test_the_last_copy_is_reused_while_its_weights_live(monkeypatch):
   state["layers"][0]["mlp"]["down"]["kernel"][...].delete()
   with pytest.raises(RuntimeError, match="deleted"):
     for_decoding(graphdef, state)
+
+
+def test_a_copy_is_kept_for_each_set_of_devices():
+  """generate(devices=...) places the weights and bench/generate.py alternates one device
+  with two: neither placement may replace the other's copy, nor look like new weights."""
+  graphdef, state = _model()
+  devices = jax.devices()[:2]
+  two = replicate(state, devices)
+  same = lambda a, b: all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+  assert same(replicate(two, devices), two)
+  assert same(placed(state, jax.sharding.SingleDeviceSharding(jax.devices()[0])), state)
+  one_copy, two_copy = for_decoding(graphdef, state)[1], for_decoding(graphdef, two)[1]
+  assert for_decoding(graphdef, state)[1] is one_copy
+  assert for_decoding(graphdef, two)[1] is two_copy
+  prompts = [[5, 6, 7], [9] * 5]
+  params = SamplingParams(max_new_tokens=4, temperature=0)
+  want = generate(graphdef, state, prompts, params)
+  got = generate(graphdef, two, prompts, params, devices=devices)
+  np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))
 
 
 def test_adapted_kernels_stay_as_they_are():

@@ -18,8 +18,8 @@ replica; where it would take more than half of the memory this process can still
 the weights are decoded as they are, with a warning logged once. So are weights that
 span processes: every process must then decide alike, and a memory reading is local.
 The copy is the sampler's own: a checkpoint or export of it would be transposed.
-The last copy written is kept while the arrays it was made from live, and a call on those
-same arrays reuses it (generating again from unchanged weights, as an evaluation loop
+The last copy written for a set of devices is kept while the arrays it was made from live,
+and a call on those same arrays reuses it (generating again from unchanged weights, as an evaluation loop
 does, skipped a 0.15 s copy of SmolLM2's fp32 kernels per call); `forget_decoding_copy`
 drops it sooner.
 """
@@ -177,7 +177,7 @@ def for_decoding(graphdef, state):
   kept = _last_copy.of(plan, leaves)
   if kept is not None:
     return kept
-  _last_copy.forget()  # before the new copy is written: never two held at once
+  _last_copy.forget(leaves)  # before the new copy is written: never two held at once
   if not fits_in_memory(plan.copy_bytes(leaves)):
     return graphdef, state
   picked = tuple(r for r in plan.recipes if not r.identity)
@@ -189,18 +189,18 @@ def for_decoding(graphdef, state):
 
 
 class _LastCopy:
-  """The last decoding copy written, with weak references to the arrays it was made
-  from: jax arrays are immutable, so while those very objects live (and are not deleted,
-  e.g. donated to an update) the copy still holds their values. Dropped as soon as any of
-  them is collected, so it never outlives the weights it copies. No lock: the references'
-  callback runs inside garbage collection, which any allocation under a lock can start
-  (a deadlock), and a single attribute assignment is atomic already."""
+  """The last decoding copy written for each set of devices, with weak references to the
+  arrays it was made from: jax arrays are immutable, so while those very objects live
+  (and are not deleted, e.g. donated to an update) the copy still holds their values.
+  Dropped as soon as any of them is collected, so it never outlives the weights it
+  copies. No lock: the references' callback runs inside garbage collection, which any
+  allocation under a lock can start (a deadlock), and a dict assignment is atomic already."""
 
   def __init__(self):
-    self._entry = None  # (plan, weak references to the sources, copy, token)
+    self._entries = {}  # device set -> (plan, weak references to the sources, copy, token)
 
   def of(self, plan, leaves):
-    entry = self._entry
+    entry = self._entries.get(_devices(leaves))
     if entry is None or entry[0] is not plan or len(entry[1]) != len(leaves):
       return None
     if any(ref() is not x for ref, x in zip(entry[1], leaves)):
@@ -210,15 +210,23 @@ class _LastCopy:
     return entry[2]
 
   def keep(self, plan, sources, copy):
-    token = object()  # not the entry itself: the references' callback would keep it alive
+    key, token = _devices(sources), object()  # a token: the entry would keep itself alive
 
     def drop(_):  # a source collected: its copy goes with it
-      if self._entry is not None and self._entry[3] is token:
-        self._entry = None
-    self._entry = (plan, tuple(weakref.ref(x, drop) for x in sources), copy, token)
+      if self._entries.get(key, (None,) * 4)[3] is token:
+        self._entries.pop(key, None)
+    self._entries[key] = (plan, tuple(weakref.ref(x, drop) for x in sources), copy, token)
 
-  def forget(self):
-    self._entry = None
+  def forget(self, leaves=None):
+    """Drops the copy kept for the devices `leaves` live on, or every copy."""
+    if leaves is None:
+      self._entries.clear()
+    else:
+      self._entries.pop(_devices(leaves), None)
+
+
+def _devices(leaves) -> frozenset:
+  return frozenset(d for x in leaves for d in x.sharding.device_set)
 
 
 _last_copy = _LastCopy()

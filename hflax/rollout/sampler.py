@@ -208,7 +208,8 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
     tokens, mask, cut = without_shared_padding(tokens, mask)
     shared = shared_prefix_length(tokens, mask)
     if devices:
-      state, tokens, mask = jax.device_put((state, tokens, mask), devices[0])
+      state = placed(state, jax.sharding.SingleDeviceSharding(devices[0]))
+      tokens, mask = jax.device_put((tokens, mask), devices[0])
     graphdef, state = for_decoding(graphdef, state)
     out = _generate(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, bool),
                     rng, params=params, segments=decode_segments(params.max_new_tokens),
@@ -343,7 +344,18 @@ def _rows_mesh(devices) -> Mesh:
 
 def replicate(state, devices):
   """The model state with a full copy on each of `devices` (a no-op when it already is)."""
-  return jax.device_put(state, NamedSharding(_rows_mesh(devices), PartitionSpec()))
+  return placed(state, NamedSharding(_rows_mesh(devices), PartitionSpec()))
+
+
+def placed(state, sharding):
+  """state laid out as `sharding`, its arrays already so kept as the same objects: a
+  device_put returns new ones, and the decoding copy kept for the last weights
+  (decode_layout) is found by the arrays' identity."""
+  def put(x):
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+      return x
+    return jax.device_put(x, sharding)
+  return jax.tree.map(put, state)
 
 
 def compiled_variants() -> int:
