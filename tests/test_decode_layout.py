@@ -106,12 +106,13 @@ def test_the_last_copy_is_reused_while_its_weights_live(monkeypatch):
   changed = jax.tree.map(lambda x: x + 1, state)
   fresh = for_decoding(graphdef, changed)
   assert len(copies) == 2
-  np.testing.assert_array_equal(np.asarray(_dense(*fresh)[0].kernel[...]),
-                                np.asarray(nnx.merge(graphdef, changed).layers[0].attn.o.kernel[...].T))
+  o_kernel = nnx.merge(graphdef, changed).layers[0].attn.o.kernel[...]
+  np.testing.assert_array_equal(np.asarray(_dense(*fresh)[0].kernel[...]), np.asarray(o_kernel.T))
   assert for_decoding(graphdef, state)[1] is not first[1]  # only the last copy is kept
 
   # The kept copy goes when the weights it was made from do.
-  kept = weakref.ref(for_decoding(graphdef, changed)[1]["layers"][0]["mlp"]["down"]["kernel"][...])
+  down = lambda state: state["layers"][0]["mlp"]["down"]["kernel"][...]  # noqa: E731
+  kept = weakref.ref(down(for_decoding(graphdef, changed)[1]))
   assert kept() is not None
   del fresh, changed
   gc.collect()
@@ -119,7 +120,7 @@ def test_the_last_copy_is_reused_while_its_weights_live(monkeypatch):
 
   # A deleted (e.g. donated) source is not read through its old copy.
   for_decoding(graphdef, state)
-  state["layers"][0]["mlp"]["down"]["kernel"][...].delete()
+  down(state).delete()
   with pytest.raises(RuntimeError, match="deleted"):
     for_decoding(graphdef, state)
 
@@ -130,7 +131,8 @@ def test_a_copy_is_kept_for_each_set_of_devices():
   graphdef, state = _model()
   devices = jax.devices()[:2]
   two = replicate(state, devices)
-  same = lambda a, b: all(x is y for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+  leaves = jax.tree.leaves
+  same = lambda a, b: all(x is y for x, y in zip(leaves(a), leaves(b)))  # noqa: E731
   assert same(replicate(two, devices), two)
   assert same(placed(state, jax.sharding.SingleDeviceSharding(jax.devices()[0])), state)
   one_copy, two_copy = for_decoding(graphdef, state)[1], for_decoding(graphdef, two)[1]

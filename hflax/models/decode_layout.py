@@ -18,10 +18,10 @@ replica; where it would take more than half of the memory this process can still
 the weights are decoded as they are, with a warning logged once. So are weights that
 span processes: every process must then decide alike, and a memory reading is local.
 The copy is the sampler's own: a checkpoint or export of it would be transposed.
-The last copy written for a set of devices is kept while the arrays it was made from live,
-and a call on those same arrays reuses it (generating again from unchanged weights, as an evaluation loop
-does, skipped a 0.15 s copy of SmolLM2's fp32 kernels per call); `forget_decoding_copy`
-drops it sooner.
+The last copy written for a set of devices is kept while the arrays it was made from
+live, and a call on those same arrays reuses it: generating again from unchanged weights
+(an evaluation loop, a benchmark's repetitions) skips the ~0.15 s copy of SmolLM2's fp32
+kernels each call. `forget_decoding_copy` drops it sooner.
 """
 from __future__ import annotations
 
@@ -233,8 +233,8 @@ _last_copy = _LastCopy()
 
 
 def forget_decoding_copy():
-  """Frees the decoding copy kept for the last weights generated from (see the module
-  docstring); the next call on them writes it again."""
+  """Frees the decoding copies kept for the last weights generated from on each set of
+  devices (see the module docstring); the next call on them writes its copy again."""
   _last_copy.forget()
 
 

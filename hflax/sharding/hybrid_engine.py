@@ -200,15 +200,14 @@ def shard_bytes(state) -> dict:
 class _Layout:
   """One generation copy the engine writes: the graph it runs on, its shardings and
   treedef, the training-layout shardings of its leaves, the bytes it moves, and the
-  program writing its leaves `picked` (by index in the copy's leaves, from the training
-  state's) in the training layout, or None; `recipes` make each of its leaves."""
+  program writing (from the training state's leaves) those of its leaves that are not
+  passed as they are, in the training layout, or None; `recipes` make each of its leaves."""
   graphdef: Any
   shardings: Any
   treedef: Any
   sources: list
   moved: dict
   program: Callable | None
-  picked: tuple
   recipes: tuple
 
 
@@ -251,7 +250,7 @@ class HybridEngine:
                                  out_shardings=[sources[i] for i in picked])
     shardings = state_shardings(abstract, self.mesh, GENERATE_RULES)
     return _Layout(graphdef, shardings, jax.tree.structure(abstract), sources,
-                   bytes_to_move(abstract, sources, shardings), program or None, picked,
+                   bytes_to_move(abstract, sources, shardings), program or None,
                    tuple(recipes))
 
   def _decoding_plan(self, graphdef, abstract, sources):
