@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models.transformer import MLP, Attention, Dense
+from hflax.models.transformer import MLP, Attention, Dense, kv_grouped
 
 
 class Recipe(NamedTuple):
@@ -180,9 +180,8 @@ def for_decoding(graphdef, state):
   _last_copy.forget(leaves)  # before the new copy is written: never two held at once
   if not fits_in_memory(plan.copy_bytes(leaves)):
     return graphdef, state
-  picked = tuple(r for r in plan.recipes if not r.identity)
-  written = iter(_build_leaves(picked, leaves))
-  out = [leaves[r.sources[0]] if r.identity else next(written) for r in plan.recipes]
+  written = functools.partial(_build_leaves, tuple(r for r in plan.recipes if not r.identity))
+  out = copy_leaves(plan.recipes, leaves, written)
   copy = plan.graphdef, jax.tree.unflatten(jax.tree.structure(plan.abstract), out)
   _last_copy.keep(plan, leaves, copy)
   return copy
@@ -201,7 +200,7 @@ class _LastCopy:
 
   def of(self, plan, leaves):
     entry = self._entries.get(_devices(leaves))
-    if entry is None or entry[0] is not plan or len(entry[1]) != len(leaves):
+    if entry is None or entry[0] is not plan:  # the same plan: the same leaf structure
       return None
     if any(ref() is not x for ref, x in zip(entry[1], leaves)):
       return None
@@ -291,6 +290,13 @@ def _local_elements(x) -> int:
   return sum(shard.data.size for shard in x.addressable_shards)
 
 
+def copy_leaves(recipes, leaves, program):
+  """The copy's leaves: those `recipes` pass as they are, and the others, in order, from
+  `program(leaves)` (build_leaves over their recipes, compiled by the caller)."""
+  written = iter(program(leaves) if any(not r.identity for r in recipes) else ())
+  return [leaves[r.sources[0]] if r.identity else next(written) for r in recipes]
+
+
 def build_leaves(recipes, leaves):
   """The copy's leaves that `recipes` make from the state's `leaves`."""
   return [_build(r, [leaves[i] for i in r.sources]) for r in recipes]
@@ -302,7 +308,7 @@ def _build(recipe: Recipe, xs):
   if recipe.kind == "stack":
     return jnp.stack(xs, axis=1)
   if recipe.kind == "groups":
-    return jnp.concatenate([x.reshape(recipe.shape[0], -1, *x.shape[1:]) for x in xs], axis=1)
+    return kv_grouped(xs, recipe.shape[0])
   return xs[0]
 
 

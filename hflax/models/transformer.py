@@ -135,11 +135,16 @@ class Attention(nnx.Module):
 
 def _grouped(denses, groups):
   """Kernels stored [out, in] (and biases) concatenated per KV group along out."""
-  kernel = jnp.concatenate([d.kernel[...].reshape(groups, -1, d.kernel.shape[-1])
-                            for d in denses], axis=1)
-  if denses[0].bias is None:
-    return kernel, None
-  return kernel, jnp.concatenate([d.bias[...].reshape(groups, -1) for d in denses], axis=1)
+  kernel = kv_grouped([d.kernel[...] for d in denses], groups)
+  return kernel, None if denses[0].bias is None else kv_grouped([d.bias[...] for d in denses],
+                                                                 groups)
+
+
+def kv_grouped(arrays, groups):
+  """[out, ...] arrays (q, k and v kernels stored [out, in], or their biases) each split
+  into `groups` along out and concatenated per group: [groups, sum(out) / groups, ...],
+  the layout Attention._grouped_projections reads."""
+  return jnp.concatenate([x.reshape(groups, -1, *x.shape[1:]) for x in arrays], axis=1)
 
 
 def _write_slots(cache, new, slot0, axis):

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.models.decode_layout import Recipe, build_leaves, decoding_plan, fits_in_memory
+from hflax.models.decode_layout import (Recipe, build_leaves, copy_leaves, decoding_plan,
+                                         fits_in_memory)
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
 
 
@@ -273,8 +274,7 @@ class HybridEngine:
     layout = self._decoding if decoding else self._plain
     self._use(layout)
     leaves = jax.tree.leaves(train_state)
-    written = iter(layout.program(leaves) if layout.program else ())
-    copy = [leaves[r.sources[0]] if r.identity else next(written) for r in layout.recipes]
+    copy = copy_leaves(layout.recipes, leaves, layout.program)
     gen_state = jax.tree.unflatten(layout.treedef, [
         assemble(x, s) for x, s in zip(copy, jax.tree.leaves(layout.shardings), strict=True)])
     jax.block_until_ready(gen_state)
