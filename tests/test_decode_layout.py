@@ -161,15 +161,21 @@ def test_adapted_kernels_stay_as_they_are():
 
 
 def _kernel_reads(graphdef, state):
-  """(right operand's shape, its contracting dimension) of every dot in the program that
-  generates 8 greedy tokens for three prompts."""
-  tokens, mask = (jnp.asarray(x) for x in left_pad([[5, 6, 7], [9] * 5, [4]], 0))
+  """(shape, contracting dimension) of both operands of every dot in the program that
+  generates 8 greedy tokens for four prompts (a kernel is either operand: a decode step
+  puts some on the left, matmul.rows_by_kernel). Four prompts of an 8-wide bucket make 32
+  prefill rows and 4 decode rows, so no activation has a test kernel's shape."""
+  tokens, mask = (jnp.asarray(x) for x in left_pad([[5, 6, 7], [9] * 5, [4], [8, 2]], 0))
   text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0),
                          params=SamplingParams(max_new_tokens=8, temperature=0)
                          ).compile().as_text()
   shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", text))
-  return [(shapes[rhs], dims) for rhs, dims in re.findall(
-      r" dot\(%[\w.\-]+, %([\w.\-]+)\),.*?rhs_contracting_dims=\{(\d+)\}", text)]
+  reads = []
+  for lhs, rhs, lhs_dims, rhs_dims in re.findall(
+      r" dot\(%([\w.\-]+), %([\w.\-]+)\),.*?lhs_contracting_dims=\{(\d+)\}"
+      r".*?rhs_contracting_dims=\{(\d+)\}", text):
+    reads += [(shapes[lhs], lhs_dims, "left"), (shapes[rhs], rhs_dims, "right")]
+  return reads
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -180,10 +186,15 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype):
   # Kernels [out, in]: o, gate and up stacked, down, head, and q, k and v concatenated per
   # KV group (2 groups x (2 + 2) x 12), read as 2-D.
   kernels = {"48,48", "160,48", "48,80", "64,48", "96,48"}
-  reads = [(shape, dims) for shape, dims in _kernel_reads(graphdef, state) if shape in kernels]
-  assert {shape for shape, _ in reads} == kernels
+  reads = [read for read in _kernel_reads(graphdef, state) if read[0] in kernels]
+  assert {shape for shape, _, _ in reads} == kernels
   # Contracting dimension 0 would be a kernel laid back out [in, out].
-  assert all(dims == "1" for _, dims in reads), reads
+  assert all(dims == "1" for _, dims, _ in reads), reads
+  # A few rows (32 in the prefill, 4 a decode step): o and down are the left operands
+  # (matmul.rows_by_kernel), and in float32 the gate/up pair too (MLP._columns); q/k/v and
+  # the head stay on the right.
+  left = {"48,48", "48,80"} | ({"160,48"} if dtype == "float32" else set())
+  assert all((side == "left") == (shape in left) for shape, _, side in reads), reads
 
 
 @pytest.mark.parametrize("changes", [{}, {"qkv_bias": True, "qk_norm": True}])
@@ -199,7 +210,7 @@ def test_the_copy_projects_q_k_v_in_one_matmul(changes):
   np.testing.assert_array_equal(np.asarray(got["responses"]), np.asarray(want["responses"]))
   np.testing.assert_allclose(np.asarray(got["rollout_log_probs"]),
                              np.asarray(want["rollout_log_probs"]), rtol=1e-5, atol=1e-5)
-  projections = sorted(shape for shape, _ in _kernel_reads(*copy)
+  projections = sorted(shape for shape, _, _ in _kernel_reads(*copy)
                        if shape in ("24,48", "48,48", "96,48"))
   # Prefill and each decode step: qkv and o (2 layers); no lone q, k or v.
   assert projections == ["48,48"] * 4 + ["96,48"] * 4

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from hflax.controller.training import train_compiler_options
-from hflax.models.matmul import dense_dot, tied_head, tied_logits
+from hflax.models.matmul import (KERNEL_LEFT_ROWS, dense_dot, rows_by_kernel, tied_head,
+                                 tied_logits)
 from hlo_dots import dot_operand_types
 
 
@@ -139,3 +140,33 @@ def test_the_float32_tied_head_gradient_reads_the_cotangent_as_it_lies():
   transposed = r"f32\[300,(64|2,32)\]"
   assert re.search(transposed, ref.lower(h, embed).compile(options).as_text())
   assert not re.search(transposed, mine.lower(h, embed).compile(options).as_text())
+
+
+def _dot_operands(fn, *args):
+  """(left operand's shape, right operand's shape) of every dot XLA compiles for fn."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", text))
+  return [(shapes[a], shapes[b]) for a, b in re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", text)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_few_rows_take_the_kernel_on_the_left_on_cpu(dtype):
+  """rows_by_kernel computes x w^T; up to KERNEL_LEFT_ROWS rows XLA:CPU gets the kernel as
+  the dot's left operand (not folded back by the transpose after it), beyond that the
+  rows; the result equals the plain product in float32 to rounding."""
+  k = jax.random.split(jax.random.key(0), 2)
+  w = jax.random.normal(k[0], (96, 40), dtype)
+  pref = jnp.float32 if dtype == "bfloat16" else None
+  for rows, kernel_left in [(8, True), (KERNEL_LEFT_ROWS, True), (KERNEL_LEFT_ROWS + 8, False)]:
+    x = jax.random.normal(k[1], (rows, 40), dtype)
+    fn = lambda x, w: rows_by_kernel(x, w, pref) * 2.0  # noqa: E731 (a consumer after it)
+    got = fn(x, w)
+    assert got.shape == (rows, 96)
+    want = 2.0 * jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32).T,
+                         precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-5,
+                               atol=1e-4)
+    operands = _dot_operands(fn, x, w)
+    on_cpu = jax.default_backend() == "cpu"
+    assert operands == [("96,40", f"{rows},40") if kernel_left and on_cpu
+                        else (f"{rows},40", "96,40")], (rows, operands)
