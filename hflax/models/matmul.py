@@ -54,8 +54,8 @@ KERNEL_LEFT_ROWS = 256
 
 
 def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None):
-  """x_RxK w_NxK^T, [R, N]: a few rows times a kernel stored [out, in] (a decoding copy's,
-  or a tied embedding table).
+  """x_RxK w_NxK^T, [R, N]: a few rows times a kernel stored [out, in] (a decoding
+  copy's).
 
   On CPU with at most KERNEL_LEFT_ROWS rows, computed as (w x^T)^T: XLA:CPU's matmul
   library repacks its right operand on every call and reads the left one as it lies, so
