@@ -39,8 +39,7 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False):
     # lays the kernel back out [in, out] in a copy and the layout's gain is lost.
     wide = jnp.float32 if widens_on_cpu(dtype) else None
     x_RxK, w_NxK = x.reshape(-1, x.shape[-1]), w.astype(dtype).reshape(-1, w.shape[-1])
-    y = (rows_by_kernel(x_RxK, w_NxK, wide) if kernel_left else
-         lax.dot_general(x_RxK, w_NxK, (((1,), (1,)), ((), ())), preferred_element_type=wide))
+    y = rows_by_kernel(x_RxK, w_NxK, wide, left=kernel_left)
     return y.reshape(x.shape[:-1] + w.shape[:-1]).astype(dtype)
   if jax.default_backend() != "cpu":
     # GPUs and TPUs accumulate low-precision dots in float32 on their own; their path stays
@@ -53,7 +52,7 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False):
 KERNEL_LEFT_ROWS = 256
 
 
-def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None):
+def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = True):
   """x_RxK w_NxK^T, [R, N]: a few rows times a kernel stored [out, in] (a decoding
   copy's).
 
@@ -61,15 +60,15 @@ def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None):
   library repacks its right operand on every call and reads the left one as it lies, so
   the kernel goes on the left and the few rows are what gets repacked. On a 2-core AMD
   EPYC (Zen 5), SmolLM2's down projection at 64 rows in float32 took 0.38 against 0.51
-  ms (at 16 rows 0.18 against 0.28). The barrier keeps XLA from
-  folding the transpose back into the dot (it did, restoring the slow order); the
-  transpose then fuses into the consumer, free for an addition, not for every consumer
-  (the LM head gained 1.3 ms of 11.6 and its token pick lost it in a transposing copy).
+  ms (at 16 rows 0.18 against 0.28). The barrier keeps XLA from folding the transpose
+  back into the dot (it did, restoring the slow order); the transpose then fuses into the
+  consumer, free for an addition, not for every consumer (the LM head gained 1.3 ms of
+  11.6 and its token pick lost it in a transposing copy), so callers choose (`left`).
   Many rows (a prefill, a training chunk) keep the plain order: at 1536 rows it was as
   fast or faster. So do 16-bit dtypes: 16 bf16 prompts x 128 greedy tokens took 3.09-3.39
   s against 2.95-3.00 with it (the RL rollout's 16 slots), though 32 rows a device gained."""
   dims = (((1,), (1,)), ((), ()))
-  if not kernel_on_left(x_RxK.shape[0], x_RxK.dtype):
+  if not (left and kernel_on_left(x_RxK.shape[0], x_RxK.dtype)):
     return lax.dot_general(x_RxK, w_NxK, dims, preferred_element_type=preferred_element_type)
   y_NxR = lax.dot_general(w_NxK, x_RxK, dims, preferred_element_type=preferred_element_type)
   return lax.optimization_barrier(y_NxR).T

@@ -236,8 +236,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     if self.pair is not None:
-      if (kernel_on_left(x.size // x.shape[-1], self.down.dtype) and self.down.out_in
-          and self.down.lora_a is None):
+      # out_in: down is a decoding copy's kernel too (never an adapted one: decode_layout)
+      if kernel_on_left(x.size // x.shape[-1], self.down.dtype) and self.down.out_in:
         return self._columns(x)
       gate, up = jnp.moveaxis(dense_dot(x, self.pair[...], self.down.dtype, out_in=True), -1, 0)
       return self.down(swiglu(gate, up))
