@@ -68,6 +68,28 @@ def keep_freed_memory() -> bool:
   return bool(mallopt(_M_ARENA_MAX, 1)) and threshold and trim
 
 
+# cpuinfo words for bfloat16 arithmetic: x86's AVX512-BF16 and AMX-BF16, Arm's BF16.
+_BF16_WORDS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+  """Whether this CPU has bfloat16 arithmetic instructions, read from cpuinfo's first
+  flags (x86) or Features (Arm) line; None where it cannot tell (no such file or line).
+
+  Without them XLA:CPU converts every bfloat16 operand to float32 and back: on a 2-core
+  AVX2 EPYC (Zen 3) a bf16 matmul ran at 88 GFLOP/s against 117 in float32, so a bf16 run
+  is slower than a float32 one there, not faster."""
+  try:
+    with open(cpuinfo) as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+          return not _BF16_WORDS.isdisjoint(value.split())
+  except OSError:
+    pass
+  return None
+
+
 def accelerator_expected() -> bool:
   """Whether JAX will start on an accelerator, judged without importing it: JAX_PLATFORMS
   names one, or (JAX_PLATFORMS unset) a GPU or TPU plugin is installed."""

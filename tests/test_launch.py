@@ -498,3 +498,27 @@ def test_value_model_paths_on_ray_are_the_workers_to_read(tmp_path):
   c.model.path = str(tmp_path / "missing_policy")
   with pytest.raises(ValueError, match="config.model.path: no config.json"):
     read_model_configs(c, driver_only=True)
+
+
+@pytest.mark.parametrize("has_bf16,model_dtype,rollout_dtype,warned", [
+    (False, "bfloat16", None, "model.dtype = 'bfloat16'"),
+    (False, "bfloat16", "bfloat16", "model.dtype and rollout.dtype = 'bfloat16'"),
+    (False, "float32", "bfloat16", "rollout.dtype = 'bfloat16'"),
+    (False, "float32", None, None),
+    (True, "bfloat16", None, None),
+    (None, "bfloat16", None, None),  # cannot tell: no warning
+])
+def test_bf16_on_a_cpu_that_emulates_it_is_a_warning(tmp_path, monkeypatch, has_bf16,
+                                                       model_dtype, rollout_dtype, warned):
+  import hflax.launch.trainer as trainer_module
+  monkeypatch.setattr(trainer_module, "cpu_has_bf16", lambda: has_bf16)
+  c = tiny(tmp_path, log=())
+  c.trainer.sft_warmup.steps = 0
+  c.model.dtype, c.rollout.dtype = model_dtype, rollout_dtype
+  logs = []
+  Trainer(c, log=logs.append).close()
+  warnings = [line for line in logs if "instructions" in line]
+  if warned is None:
+    assert warnings == []
+  else:
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: {warned} on a CPU")

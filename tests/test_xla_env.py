@@ -83,3 +83,21 @@ def test_accelerator_expected_reads_jax_platforms(monkeypatch):
   assert xla_env.accelerator_expected()
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   assert not xla_env.accelerator_expected()
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\nbogomips\t: 1\n", True),
+    ("flags\t\t: fpu avx2 amx_tile amx_bf16\n", True),
+    ("flags\t\t: fpu sse4_2 avx2 fma vaes\nflags\t\t: avx512_bf16\n", False),  # the first
+    ("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n", True),  # Arm
+    ("processor\t: 0\nFeatures\t: fp asimd crc32\n", False),
+    ("processor\t: 0\nmodel name\t: unknown\n", None),
+])
+def test_cpu_has_bf16_reads_cpuinfo_flags(tmp_path, text, expected):
+  info = tmp_path / "cpuinfo"
+  info.write_text(text)
+  assert xla_env.cpu_has_bf16(str(info)) is expected
+
+
+def test_cpu_has_bf16_cannot_tell_without_cpuinfo(tmp_path):
+  assert xla_env.cpu_has_bf16(str(tmp_path / "missing")) is None

@@ -31,6 +31,17 @@ from hflax.launch.sft import sft_warmup, warmup_cache_dir
 from hflax.metrics import MetricsLogger, throughput
 from hflax.models.tokenizer import load_tokenizer
 from hflax.launch.validation import validate_policy
+from hflax.xla_env import cpu_has_bf16
+
+
+def emulated_bf16(cfg) -> list[str]:
+  """The dtype fields that ask for bfloat16 compute which this host's CPU would emulate:
+  a local run on JAX's CPU backend without bf16 instructions (hflax.xla_env.cpu_has_bf16)."""
+  fields = [f"{part}.dtype" for part in ("model", "rollout") if cfg[part].dtype == "bfloat16"]
+  if (not fields or cfg.cluster.backend != "local" or jax.default_backend() != "cpu"
+      or cpu_has_bf16() is not False):
+    return []
+  return fields
 
 
 class Trainer:
@@ -45,6 +56,11 @@ class Trainer:
     # Placement and process layouts, an unsupported architecture or vocabulary, a missing
     # checkpoint, bad data rows: all before anything runs.
     self.backend, spec = make_backend(cfg, log)
+    emulated = emulated_bf16(cfg)
+    if emulated:
+      log(f"warning: {' and '.join(emulated)} = 'bfloat16' on a CPU without bfloat16 "
+          "instructions (/proc/cpuinfo lists no avx512_bf16, amx_bf16 or bf16): XLA emulates "
+          "them through float32, so this run is slower than with 'float32' (bench/README.md)")
     try:
       self._setup(spec)
     except BaseException:
