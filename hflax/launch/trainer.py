@@ -60,7 +60,7 @@ class Trainer:
     if emulated:
       log(f"warning: {' and '.join(emulated)} = 'bfloat16' on a CPU without bfloat16 "
           "instructions (/proc/cpuinfo lists no avx512_bf16, amx_bf16 or bf16): XLA emulates "
-          "them through float32, so this run is slower than with 'float32' (bench/README.md)")
+          "them through float32, so this run is slower than with 'float32'")
     try:
       self._setup(spec)
     except BaseException:
