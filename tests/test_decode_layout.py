@@ -317,8 +317,12 @@ def test_the_hybrid_engine_writes_the_decoding_copy(dtype, generate_dtype):
   # What the sampler decoded before, writing its copy from the plain generation copy.
   ref = generate_over_rows(graphdef, plain.to_generate(weights)[0], tokens, mask,
                            jax.random.key(0), params, plain.mesh)
-  for key in ("responses", "rollout_log_probs"):
-    np.testing.assert_array_equal(np.asarray(out[key]), np.asarray(ref[key]))
+  np.testing.assert_array_equal(np.asarray(out["responses"]), np.asarray(ref["responses"]))
+  # The two programs stack q/k/v and gate/up in different places (in the step against in
+  # the copy): equal on AVX-512 CPUs, one float32 ulp apart (2.4e-7) on an AVX2 Zen 3,
+  # whose XLA:CPU sums those dots in another order.
+  np.testing.assert_allclose(np.asarray(out["rollout_log_probs"]),
+                             np.asarray(ref["rollout_log_probs"]), rtol=0, atol=1e-6)
 
 
 def test_each_switch_writes_the_plain_copy_where_the_decoding_one_does_not_fit(monkeypatch):
