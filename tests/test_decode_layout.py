@@ -319,8 +319,8 @@ def test_the_hybrid_engine_writes_the_decoding_copy(dtype, generate_dtype):
                            jax.random.key(0), params, plain.mesh)
   np.testing.assert_array_equal(np.asarray(out["responses"]), np.asarray(ref["responses"]))
   # The two programs stack q/k/v and gate/up in different places (in the step against in
-  # the copy): equal on AVX-512 CPUs, one float32 ulp apart (2.4e-7) on an AVX2 Zen 3,
-  # whose XLA:CPU sums those dots in another order.
+  # the copy): equal on the AVX-512 VMs, one float32 ulp apart (2.4e-7) on an AVX2 Zen 3,
+  # where the two programs' dots round differently.
   np.testing.assert_allclose(np.asarray(out["rollout_log_probs"]),
                              np.asarray(ref["rollout_log_probs"]), rtol=0, atol=1e-6)
 
