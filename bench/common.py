@@ -75,6 +75,13 @@ def load_average() -> str:
   return f"{one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min, {os.cpu_count()} cores)"
 
 
+def bf16_instructions() -> str:
+  """A line saying whether this CPU has bfloat16 instructions (both benches print it)."""
+  from hflax.xla_env import cpu_has_bf16
+  return (f"bfloat16 instructions in this CPU (hflax.xla_env.cpu_has_bf16): {cpu_has_bf16()} "
+          "(without them XLA and torch emulate bf16 and fp32 is each side's best setting)")
+
+
 def decoder_flops(cfg, rows: int, tokens: int, *, logits_tokens: int | None = None,
                   backward: bool = False, squares: float | None = None) -> float:
   """Matmul FLOPs of a teacher-forced pass of `rows` x `tokens` (causal attention counted

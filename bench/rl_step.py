@@ -625,9 +625,7 @@ def main(argv=None) -> int:
         f"{transformers.__version__}  trl {trl.__version__}  os.cpu_count(): {os.cpu_count()}")
   print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
   print(f"load average at start: {common.load_average()}")
-  from hflax.xla_env import cpu_has_bf16
-  print(f"bfloat16 instructions in this CPU (hflax.xla_env.cpu_has_bf16): {cpu_has_bf16()} "
-        "(without them XLA and torch emulate bf16 and fp32 is each side's best setting)")
+  print(common.bf16_instructions())
 
   tmp = tempfile.TemporaryDirectory(prefix="hflax_rl_bench_")
   if toy:
