@@ -178,11 +178,13 @@ def _kernel_reads(graphdef, state):
   return reads
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_decode_program_reads_the_kernels_as_stored(dtype):
+@pytest.mark.parametrize("dtype,tied", [("float32", False), ("bfloat16", False),
+                                        ("float32", True)])
+def test_the_decode_program_reads_the_kernels_as_stored(dtype, tied):
   """XLA must not lay the kernels back out [in, out]: it did, in a copy hoisted out of the
-  decode loop, for matmuls of [B, 1, D] activations, and the layout's gain was lost."""
-  graphdef, state = for_decoding(*_model(dtype))
+  decode loop, for matmuls of [B, 1, D] activations, and the layout's gain was lost. The
+  head is the copy's untied kernel or, tied, the embedding table (both [vocab, embed])."""
+  graphdef, state = for_decoding(*_model(dtype, tie_word_embeddings=tied))
   # Kernels [out, in]: o, gate and up stacked, down, head, and q, k and v concatenated per
   # KV group (2 groups x (2 + 2) x 12), read as 2-D.
   kernels = {"48,48", "160,48", "48,80", "64,48", "96,48"}
@@ -191,9 +193,10 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype):
   # Contracting dimension 0 would be a kernel laid back out [in, out].
   assert all(dims == "1" for _, dims, _ in reads), reads
   # A few float32 rows (32 in the prefill, 4 a decode step): o, down and the gate/up pair
-  # are the left operands (matmul.rows_by_kernel, MLP._columns); q/k/v and the head stay on
-  # the right, as does every kernel in bfloat16.
-  left = {"48,48", "48,80", "160,48"} if dtype == "float32" else set()
+  # are the left operands (matmul.rows_by_kernel, MLP._columns), and so is the head (its
+  # 4 rows a step, matmul.step_logits); q/k/v stay on the right, as does every kernel in
+  # bfloat16.
+  left = {"48,48", "48,80", "160,48", "64,48"} if dtype == "float32" else set()
   assert all((side == "left") == (shape in left) for shape, _, side in reads), reads
 
 

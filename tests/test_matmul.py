@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from hflax.controller.training import train_compiler_options
-from hflax.models.matmul import (KERNEL_LEFT_ROWS, dense_dot, rows_by_kernel, tied_head,
-                                 tied_logits)
+from hflax.models.matmul import (HEAD_LEFT_ROWS, KERNEL_LEFT_ROWS, dense_dot, rows_by_kernel,
+                                 step_logits, tied_head, tied_logits)
 from hlo_dots import dot_operand_types
 
 
@@ -170,3 +170,27 @@ def test_a_few_rows_take_the_kernel_on_the_left_on_cpu(dtype):
     left = kernel_left and jax.default_backend() == "cpu" and dtype == "float32"
     assert operands == [("96,40", f"{rows},40") if left
                         else (f"{rows},40", "96,40")], (rows, operands)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_generation_steps_head_takes_its_table_on_the_left_up_to_its_own_limit(dtype):
+  """step_logits is tied_logits' product: with the [V, D] table the dot's left operand up
+  to HEAD_LEFT_ROWS float32 rows on CPU (a limit below KERNEL_LEFT_ROWS: the token pick
+  reads the [V, R] product through a transposing copy that grows with the rows), the rows
+  on the left beyond it and in bfloat16 (there the very same program as tied_logits)."""
+  assert HEAD_LEFT_ROWS < KERNEL_LEFT_ROWS
+  k = jax.random.split(jax.random.key(1), 2)
+  table = jax.random.normal(k[0], (96, 40), jnp.float32)
+  for rows in (2, HEAD_LEFT_ROWS, HEAD_LEFT_ROWS + 1):
+    hidden = jax.random.normal(k[1], (rows, 40), jnp.float32).astype(dtype)
+    fn = lambda h, t: step_logits(h, t, dtype)  # noqa: E731
+    got = fn(hidden, table)
+    want = tied_logits(hidden, table, dtype)
+    assert got.dtype == jnp.float32 and got.shape == (rows, 96)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    left = rows <= HEAD_LEFT_ROWS and dtype == "float32" and jax.default_backend() == "cpu"
+    assert _dot_operands(fn, hidden, table) == [("96,40", f"{rows},40") if left
+                                                else (f"{rows},40", "96,40")], rows
+    if not left:
+      lowered = lambda f: jax.jit(f).lower(hidden, table).as_text()  # noqa: E731
+      assert lowered(fn) == lowered(lambda h, t: tied_logits(h, t, dtype))

@@ -52,7 +52,8 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False):
 KERNEL_LEFT_ROWS = 256
 
 
-def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = True):
+def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = True,
+                   max_rows: int | None = None):
   """x_RxK w_NxK^T, [R, N]: a few rows times a kernel stored [out, in] (a decoding
   copy's).
 
@@ -62,23 +63,49 @@ def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = Tr
   EPYC (Zen 5), SmolLM2's down projection at 64 rows in float32 took 0.38 against 0.51
   ms (at 16 rows 0.18 against 0.28). The barrier keeps XLA from folding the transpose
   back into the dot (it did, restoring the slow order); the transpose then fuses into the
-  consumer, free for an addition, not for every consumer (the LM head gained 1.3 ms of
-  11.6 and its token pick lost it in a transposing copy), so callers choose (`left`).
+  consumer, free for an addition, not for every consumer (the LM head at 64 rows gained
+  1.3 ms of 11.6 and its token pick lost it in a transposing copy; step_logits takes it
+  for fewer rows), so callers choose (`left`, `max_rows`).
   Many rows (a prefill, a training chunk) keep the plain order: at 1536 rows it was as
   fast or faster. So do 16-bit dtypes: 16 bf16 prompts x 128 greedy tokens took 3.09-3.39
   s against 2.95-3.00 with it (the RL rollout's 16 slots), though 32 rows a device gained."""
   dims = (((1,), (1,)), ((), ()))
-  if not (left and kernel_on_left(x_RxK.shape[0], x_RxK.dtype)):
+  if not (left and kernel_on_left(x_RxK.shape[0], x_RxK.dtype, max_rows)):
     return lax.dot_general(x_RxK, w_NxK, dims, preferred_element_type=preferred_element_type)
   y_NxR = lax.dot_general(w_NxK, x_RxK, dims, preferred_element_type=preferred_element_type)
   return lax.optimization_barrier(y_NxR).T
 
 
-def kernel_on_left(rows: int, dtype) -> bool:
+def kernel_on_left(rows: int, dtype, max_rows: int | None = None) -> bool:
   """Whether rows_by_kernel puts the kernel on the left for this many rows of `dtype`:
-  float32 on CPU only (see rows_by_kernel)."""
-  return (jax.default_backend() == "cpu" and rows <= KERNEL_LEFT_ROWS
-          and jnp.dtype(dtype) == jnp.float32)
+  float32 on CPU only, up to max_rows (default KERNEL_LEFT_ROWS; see rows_by_kernel)."""
+  limit = KERNEL_LEFT_ROWS if max_rows is None else max_rows
+  return jax.default_backend() == "cpu" and rows <= limit and jnp.dtype(dtype) == jnp.float32
+
+
+# Up to this many rows, step_logits puts the head's table on the left on CPU.
+HEAD_LEFT_ROWS = 32
+
+
+def head_on_left(rows: int, dtype) -> bool:
+  """Whether step_logits puts the table on the left for this many rows of `dtype`."""
+  return kernel_on_left(rows, dtype, HEAD_LEFT_ROWS)
+
+
+def step_logits(hidden_RxD, table_VxD, dtype):
+  """float32 logits [R, V] of a generation step's rows against a head table stored [V, D]
+  (a tied embedding, or a decoding copy's untied head), the matmul computed in `dtype`:
+  tied_logits' product, with the table on the left for up to HEAD_LEFT_ROWS float32 rows
+  on CPU (rows_by_kernel), else that product itself.
+
+  Why a limit of its own: the [V, R] product is read transposed by the token pick, a copy
+  that grows with the rows. SmolLM2's head and sampled pick on a 2-core AMD EPYC (Zen 3),
+  float32: 16 rows 18.4-20.7 against 24.2-25.2 ms, 32 rows 24.1-29.3 against 29.6-30.7,
+  64 rows 71.6-72.5 against 45.9-51.0 (greedy alike: 10.9-11.5 against 16.9-18.2 at 16)."""
+  if not head_on_left(hidden_RxD.shape[0], dtype):
+    return tied_logits(hidden_RxD, table_VxD, dtype)
+  return rows_by_kernel(hidden_RxD.astype(dtype), table_VxD.astype(dtype), jnp.float32,
+                        max_rows=HEAD_LEFT_ROWS)
 
 
 @jax.custom_vjp

@@ -17,7 +17,8 @@ from flax import nnx
 
 from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
-from hflax.models.matmul import dense_dot, kernel_on_left, tied_head, tied_logits
+from hflax.models.matmul import (dense_dot, head_on_left, kernel_on_left, step_logits,
+                                 tied_head, tied_logits)
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.sharding.layouts import ROW_AXES
@@ -39,8 +40,9 @@ class Dense(nnx.Module):
     # True in a decoding copy whose kernel is stored [dout, din] (hflax.models.decode_layout).
     self.out_in = False
     # Such a kernel goes on the left for a few rows (matmul.rows_by_kernel): for a product
-    # that feeds an addition (the residual), which reads it transposed at no cost; q/k/v's,
-    # gate/up's and the head's consumers did not (their gain went into a transposing copy).
+    # that feeds an addition (the residual), which reads it transposed at no cost; q/k/v's
+    # and gate/up's consumers did not (their gain went into a transposing copy). The head
+    # is DecoderLM.step_logits' choice (a limit of its own).
     self.kernel_left = kernel_left
 
   def __call__(self, x):
@@ -362,6 +364,16 @@ class DecoderLM(nnx.Module):
     if self.lm_head is None:
       return tied_logits(hidden_BxTxD, self.embed[...], hidden_BxTxD.dtype)
     return self.lm_head(hidden_BxTxD).astype(jnp.float32)
+
+  def step_logits(self, hidden_BxD):
+    """`logits` of a generation step's rows [B, D], through matmul.step_logits where the
+    head's table is stored [V, D] (tied, or a decoding copy's untied head)."""
+    if self.head == "lm" and self.lm_head is None:
+      return step_logits(hidden_BxD, self.embed[...], hidden_BxD.dtype)
+    head = self.lm_head
+    if head is not None and head.out_in and head_on_left(hidden_BxD.shape[0], head.dtype):
+      return step_logits(hidden_BxD, head.kernel[...], head.dtype)
+    return self.logits(hidden_BxD)
 
   def logits_projection(self):
     """hidden [..., D] -> float32 logits [..., V], as `logits`, with the head's weights

@@ -35,7 +35,7 @@ def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, row
   prompt_pos_BxP = positions_from_mask(prompt_mask_BxP)
 
   last_BxD, store, store_valid_BxP = prefill(model, prompts_BxP, prompt_mask_BxP, shared)
-  logits = jnp.repeat(model.logits(last_BxD), n, axis=0)
+  logits = jnp.repeat(model.step_logits(last_BxD), n, axis=0)
   first, first_logp = pick(logits, jax.random.fold_in(rng, 0), params, rows_R)
   eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
   out_tokens = jnp.full((R, N), params.pad_id, jnp.int32).at[:, 0].set(first)
@@ -85,7 +85,7 @@ def decode_slots(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, row
                           slot0=col)
     keys = None if params.greedy else jax.vmap(
         lambda s, r: jax.random.fold_in(jax.random.fold_in(rng, s), r))(step, rows_R[row])
-    tok, logp = pick_with_keys(model.logits(hidden[:, 0]), keys, params)
+    tok, logp = pick_with_keys(model.step_logits(hidden[:, 0]), keys, params)
     at = (jnp.where(active, row, R), step)  # idle slots write nowhere
     # Idle slots stand still, so their position stays in the cache's range.
     c = {**c, "cache": cache, "kv_valid": kv_valid, "tok": tok,

@@ -114,7 +114,7 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
   # The n samples of a prompt share one prefill; the cache is copied after it.
   last_BxD, cache, kv_valid = prefill(model, prompts_BxP, prompt_mask_BxP, shared)
   widen = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
-  cache, kv_valid, logits = jax.tree.map(widen, (cache, kv_valid, model.logits(last_BxD)))
+  cache, kv_valid, logits = jax.tree.map(widen, (cache, kv_valid, model.step_logits(last_BxD)))
 
   eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
   tok, logp = pick(logits, jax.random.fold_in(rng, 0), params, rows_R)
@@ -129,7 +129,7 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
     slot = P + step - 1  # where the previous token's K/V go
     kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((R, 1), bool), (0, slot))
     hidden, cache = model(tok[:, None], pos[:, None], kv_valid, cache=cache, slot0=slot)
-    tok, logp = pick(model.logits(hidden[:, 0]), jax.random.fold_in(rng, step), params,
+    tok, logp = pick(model.step_logits(hidden[:, 0]), jax.random.fold_in(rng, step), params,
                       rows_R)
     tok = jnp.where(done, params.pad_id, tok)
     write = lambda out, x: jax.lax.dynamic_update_slice(out, x[:, None], (0, step))  # noqa: E731
