@@ -101,7 +101,9 @@ def step_logits(hidden_RxD, table_VxD, dtype):
   Why a limit of its own: the [V, R] product is read transposed by the token pick, a copy
   that grows with the rows. SmolLM2's head and sampled pick on a 2-core AMD EPYC (Zen 3),
   float32: 16 rows 18.4-20.7 against 24.2-25.2 ms, 32 rows 24.1-29.3 against 29.6-30.7,
-  64 rows 71.6-72.5 against 45.9-51.0 (greedy alike: 10.9-11.5 against 16.9-18.2 at 16)."""
+  64 rows 71.6-72.5 against 45.9-51.0. Whole calls: bench/rl_step.py's rollout (16 slots)
+  19.5-21.8 against 21.3-24.1 s, 64 greedy prompts on two devices 24.9-26.9 against
+  26.2-30.3 s, the same tokens."""
   if not head_on_left(hidden_RxD.shape[0], dtype):
     return tied_logits(hidden_RxD, table_VxD, dtype)
   return rows_by_kernel(hidden_RxD.astype(dtype), table_VxD.astype(dtype), jnp.float32,
