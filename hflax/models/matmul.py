@@ -52,8 +52,7 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False):
 KERNEL_LEFT_ROWS = 256
 
 
-def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = True,
-                   max_rows: int | None = None):
+def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = True):
   """x_RxK w_NxK^T, [R, N]: a few rows times a kernel stored [out, in] (a decoding
   copy's).
 
@@ -65,12 +64,12 @@ def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = Tr
   back into the dot (it did, restoring the slow order); the transpose then fuses into the
   consumer, free for an addition, not for every consumer (the LM head at 64 rows gained
   1.3 ms of 11.6 and its token pick lost it in a transposing copy; step_logits takes it
-  for fewer rows), so callers choose (`left`, `max_rows`).
+  for fewer rows), so callers choose (`left`).
   Many rows (a prefill, a training chunk) keep the plain order: at 1536 rows it was as
   fast or faster. So do 16-bit dtypes: 16 bf16 prompts x 128 greedy tokens took 3.09-3.39
   s against 2.95-3.00 with it (the RL rollout's 16 slots), though 32 rows a device gained."""
   dims = (((1,), (1,)), ((), ()))
-  if not (left and kernel_on_left(x_RxK.shape[0], x_RxK.dtype, max_rows)):
+  if not (left and kernel_on_left(x_RxK.shape[0], x_RxK.dtype)):
     return lax.dot_general(x_RxK, w_NxK, dims, preferred_element_type=preferred_element_type)
   y_NxR = lax.dot_general(w_NxK, x_RxK, dims, preferred_element_type=preferred_element_type)
   return lax.optimization_barrier(y_NxR).T
@@ -106,8 +105,7 @@ def step_logits(hidden_RxD, table_VxD, dtype):
   26.2-30.3 s, the same tokens."""
   if not head_on_left(hidden_RxD.shape[0], dtype):
     return tied_logits(hidden_RxD, table_VxD, dtype)
-  return rows_by_kernel(hidden_RxD.astype(dtype), table_VxD.astype(dtype), jnp.float32,
-                        max_rows=HEAD_LEFT_ROWS)
+  return rows_by_kernel(hidden_RxD.astype(dtype), table_VxD.astype(dtype), jnp.float32)
 
 
 @jax.custom_vjp
