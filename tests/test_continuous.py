@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hflax.models import ModelConfig, create, init_cache, transformer
-from hflax.rollout import SamplingParams, generate, generation_slots
+from hflax.rollout import SamplingParams, continuous, generate, generation_slots
 from hflax.rollout.sampler import _rows_mesh, compiled_variants, generate_over_rows, left_pad
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -62,6 +62,39 @@ def test_slots_sample_what_waves_do(model, prompts, eos_ids, case, slots):
   assert_same(got, want)
   lengths = np.asarray(want["response_length"])
   assert lengths.max() == N and lengths.min() < N // 2  # rows end far apart
+
+
+def test_tail_slot_sizes():
+  assert continuous.tail_slots(16) == (16, 8, 4)  # on CPU, halving down to TAIL_MIN_SLOTS
+  assert continuous.tail_slots(9) == (9, 4)
+  assert continuous.tail_slots(7) == (7,)
+
+
+def test_tail_slot_sizes_off_cpu(monkeypatch):
+  monkeypatch.setattr(continuous.jax, "default_backend", lambda: "gpu")
+  assert continuous.tail_slots(16) == (16,)
+
+
+@pytest.mark.parametrize("case, slots", [(1, 9), (2, 8)])
+def test_the_tail_decodes_in_fewer_slots_and_samples_what_waves_do(
+    model, prompts, eos_ids, case, slots, monkeypatch):
+  """The last rows move into fewer slots (here with rows still going) and sample exactly
+  what the wave sampler does. slots 8 and 9: sizes no other test here compiles, so the
+  program is traced with the recording below."""
+  gathered = []
+  real = continuous.gather_slots
+
+  def recording(carry, size):  # what each move into fewer slots finds at run time
+    jax.debug.callback(lambda busy: gathered.append((size, int(busy))), carry["active"].sum())
+    return real(carry, size)
+
+  monkeypatch.setattr(continuous, "gather_slots", recording)
+  params = sampling_cases(eos_ids)[case]
+  key = jax.random.key(12)
+  want = generate(*model, prompts, params, rng=key)
+  assert_same(generate(*model, prompts, params, rng=key, slots=slots), want)
+  assert [size for size, _ in gathered] == list(continuous.tail_slots(slots)[1:])
+  assert gathered[0][1] > 0 and all(busy <= size for size, busy in gathered), gathered
 
 
 def test_rows_ending_at_their_first_token_or_step(model, prompts):
