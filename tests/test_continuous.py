@@ -173,11 +173,11 @@ def test_actor_with_continuous_batching_samples_what_its_waves_do(model, prompts
   tokens, mask = left_pad(prompts + prompts[:1], 0)
   batch = Batch({"prompts": jax.numpy.asarray(tokens), "prompt_mask": jax.numpy.asarray(mask)})
   out = {}
-  for continuous in (False, True):
+  for slotted in (False, True):
     actor = ActorRolloutWorker(placed["actor"], *model, sampling=params, max_num_seqs=3,
-                               continuous_batching=continuous)
+                               continuous_batching=slotted)
     result = actor.generate_sequences(batch)
-    out[continuous] = ({k: result[k] for k in result.keys()},
+    out[slotted] = ({k: result[k] for k in result.keys()},
                        float(result.meta["metrics"]["rollout/waves"]))
   assert out[False][1] == 4 and out[True][1] == 1  # 8 prompts, 2 replicas: 4 waves of 2
   assert_same(out[True][0], out[False][0])
