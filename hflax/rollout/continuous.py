@@ -10,7 +10,8 @@ wave sampler picks from the same logits. The slots' cache has the wave sampler's
 (prompt in columns 0..P-1, response token s at column P + s - 1), each row writing at
 its own column (the model's per-row slot0), so a row's attention reads what it would in
 a wave. Every row keeps its own step counter and draws token s with
-fold_in(fold_in(rng, s), row), so tokens and log-probs are the wave sampler's.
+fold_in(fold_in(rng, s), row), so tokens and log-probs are the wave sampler's. On CPU the
+last rows, once nobody waits, move into loops of fewer slots (tail_slots).
 """
 from __future__ import annotations
 
