@@ -178,7 +178,7 @@ def test_actor_with_continuous_batching_samples_what_its_waves_do(model, prompts
                                continuous_batching=slotted)
     result = actor.generate_sequences(batch)
     out[slotted] = ({k: result[k] for k in result.keys()},
-                       float(result.meta["metrics"]["rollout/waves"]))
+                    float(result.meta["metrics"]["rollout/waves"]))
   assert out[False][1] == 4 and out[True][1] == 1  # 8 prompts, 2 replicas: 4 waves of 2
   assert_same(out[True][0], out[False][0])
 

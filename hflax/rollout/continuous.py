@@ -42,7 +42,8 @@ def tail_slots(slots: int) -> tuple[int, ...]:
 
 
 def gather_slots(carry: dict, slots: int) -> dict:
-  """The carry with its busy slots first, cut to `slots` (all busy ones fit: shrinks)."""
+  """The carry with its busy slots first, cut to `slots`; the caller moves only when every
+  busy slot fits."""
   keep = jnp.argsort(~carry["active"], stable=True)[:slots]
   per_slot = ("row", "active", "step", "tok", "pos", "kv_valid")
   return {**carry, **{k: carry[k][keep] for k in per_slot},
