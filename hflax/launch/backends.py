@@ -44,7 +44,8 @@ def make_backend(cfg, log=print):
     import ray
     if not ray.is_initialized():
       check_loopback(cluster)
-    return RayBackend(cluster, layouts, keep=cfg.trainer.keep, log=log), spec
+    return RayBackend(cluster, layouts, keep=cfg.trainer.keep, log=log,
+                      compile_cache=cfg.trainer.compile_cache_dir), spec
   devices = local_devices(cfg)
   if cfg.placement.kind != "auto":  # an auto plan needs the policy's shape: checked later
     placed = build_placement(placement_spec(cfg, roles, len(devices)), devices,

@@ -31,7 +31,8 @@ from hflax.launch.sft import sft_warmup, warmup_cache_dir
 from hflax.metrics import MetricsLogger, throughput
 from hflax.models.tokenizer import load_tokenizer
 from hflax.launch.validation import validate_policy
-from hflax.xla_env import cpu_has_bf16
+from hflax.xla_env import (CompileCacheStats, compile_cache_summary, cpu_has_bf16,
+                            use_compile_cache)
 
 
 def emulated_bf16(cfg) -> list[str]:
@@ -48,6 +49,9 @@ class Trainer:
   def __init__(self, cfg, log=print):
     validate(cfg)
     self.cfg, self.log = cfg, log
+    cache = use_compile_cache(cfg.trainer.compile_cache_dir)  # before anything compiles
+    if cache:
+      log(f"compile cache: {cache} ({compile_cache_summary(cache)}; safe to delete)")
     self.algorithm = get_algorithm(cfg.algorithm.name)
     t = cfg.trainer
     self.ckpt = Checkpointer(os.path.join(t.run_dir, "checkpoints"), keep=t.keep,
@@ -61,10 +65,12 @@ class Trainer:
       log(f"warning: {' and '.join(emulated)} = 'bfloat16' on a CPU without bfloat16 "
           "instructions (/proc/cpuinfo lists no avx512_bf16, amx_bf16 or bf16): XLA emulates "
           "them through float32, so this run is slower than with 'float32'")
+    # This process's lookups: the local backend's programs (Ray workers compile their own).
+    self.cache_stats = CompileCacheStats() if cache else None
     try:
       self._setup(spec)
     except BaseException:
-      self.backend.close()
+      self.close()
       raise
 
   def _setup(self, spec):
@@ -97,6 +103,7 @@ class Trainer:
     self._initial_loader = self.loader.state_dict()
     self.val_generations: list[dict] = []  # trainer.log_val_generations of the last validation
     self.hooks = Hooks()
+    self._cache_reported = False
     self.logger: MetricsLogger | None = None
     self.first_val = self.last_val = None
 
@@ -105,6 +112,8 @@ class Trainer:
     return self.hooks.add_hook(fn, every, **kw)
 
   def close(self):
+    if self.cache_stats is not None:
+      self.cache_stats.close()
     self.backend.close()
 
   # -- checkpoints --------------------------------------------------------------------------
@@ -210,6 +219,8 @@ class Trainer:
     if t.val_every:
       hooks.add_hook(self._validation_hook, every=t.val_every, final=True)
     hooks.add_hook(self._log_hook)
+    if self.cache_stats is not None:
+      hooks.add_hook(self._compile_cache_hook)
     hooks.add_hook(lambda info: self.save(info.step), every=t.save_every)
     hooks.add_hook(lambda info: self.save(info.total), at_end=True)
     hooks.add_hook(lambda info: self.logger.close(), at_end=True)
@@ -229,6 +240,12 @@ class Trainer:
     if self.last_val is not None and any(k in info.metrics for k in self.last_val) \
         and self.val_generations:
       self.logger.log_generations(info.step, self.val_generations)
+
+  def _compile_cache_hook(self, info: StepInfo):
+    """After the first step this process runs, where most programs have been compiled."""
+    if self.cache_stats.lookups and not self._cache_reported:
+      self.log(f"compile cache: {self.cache_stats}")
+      self._cache_reported = True
 
   def _report_hook(self, info: StepInfo):
     if self.first_val is not None and self.last_val is not None:

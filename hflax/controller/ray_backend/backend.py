@@ -54,9 +54,10 @@ def require_ray() -> None:
 
 class RayBackend:
   def __init__(self, cluster: ClusterSettings, layouts: list[PoolLayout], *, keep: int | None,
-               log=print):
+               log=print, compile_cache: str = ""):
     require_ray()
     self.cluster, self.layouts, self.keep, self.log = cluster, list(layouts), keep, log
+    self.compile_cache = compile_cache  # each member resolves it (hflax.xla_env)
     self.max_restarts = cluster.max_restarts
     self.devices = sum(p.size for p in self.layouts)
     self.session, self.groups, self.roles = None, [], None
@@ -79,7 +80,7 @@ class RayBackend:
                                platform=k.platform, cpus=k.cpus_per_process,
                                gpus=k.gpus_per_process or (p.devices_per_process if
                                                            k.platform == "gpu" else 0),
-                               strategy=k.strategy, env=env,
+                               strategy=k.strategy, env=env, compile_cache=self.compile_cache,
                                init_timeout_s=k.init_timeout_s) for p in self.layouts]
     start_groups(self.groups)
     for g in self.groups:

@@ -38,7 +38,8 @@ class WorkerGroup:
   def __init__(self, name: str, processes: int, devices_per_process: int, *,
                roles: tuple[str, ...] = (), platform: str = "cpu", cpus: float = 0.0,
                gpus: float = 0.0, strategy: str = "", env: dict | None = None,
-               jax_config: dict | None = None, init_timeout_s: int = 120):
+               jax_config: dict | None = None, compile_cache: str = "",
+               init_timeout_s: int = 120):
     import ray
     self.name, self.processes, self.devices_per_process = name, processes, devices_per_process
     self.roles, self.init_timeout_s = tuple(roles), init_timeout_s
@@ -62,7 +63,7 @@ class WorkerGroup:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             self.placement_group, placement_group_bundle_index=i)
       self.members.append(remote.options(**opts).remote(
-          name, i, processes, devices_per_process, platform, jax_config))
+          name, i, processes, devices_per_process, platform, jax_config, compile_cache))
 
   # -- waiting, with death detection ----------------------------------------------------------
   def describe_process(self, i: int) -> str:

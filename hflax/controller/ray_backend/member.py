@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import socket
 
-from hflax.xla_env import keep_freed_memory
+from hflax.xla_env import keep_freed_memory, use_compile_cache
 
 _FORCE_DEVICES = "--xla_force_host_platform_device_count"
 
@@ -30,9 +30,11 @@ class PoolMember:
   """Process `process_id` of `num_processes` in pool `pool` (devices: its local devices)."""
 
   def __init__(self, pool: str, process_id: int, num_processes: int, devices: int,
-               platform: str = "cpu", jax_config: dict | None = None):
+               platform: str = "cpu", jax_config: dict | None = None,
+               compile_cache: str = ""):
     self.pool, self.process_id, self.num_processes = pool, process_id, num_processes
     self.devices, self.platform, self.jax_config = devices, platform, dict(jax_config or {})
+    self.compile_cache = compile_cache  # the trainer's compile_cache_dir, expanded here
     self.workers: dict = {}
     self._checkpointers: dict = {}
     if platform == "cpu":
@@ -60,6 +62,7 @@ class PoolMember:
       jax.config.update("jax_num_cpu_devices", self.devices)
     for key, value in self.jax_config.items():
       jax.config.update(key, value)
+    use_compile_cache(self.compile_cache)
     if self.num_processes > 1:
       # A one-process pool stays a plain JAX process: its devices then talk through XLA's
       # in-process collectives instead of the distributed (gloo/NCCL) ones.
