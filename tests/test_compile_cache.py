@@ -9,9 +9,12 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 
 from hflax.launch.config import base_config, validate
-from hflax.xla_env import compile_cache_summary, default_compile_cache_dir, use_compile_cache
+from hflax.launch.trainer import Trainer
+from hflax.xla_env import (CompileCacheStats, compile_cache_summary, default_compile_cache_dir,
+                           use_compile_cache)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_RUN = ("--config", "grpo.py", "--config.trainer.total_steps=1",
@@ -121,3 +124,23 @@ def test_a_ray_pool_member_expands_the_directory_itself(tmp_path):
   done = subprocess.run([sys.executable, "-c", code], env=_env(HOME=str(tmp_path)),
                         capture_output=True, text=True, timeout=120)
   assert done.stdout.split() == [str(tmp_path / "cc")], done.stderr[-2000:]
+
+
+def test_the_counts_follow_this_process_and_stop_when_closed(tmp_path):
+  stats = CompileCacheStats()
+  jax.jit(lambda x: x * 7.25 + 0.5)(jnp.ones(3)).block_until_ready()  # new to this process
+  assert stats.lookups >= 1 and 0 <= stats.hits <= stats.lookups
+  stats.close()
+  seen = stats.lookups
+  jax.jit(lambda x: x * 1.75 - 2.0)(jnp.ones(3)).block_until_ready()
+  assert stats.lookups == seen
+  # The trainer holds one while it lives; closing it twice is harmless.
+  c = base_config()
+  c.trainer.update(total_steps=1, val_every=0, val_before_train=False, devices=2,
+                   run_dir=str(tmp_path / "run"))
+  c.trainer.sft_warmup.steps = 0
+  c.data.builtin.update(num_train=16, num_val=8)
+  trainer = Trainer(c, log=lambda *_: None)
+  assert trainer.cache_stats is not None  # this process has conftest's directory
+  trainer.close()
+  trainer.close()

@@ -114,6 +114,7 @@ class Trainer:
   def close(self):
     if self.cache_stats is not None:
       self.cache_stats.close()
+      self.cache_stats = None  # closing again is harmless
     self.backend.close()
 
   # -- checkpoints --------------------------------------------------------------------------
