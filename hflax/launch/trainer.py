@@ -103,7 +103,6 @@ class Trainer:
     self._initial_loader = self.loader.state_dict()
     self.val_generations: list[dict] = []  # trainer.log_val_generations of the last validation
     self.hooks = Hooks()
-    self._cache_reported = False
     self.logger: MetricsLogger | None = None
     self.first_val = self.last_val = None
 
@@ -243,10 +242,12 @@ class Trainer:
       self.logger.log_generations(info.step, self.val_generations)
 
   def _compile_cache_hook(self, info: StepInfo):
-    """After the first step this process runs, where most programs have been compiled."""
-    if self.cache_stats.lookups and not self._cache_reported:
+    """After the first step this process runs, where most programs have been compiled;
+    then the counters stop listening (nothing reads them later)."""
+    if self.cache_stats is not None and self.cache_stats.lookups:
       self.log(f"compile cache: {self.cache_stats}")
-      self._cache_reported = True
+      self.cache_stats.close()
+      self.cache_stats = None
 
   def _report_hook(self, info: StepInfo):
     if self.first_val is not None and self.last_val is not None:
