@@ -3,6 +3,7 @@ its programs back, a directory JAX already has wins, "" turns it off.
 
 The suite itself runs with a cache directory set (conftest.py), so the runs here are
 subprocesses without JAX_COMPILATION_CACHE_DIR."""
+import json
 import os
 import re
 import subprocess
@@ -43,6 +44,13 @@ def _read_back(stdout):
   return tuple(map(int, found[0]))
 
 
+def _step_metrics(run_dir):
+  """The first line of metrics.jsonl without the timings and throughputs."""
+  with open(run_dir / "metrics.jsonl") as f:
+    row = json.loads(f.readline())
+  return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
 def test_a_rerun_reads_its_programs_back(tmp_path):
   cache = tmp_path / "cache"
   first = _launch(f"--config.trainer.run_dir={tmp_path / 'a'}",
@@ -59,6 +67,9 @@ def test_a_rerun_reads_its_programs_back(tmp_path):
   hits, again = _read_back(second)
   assert again == lookups and hits == lookups  # every program the same: all read back
   assert len(os.listdir(cache)) == written
+  # The programs read back compute what the compiled ones did: the same step, number for number.
+  steps = [_step_metrics(tmp_path / run) for run in ("a", "b")]
+  assert steps[0] == steps[1] and "actor/entropy" in steps[0]
 
 
 def test_an_empty_directory_turns_the_cache_off(tmp_path):
