@@ -64,6 +64,29 @@ def test_config_from_metadata(models):
   assert cfg.tie_word_embeddings and cfg.rope_theta == 1e5 and cfg.head_dim == 64
 
 
+def test_reader_reads_what_llama_cpps_reader_reads():
+  """hflax opens GGUF files through a faster subclass of gguf's reader (plain arrays over
+  the mapping, not memmap slices): every field and tensor must come out the same. With the
+  installed gguf the subclass must be the one in use (a gguf release that changes the
+  method it replaces falls back to the plain reader: this test says so)."""
+  path = gguf.resolve(MODEL)
+  ours, theirs = gguf._reader_class()(path), gguf_lib.GGUFReader(path)
+  assert gguf._reader_class() is not gguf_lib.GGUFReader
+  assert list(ours.fields) == list(theirs.fields) and len(ours.fields) == 36
+  for name, field in theirs.fields.items():
+    mine = ours.fields[name]
+    assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+    assert [p.tobytes() for p in mine.parts] == [p.tobytes() for p in field.parts], name
+    assert type(mine.parts[-1]) is np.ndarray  # a view of the mapping, not a memmap slice
+  tokens = ours.fields["tokenizer.ggml.tokens"].contents()
+  assert len(tokens) == 49152 and tokens == theirs.fields["tokenizer.ggml.tokens"].contents()
+  assert len(ours.tensors) == len(theirs.tensors) == 272
+  for mine, tensor in zip(ours.tensors, theirs.tensors):
+    assert (mine.name, mine.tensor_type, list(mine.shape), mine.data_offset, mine.n_bytes) == (
+        tensor.name, tensor.tensor_type, list(tensor.shape), tensor.data_offset, tensor.n_bytes)
+    assert np.array_equal(mine.data, tensor.data), mine.name
+
+
 def test_logits_equal_transformers_on_mixed_length_chats(models):
   cfg, graphdef, state, tok, ref, _ = models
   prompts = [tok.encode_chat(c) for c in CHATS]
