@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hflax.models.tracing import traced_once
+
 MASKED = -1e30  # finite, so rows with no visible key (pad queries) stay NaN-free
 
 
@@ -436,6 +438,7 @@ REFERENCE_MAX_KEYS = 512
 IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "splash")
 
 
+@traced_once(static_argnames=("impl", "teacher_forced"))
 def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
               q_seg_BxT=None, k_seg_BxS=None, q_prefix_BxT=None, *, impl: str = "auto",
               teacher_forced: bool = False):

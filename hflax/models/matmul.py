@@ -25,7 +25,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from hflax.models.tracing import traced_once
 
+
+@traced_once(static_argnums=2, static_argnames=("out_in", "kernel_left"))
 def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False):
   """x [..., K] contracted with w [K, ...] (w's first axis), computed in `dtype`, the
   result [..., *w.shape[1:]] in `dtype`; with out_in, w is [..., K] (its last axis) and

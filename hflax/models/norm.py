@@ -21,9 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hflax.models.tracing import traced_once
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def rms_norm(x, scale, eps: float):
+def _rms_norm(x, scale, eps: float):
   """scale * x / sqrt(mean(x^2, axis=-1) + eps), in x's dtype (scale cast to it)."""
   return _forward(x, scale, eps)[0]
 
@@ -49,4 +51,5 @@ def _backward(eps, saved, dy):
   return dx.astype(x.dtype), d_scale.astype(scale.dtype)
 
 
-rms_norm.defvjp(_forward, _backward)
+_rms_norm.defvjp(_forward, _backward)
+rms_norm = traced_once(static_argnums=2)(_rms_norm)

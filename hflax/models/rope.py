@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hflax.models.config import ModelConfig
+from hflax.models.tracing import traced_once
 
 
 def inverse_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
@@ -109,7 +110,7 @@ def rope_tables(cfg: ModelConfig, positions_BxT: jnp.ndarray, num_positions: int
 
 
 @jax.custom_vjp
-def apply_rope(x_BxTxNxD: jnp.ndarray, cos_BxTxD: jnp.ndarray, sin_BxTxD: jnp.ndarray):
+def _apply_rope(x_BxTxNxD: jnp.ndarray, cos_BxTxD: jnp.ndarray, sin_BxTxD: jnp.ndarray):
   """x rotated by the angles whose cos and sin are given, in float32, cast back to x's
   dtype. Differentiable in x only (the tables come from integer positions)."""
   cos, sin = cos_BxTxD[:, :, None, :], sin_BxTxD[:, :, None, :]
@@ -123,7 +124,7 @@ def _rotate_half(x):
 
 
 def _rope_forward(x, cos, sin):
-  return apply_rope(x, cos, sin), (cos, sin)
+  return _apply_rope(x, cos, sin), (cos, sin)
 
 
 def _rope_backward(saved, g):
@@ -136,4 +137,5 @@ def _rope_backward(saved, g):
   return dx.astype(g.dtype), None, None
 
 
-apply_rope.defvjp(_rope_forward, _rope_backward)
+_apply_rope.defvjp(_rope_forward, _rope_backward)
+apply_rope = traced_once()(_apply_rope)

@@ -21,6 +21,7 @@ from hflax.models.matmul import (dense_dot, head_on_left, kernel_on_left, step_l
                                  tied_head, tied_logits)
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
+from hflax.models.tracing import one_trace_per_call
 from hflax.sharding.layouts import ROW_AXES
 
 _INIT = jax.nn.initializers.normal(0.02)
@@ -346,17 +347,18 @@ class DecoderLM(nnx.Module):
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
     cos, sin = rope_tables(self.cfg, positions_BxT, kv_valid_BxS.shape[1])
     new_cache = []
-    for i, layer in enumerate(self.layers):
-      x = rows_split(x)
-      if self.cfg.remat and cache is None:
-        x, layer_cache = nnx.remat(Block.__call__)(layer, x, cos, sin, kv_valid_BxS, slot0, None,
-                                                   segment_ids_BxT, prefix_ids_BxT)
-      else:
-        x, layer_cache = layer(x, cos, sin, kv_valid_BxS, slot0,
-                               None if cache is None else cache[i], segment_ids_BxT,
-                               prefix_ids_BxT)
-      new_cache.append(layer_cache)
-    return self.final_norm(x), (None if cache is None else new_cache)
+    with one_trace_per_call():  # the layers share their attention's, matmuls' ... traces
+      for i, layer in enumerate(self.layers):
+        x = rows_split(x)
+        if self.cfg.remat and cache is None:
+          x, layer_cache = nnx.remat(Block.__call__)(layer, x, cos, sin, kv_valid_BxS, slot0,
+                                                     None, segment_ids_BxT, prefix_ids_BxT)
+        else:
+          x, layer_cache = layer(x, cos, sin, kv_valid_BxS, slot0,
+                                 None if cache is None else cache[i], segment_ids_BxT,
+                                 prefix_ids_BxT)
+        new_cache.append(layer_cache)
+      return self.final_norm(x), (None if cache is None else new_cache)
 
   def logits(self, hidden_BxTxD):
     if self.head != "lm":
