@@ -66,10 +66,16 @@ def test_sharing_changes_no_value_or_gradient(monkeypatch):
 def test_patched_helper_applies_on_the_next_call(monkeypatch):
   graphdef, state = create(CFG.replace(attention="reference"))
   tokens = jnp.asarray(np.random.RandomState(2).randint(1, 64, (1, 8)), jnp.int32)
-  before = forward(graphdef, state, tokens, jnp.ones_like(tokens))[1]
+  run = lambda: jax.jit(lambda t: forward(graphdef, state, t, jnp.ones_like(t))[1])(tokens)  # noqa: E731
+  before = run()
   seen = []
   real = attention.reference
-  monkeypatch.setattr(attention, "reference", lambda *a: seen.append(1) or real(*a) * 0)
-  after = forward(graphdef, state, tokens, jnp.ones_like(tokens))[1]
-  assert seen == [1]  # traced once for the three layers, with the patched helper
+  monkeypatch.setattr(attention, "reference", lambda *a: seen.append(a[0]) or real(*a) * 0)
+  after = run()
+  assert len(seen) == 1  # traced once for the three layers, with the patched helper
+  assert isinstance(seen[0], jax.core.Tracer)
   assert not np.allclose(np.asarray(before), np.asarray(after))
+  # An eager call runs op by op as before (no jit compiled per call): once per layer.
+  seen.clear()
+  forward(graphdef, state, tokens, jnp.ones_like(tokens))
+  assert len(seen) == CFG.num_layers and not isinstance(seen[0], jax.core.Tracer)

@@ -72,8 +72,8 @@ def _reader_class():
   """gguf.GGUFReader, reading each value through a plain array over its mapped file.
 
   The reader slices its np.memmap once per value: a 49k-token vocabulary with its merges
-  is about 250k slices, and memmap's hooks on each made SmolLM2's file take 3.1-5.1 s to
-  open on a 2-core CPU against 1.0-1.5 s through an ndarray view of the same mapping
+  is about 250k slices, and memmap's hooks on each made SmolLM2's file take 3.0-3.3 s to
+  open on a 2-core CPU against 0.9-1.0 s through an ndarray view of the same mapping
   (same fields, same tensors). A gguf release whose private `_get` differs keeps its own."""
   base = _require_gguf().GGUFReader
   expected = ["self", "offset", "dtype", "count", "override_order"]

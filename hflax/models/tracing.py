@@ -11,8 +11,9 @@ the SmolLM2 GRPO recipe's first step (2-core CPU, nothing cached): JAX's tracing
 
 The jit (of a new function object: JAX keys its trace cache by function) lives only as long
 as the call: the next call traces afresh, so tuning constants and monkeypatched helpers
-(tests, benches) take effect as they did without it. Outside a
-model call a marked function is called as it is.
+(tests, benches) take effect as they did without it. Outside a model call, and in a call
+that is not being traced (eager: op by op, where a jit per call would compile every
+time), a marked function is called as it is.
 """
 from __future__ import annotations
 
@@ -26,8 +27,12 @@ _scopes = threading.local()
 
 
 @contextlib.contextmanager
-def one_trace_per_call():
-  """Within it, each `traced_once` function is jitted once (a fresh jit per scope)."""
+def one_trace_per_call(x):
+  """Within it, each `traced_once` function is jitted once (a fresh jit per scope), if the
+  call is being traced (x, an array it computes with, is a tracer); else a no-op."""
+  if not isinstance(x, jax.core.Tracer):
+    yield
+    return
   stack = _scopes.__dict__.setdefault("stack", [])
   stack.append({})
   try:

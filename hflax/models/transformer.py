@@ -347,7 +347,7 @@ class DecoderLM(nnx.Module):
     x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(jnp.dtype(self.cfg.dtype))
     cos, sin = rope_tables(self.cfg, positions_BxT, kv_valid_BxS.shape[1])
     new_cache = []
-    with one_trace_per_call():  # the layers share their attention's, matmuls' ... traces
+    with one_trace_per_call(x):  # the layers share their attention's, matmuls' ... traces
       for i, layer in enumerate(self.layers):
         x = rows_split(x)
         if self.cfg.remat and cache is None:
