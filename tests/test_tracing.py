@@ -19,12 +19,8 @@ def _calls(jaxpr, found):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in ("pjit", "jit"):
       found.setdefault(eqn.params["name"], []).append(eqn.params["jaxpr"])
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if hasattr(sub, "eqns"):
-          _calls(sub, found)
-        elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-          _calls(sub.jaxpr, found)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      _calls(sub, found)
   return found
 
 
