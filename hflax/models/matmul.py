@@ -119,19 +119,26 @@ def _cpu_dot(x, w):
 
 
 def _forward(x, w):
-  return _cpu_dot(x, w), (x, w)
+  # The kernel cast to the compute dtype is kept for dx: cast again in the backward, every
+  # micro-batch of an update converted each float32 kernel twice (XLA hoists neither cast
+  # out of the micro-batch loop), a pass over all the weights that took about as long as
+  # the gradient accumulation.
+  low = w.astype(x.dtype)
+  y = lax.dot_general(x, low, (((x.ndim - 1,), (0,)), ((), ())),
+                      preferred_element_type=jnp.float32).astype(x.dtype)
+  return y, (x, low, jnp.zeros((0,), w.dtype))
 
 
 def _backward(saved, g):
-  x, w = saved
+  x, low, w_dtype = saved
   g = g.astype(x.dtype)
   # dx = g w^T: both operands contract their trailing axes, a layout the fast path takes.
-  out_axes = w.ndim - 1
-  dx = lax.dot_general(g, w.astype(x.dtype),
-                       ((tuple(range(g.ndim - out_axes, g.ndim)), tuple(range(1, w.ndim))),
+  out_axes = low.ndim - 1
+  dx = lax.dot_general(g, low,
+                       ((tuple(range(g.ndim - out_axes, g.ndim)), tuple(range(1, low.ndim))),
                         ((), ())),
                        preferred_element_type=jnp.float32).astype(x.dtype)
-  return dx, _weight_gradient(x, g, w.shape, w.dtype)
+  return dx, _weight_gradient(x, g, low.shape, w_dtype.dtype)
 
 
 _cpu_dot.defvjp(_forward, _backward)
