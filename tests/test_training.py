@@ -224,3 +224,52 @@ def test_fsdp_gradients_gather_weights_instead_of_resharding_activations(dtype):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
     else:  # measured: at most 3.5% of a leaf's largest entry, before and after the change
       assert float(jnp.max(jnp.abs(a - b))) <= 0.1 * float(jnp.max(jnp.abs(b)))
+
+
+def _casts(jaxpr, shapes, inside=False, found=None):
+  """(outside, inside a loop): float32 -> bfloat16 converts of arrays shaped as `shapes`."""
+  found = found if found is not None else {False: 0, True: 0}
+  for eqn in jaxpr.eqns:
+    src = eqn.invars[0].aval if eqn.invars else None
+    if (eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == jnp.bfloat16
+        and getattr(src, "shape", None) in shapes and src.dtype == jnp.float32):
+      found[inside] += 1
+    loop = eqn.primitive.name in ("scan", "while")
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      _casts(sub, shapes, inside or loop, found)
+  return found[False], found[True]
+
+
+def test_a_bfloat16_step_casts_its_kernels_once_for_all_micro_batches():
+  """prepare=compute_kernels: each float32 kernel is cast to bfloat16 once, before the loop
+  over micro-batches (cast inside, SmolLM2's bf16 update converted its 106M kernel weights
+  once per micro-batch: XLA does not hoist the casts); the step computes the same bits."""
+  import functools
+  from hflax.models.transformer import compute_kernels
+  cfg = CFG.replace(dtype="bfloat16", param_dtype="float32")
+  graphdef, state = create(cfg)
+  tx = make_optimizer(OptimConfig(lr=1e-2, grad_clip=0.0))
+  rng = np.random.RandomState(0)
+  rows = {"tokens": jnp.asarray(rng.randint(1, 64, (6, 10)), jnp.int32),
+          "mask": jnp.asarray(rng.rand(6, 10) > 0.2)}
+
+  def loss(params, r, kernels=None):
+    logp, _ = sequence_log_probs(graphdef, params, r["tokens"], r["mask"],
+                                 compute_kernels=kernels)
+    return -jnp.sum(logp * r["mask"]), {}
+
+  kernels = compute_kernels(graphdef, state)
+  dense = 7 * cfg.num_layers + (not cfg.tie_word_embeddings)  # q, k, v, o, gate, up, down; head
+  assert len(kernels) == dense
+  assert all(k.dtype == jnp.bfloat16 for k in kernels.values())
+  assert compute_kernels(*create(CFG)) == {}  # float32 compute: nothing to cast
+  shapes = {k.shape for k in kernels.values()}
+  once = make_train_step(loss, tx, 3, prepare=functools.partial(compute_kernels, graphdef))
+  each = make_train_step(loss, tx, 3)
+  opt = tx.init(state)
+  assert _casts(jax.make_jaxpr(once)(state, opt, rows).jaxpr, shapes) == (dense, 0)
+  outside, inside = _casts(jax.make_jaxpr(each)(state, opt, rows).jaxpr, shapes)
+  assert outside == 0 and inside >= dense
+  got, want = jax.jit(once)(state, opt, rows), jax.jit(each)(state, opt, rows)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -107,12 +107,14 @@ def trained_part(params, trainable=None):
 
 
 def _weighted_grads(loss_fn: Callable, weight_fn: Callable | None, trainable):
-  """grads(params, rows) -> (w * gradient of the trained part, w * metrics, w)."""
+  """grads(params, rows, *once) -> (w * gradient of the trained part, w * metrics, w);
+  `once` (what make_scan_step's prepare made) goes to loss_fn as it is, not differentiated."""
 
-  def grads(params, rows):
+  def grads(params, rows, *once):
     trained, frozen = trained_part(params, trainable)
     whole = (lambda t: t) if frozen is None else (lambda t: nnx.merge_state(frozen, t))
-    (_, metrics), g = jax.value_and_grad(lambda t: loss_fn(whole(t), rows), has_aux=True)(trained)
+    (_, metrics), g = jax.value_and_grad(lambda t: loss_fn(whole(t), rows, *once),
+                                         has_aux=True)(trained)
     w = jnp.float32(1.0) if weight_fn is None else jnp.asarray(weight_fn(rows), jnp.float32)
     scale = lambda tree: jax.tree.map(lambda x: w * x, tree)  # noqa: E731
     return scale(g), scale(metrics), w
@@ -138,7 +140,8 @@ def _apply(tx, trainable):
 
 
 def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_batches: int,
-                    weight_fn: Callable | None = None, trainable=None):
+                    weight_fn: Callable | None = None, trainable=None,
+                    prepare: Callable | None = None):
   """step(params, opt_state, rows) -> (params, opt_state, metrics).
 
   loss_fn(params, rows) -> (loss, metrics) sees one micro-batch. weight_fn(rows) is what
@@ -147,8 +150,10 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_b
   so the mini-batch's loss does not depend on how it is cut into micro-batches. Without
   it every micro-batch counts equally. With `trainable` (see trained_part) only that part
   has gradients and optimizer state (`tx.init` of it); the rest passes through as is.
+  prepare: see make_scan_step.
   """
-  scanned = make_scan_step(loss_fn, tx, lambda _, one: one, weight_fn, trainable)
+  scanned = make_scan_step(loss_fn, tx, lambda _, one: one, weight_fn, trainable,
+                           prepare=prepare)
 
   def step(params, opt_state, rows):
     # Micro-batch m takes rows m, m + k, m + 2k, ...: every device keeps its own rows.
@@ -161,7 +166,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, micro_b
 
 def make_scan_step(loss_fn: Callable, tx: optax.GradientTransformation,
                    micro_rows: Callable, weight_fn: Callable | None = None, trainable=None,
-                   empty: Callable | None = None):
+                   empty: Callable | None = None, prepare: Callable | None = None):
   """step(params, opt_state, shared, stacked) -> (params, opt_state, metrics): one
   program that scans over the micro-batches stacked on stacked's leading axis, micro-batch
   m seeing micro_rows(shared, stacked[m]) (e.g. a packed plan applied to the mini-batch's
@@ -169,14 +174,19 @@ def make_scan_step(loss_fn: Callable, tx: optax.GradientTransformation,
 
   empty(stacked[m]) -> bool (needs weight_fn, for which such a micro-batch weighs 0):
   micro-batches it flags are skipped at run time, so one compiled program serves
-  mini-batches that fill fewer of its micro-batches."""
+  mini-batches that fill fewer of its micro-batches.
+
+  prepare(params) -> once: what every micro-batch's loss reads that depends on the
+  parameters alone (transformer.compute_kernels), made once before the loop (XLA does not
+  hoist it out) and passed as loss_fn(params, rows, once), as a constant of the gradient."""
   if empty is not None and weight_fn is None:
     raise ValueError("make_scan_step: skipping empty micro-batches needs weight_fn (without "
                      "it every micro-batch counts, empty or not)")
   grads_of, apply = _weighted_grads(loss_fn, weight_fn, trainable), _apply(tx, trainable)
 
   def step(params, opt_state, shared, stacked):
-    grads_one = lambda one: grads_of(params, micro_rows(shared, one))  # noqa: E731
+    once = () if prepare is None else (prepare(params),)
+    grads_one = lambda one: grads_of(params, micro_rows(shared, one), *once)  # noqa: E731
     first = jax.tree.map(lambda x: x[0], stacked)
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grads_one, first))
 

@@ -26,7 +26,7 @@ from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate,
 from hflax.models.lora import (base_config, merged_kernels, split_adapters, split_for_merge,
                                trainable_filter)
 from hflax.models.logprobs import packed_log_probs, sequence_log_probs
-from hflax.models.transformer import create_abstract, forward
+from hflax.models.transformer import compute_kernels, create_abstract, forward
 from hflax.rewards.scorer import last_token_scores
 from hflax.rollout.sampler import SamplingParams, generate_over_rows
 from hflax.rollout.waves import generation_slots, generation_waves
@@ -172,9 +172,9 @@ class RoleWorker:
     return functools.lru_cache(maxsize=None)(build)
 
   def _train(self, name: str, loss_fn: Callable, rows: dict, batch: Batch,
-             weight_fn: Callable | None = None) -> Batch:
+             weight_fn: Callable | None = None, prepare: Callable | None = None) -> Batch:
     """Mini-batch loop over `rows` (arrays on this mesh); metrics (device scalars, averaged
-    over mini-batches) come back in meta["metrics"]."""
+    over mini-batches) come back in meta["metrics"]. prepare: see make_scan_step."""
     cfg = self.update_cfg
     live_rows = batch.meta.get(LIVE_ROWS, len(batch))
     micro = cfg.micro_batch_size or cfg.mini_batch_size
@@ -191,7 +191,7 @@ class RoleWorker:
     if name not in self._steps:
       opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
       step = make_train_step(loss_fn, self.tx, cfg.mini_batch_size // micro, weight_fn,
-                             self.trainable)
+                             self.trainable, prepare)
       rows_sharding = self.rows_sharding
 
       # The mini-batch is cut inside the step: a cut dispatched on its own would make the
@@ -230,7 +230,7 @@ class RoleWorker:
       yield np.float32(i == 0), index, live
 
   def _train_packed(self, name: str, loss_fn: Callable, rows: dict, batch: Batch,
-                    weight_fn: Callable | None = None) -> Batch:
+                    weight_fn: Callable | None = None, prepare: Callable | None = None) -> Batch:
     """_train on packed micro-batches: loss_fn(params, fields) reads the packed rows
     (fields "packed_tokens", "segment_ids", "response_index", "response_valid") and the
     [slots, width] fields of the micro-batch's sequences, response_mask 0 in empty slots.
@@ -248,7 +248,7 @@ class RoleWorker:
     mask = np.asarray(batch["attention_mask"])  # the plan needs the lengths on the host
     width = _response_width(batch)
     prompts = self._prompt_groups(batch, mask)
-    step = self._packed_step(name, loss_fn, weight_fn, width)
+    step = self._packed_step(name, loss_fn, weight_fn, width, prepare)
     cuts = cfg.mini_batch_size // (cfg.micro_batch_size or cfg.mini_batch_size)
     history = []
     for fresh, index, live in self._mini_batches(live_rows, dp):
@@ -291,7 +291,8 @@ class RoleWorker:
     self._shape_floors[key] = shape_floor(plans, floor)
     return plans
 
-  def _packed_step(self, name: str, loss_fn: Callable, weight_fn: Callable | None, width: int):
+  def _packed_step(self, name: str, loss_fn: Callable, weight_fn: Callable | None, width: int,
+                   prepare: Callable | None = None):
     """The program of one packed mini-batch: its rows cut out, every micro-batch's
     gradients scanned, the optimizer step; params and opt_state donated."""
     key = ("packed", name, width)
@@ -307,7 +308,8 @@ class RoleWorker:
 
       # With weights an empty micro-batch (fill_fewest leaves some) weighs 0: skipped.
       empty = None if weight_fn is None else lambda plan: ~jnp.any(plan["member"])
-      scanned = make_scan_step(loss_fn, self.tx, micro_rows, weight_fn, self.trainable, empty)
+      scanned = make_scan_step(loss_fn, self.tx, micro_rows, weight_fn, self.trainable, empty,
+                               prepare)
 
       def step(params, opt_state, all_rows, index, live, fresh, plans):
         mini = jax.tree.map(lambda v: jnp.take(v, index, axis=0), all_rows)
@@ -553,21 +555,23 @@ class ActorRolloutWorker(RoleWorker):
       rows[k] = jax.device_put(batch[k], self.rows_sharding)
     width, temperature, graphdef, loss = _response_width(batch), self.temperature, self.graphdef, self.loss_fn
     weight_fn = getattr(loss, "micro_batch_weight", None)
+    # The kernels in the compute dtype, cast once per optimizer step for all its micro-batches.
+    prepare = functools.partial(compute_kernels, graphdef)
     if self.update_cfg.packed:
       packed = _packed_log_probs_fn(graphdef, temperature)
 
-      def packed_loss(params, fields):
-        logp, entropy = packed(params, fields)
+      def packed_loss(params, fields, kernels):
+        logp, entropy = packed(params, fields, kernels)
         return loss(logp, entropy, _fresh_behaviour(logp, fields))
-      return self._train_packed("update_actor", packed_loss, rows, batch, weight_fn)
+      return self._train_packed("update_actor", packed_loss, rows, batch, weight_fn, prepare)
 
-    def loss_fn(params, fields):
+    def loss_fn(params, fields, kernels):
       logp, entropy = sequence_log_probs(graphdef, params, fields["input_ids"],
                                          fields["attention_mask"], temperature=temperature,
-                                         last=width)
+                                         last=width, compute_kernels=kernels)
       return loss(logp, entropy, _fresh_behaviour(logp, fields))
 
-    return self._train("update_actor", loss_fn, rows, batch, weight_fn)
+    return self._train("update_actor", loss_fn, rows, batch, weight_fn, prepare)
 
 
 # A per-row field of every update's mini-batches: 1 in the first mini-batch of an update
@@ -653,12 +657,13 @@ def _log_probs_fn(graphdef, width: int, temperature: float):
 
 @functools.lru_cache(maxsize=None)
 def _packed_log_probs_fn(graphdef, temperature: float):
-  def fn(params, fields):
+  def fn(params, fields, compute_kernels=None):
     return packed_log_probs(graphdef, params, fields["packed_tokens"], fields["segment_ids"],
                             fields["response_index"], fields["response_valid"],
                             temperature=temperature, positions_RxL=fields.get("positions"),
                             prefix_ids_RxL=fields.get("prefix_ids"),
-                            before_index_BxW=fields["response_before"])
+                            before_index_BxW=fields["response_before"],
+                            compute_kernels=compute_kernels)
   return fn
 
 

@@ -45,15 +45,16 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
 
 
 def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: float = 1.0,
-                       chunk: int | None = None, last: int | None = None):
+                       chunk: int | None = None, last: int | None = None, compute_kernels=None):
   """Teacher-forced log p(tokens[:, t] | tokens[:, :t]) and entropy at t, shape [B, T].
 
   Column 0 (no context) and masked positions are 0. Response log-probs of a rollout with
   prompt width P are `log_probs[:, P:]`, or, cheaper, `last=T - P`: then only the last
   `last` columns ([B, last]) are projected onto the vocabulary, which a prompt-heavy batch
-  would otherwise spend most of its LM-head matmuls and log-softmax on.
+  would otherwise spend most of its LM-head matmuls and log-softmax on. compute_kernels:
+  see transformer.compute_kernels.
   """
-  model, hidden = forward(graphdef, state, tokens_BxT, mask_BxT)
+  model, hidden = forward(graphdef, state, tokens_BxT, mask_BxT, compute_kernels=compute_kernels)
   T = tokens_BxT.shape[1]
   whole = last is None or last >= T
   start = 1 if whole else T - last  # the first column scored
@@ -69,7 +70,8 @@ def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: fl
 
 def packed_log_probs(graphdef, state, tokens_RxL, segment_ids_RxL, response_index_BxW,
                      response_valid_BxW, *, temperature: float = 1.0, chunk: int | None = None,
-                     positions_RxL=None, prefix_ids_RxL=None, before_index_BxW=None):
+                     positions_RxL=None, prefix_ids_RxL=None, before_index_BxW=None,
+                     compute_kernels=None):
   """sequence_log_probs(..., last=W) of sequences packed into rows (hflax.controller.packing).
 
   tokens/segment ids [R, L] are the packed rows; response_index [B, W] is the flat packed
@@ -77,11 +79,11 @@ def packed_log_probs(graphdef, state, tokens_RxL, segment_ids_RxL, response_inde
   vocabulary, from the hidden state of the token before each: before_index [B, W] (a
   response packed after a shared prompt, prefix_ids, is predicted from the prompt's last
   token), by default the one before it in its packed row. Returns [B, W], 0 where
-  response_valid is False.
+  response_valid is False. compute_kernels: see transformer.compute_kernels.
   """
   model, hidden = forward(graphdef, state, tokens_RxL, segment_ids_RxL > 0,
                           segment_ids_BxT=segment_ids_RxL, positions_BxT=positions_RxL,
-                          prefix_ids_BxT=prefix_ids_RxL)
+                          prefix_ids_BxT=prefix_ids_RxL, compute_kernels=compute_kernels)
   flat_hidden = hidden.reshape(-1, hidden.shape[-1])
   before = (jnp.maximum(response_index_BxW - 1, 0) if before_index_BxW is None
             else before_index_BxW)

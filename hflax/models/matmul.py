@@ -29,12 +29,13 @@ from hflax.models.tracing import traced_once
 
 
 @traced_once(static_argnums=2, static_argnames=("out_in", "kernel_left"))
-def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False):
+def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False, low=None):
   """x [..., K] contracted with w [K, ...] (w's first axis), computed in `dtype`, the
   result [..., *w.shape[1:]] in `dtype`; with out_in, w is [..., K] (its last axis) and
   the result [..., *w.shape[:-1]]: a decoding copy's kernel, never differentiated, put on
   the left for a few rows with kernel_left (rows_by_kernel: where the result's consumer
-  reads it transposed at no cost)."""
+  reads it transposed at no cost). `low`: w already cast to `dtype` (compute_copies), read
+  in its place on CPU; the gradient still goes to w, in w's dtype."""
   dtype = jnp.dtype(dtype)
   x = x.astype(dtype)
   if out_in:
@@ -48,7 +49,17 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False):
     # GPUs and TPUs accumulate low-precision dots in float32 on their own; their path stays
     # the one measured there (bench/accelerator.py).
     return jnp.tensordot(x, w.astype(dtype), axes=1)
-  return _cpu_dot(x, w)
+  return _cpu_dot(x, w, w.astype(dtype) if low is None else low)
+
+
+def compute_copies(w, dtype):
+  """w cast to `dtype` where dense_dot would cast it on every call (on CPU, a kernel of
+  another dtype), else None: made once for the micro-batches of an update
+  (transformer.compute_kernels)."""
+  dtype = jnp.dtype(dtype)
+  if jax.default_backend() != "cpu" or jnp.dtype(w.dtype) == dtype:
+    return None
+  return w.astype(dtype)
 
 
 # Up to this many rows (a decode step's), rows_by_kernel puts the kernel on the left on CPU.
@@ -112,21 +123,21 @@ def step_logits(hidden_RxD, table_VxD, dtype):
 
 
 @jax.custom_vjp
-def _cpu_dot(x, w):
-  """x (the compute dtype) @ w (any float dtype, cast to x's)."""
-  return lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
+def _cpu_dot(x, w, low):
+  """x (the compute dtype) @ low, which is w (any float dtype) cast to x's dtype; the
+  gradient goes to w, none through the cast.
+
+  Why the cast is an argument: made inside, every micro-batch of an update converted each
+  float32 kernel once in the forward and once more in the backward (XLA hoists neither
+  out of the micro-batch loop), passes over all the weights that took about as long as
+  the gradient accumulation; the caller can make it once (compute_copies), and the
+  backward reads the forward's."""
+  return lax.dot_general(x, low, (((x.ndim - 1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _forward(x, w):
-  # The kernel cast to the compute dtype is kept for dx: cast again in the backward, every
-  # micro-batch of an update converted each float32 kernel twice (XLA hoists neither cast
-  # out of the micro-batch loop), a pass over all the weights that took about as long as
-  # the gradient accumulation.
-  low = w.astype(x.dtype)
-  y = lax.dot_general(x, low, (((x.ndim - 1,), (0,)), ((), ())),
-                      preferred_element_type=jnp.float32).astype(x.dtype)
-  return y, (x, low, jnp.zeros((0,), w.dtype))
+def _forward(x, w, low):
+  return _cpu_dot(x, w, low), (x, low, jnp.zeros((0,), w.dtype))
 
 
 def _backward(saved, g):
@@ -138,7 +149,7 @@ def _backward(saved, g):
                        ((tuple(range(g.ndim - out_axes, g.ndim)), tuple(range(1, low.ndim))),
                         ((), ())),
                        preferred_element_type=jnp.float32).astype(x.dtype)
-  return dx, _weight_gradient(x, g, low.shape, w_dtype.dtype)
+  return dx, _weight_gradient(x, g, low.shape, w_dtype.dtype), None  # low: w's cast
 
 
 _cpu_dot.defvjp(_forward, _backward)

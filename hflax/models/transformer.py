@@ -17,8 +17,8 @@ from flax import nnx
 
 from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
-from hflax.models.matmul import (dense_dot, head_on_left, kernel_on_left, step_logits,
-                                 tied_head, tied_logits)
+from hflax.models.matmul import (compute_copies, dense_dot, head_on_left, kernel_on_left,
+                                 step_logits, tied_head, tied_logits)
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.models.tracing import one_trace_per_call
@@ -45,10 +45,13 @@ class Dense(nnx.Module):
     # and gate/up's consumers did not (their gain went into a transposing copy). The head
     # is DecoderLM.step_logits' choice (a limit of its own).
     self.kernel_left = kernel_left
+    # The kernel already cast to the compute dtype, for the model of one update's
+    # micro-batches only (compute_kernels); never part of the state.
+    self.compute_kernel = nnx.data(None)
 
   def __call__(self, x):
     y = dense_dot(x, self.kernel[...], self.dtype, out_in=self.out_in,
-                  kernel_left=self.kernel_left)
+                  kernel_left=self.kernel_left, low=self.compute_kernel)
     if self.lora_a is not None:
       down = dense_dot(x, self.lora_a[...], self.dtype)
       y = y + self.lora_scale * dense_dot(down, self.lora_b[...], self.dtype)
@@ -453,15 +456,42 @@ def logical_axes(state):
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def compute_kernels(graphdef, state) -> dict:
+  """{path of a Dense module: its kernel cast to the compute dtype}, for every kernel
+  dense_dot would otherwise cast on each call (matmul.compute_copies: 16-bit compute over
+  wider kernels on CPU; {} elsewhere). An update makes them once, outside its loop over
+  micro-batches, and hands them to forward: cast in each, SmolLM2's bf16 update converted
+  its 106M float32 kernel weights once per micro-batch."""
+  out = {}
+  for path, m in nnx.iter_modules(nnx.merge(graphdef, state)):
+    if isinstance(m, Dense) and not m.out_in:
+      low = compute_copies(m.kernel[...], m.dtype)
+      if low is not None:
+        out[path] = low
+  return out
+
+
+def _use_compute_kernels(model, kernels: dict):
+  """Gives each Dense of `model` its kernel from compute_kernels (made for these params)."""
+  for path, m in nnx.iter_modules(model):
+    if path in kernels:
+      if not isinstance(m, Dense) or kernels[path].shape != m.kernel[...].shape:
+        raise ValueError(f"compute_kernels: {path} is not a Dense kernel of this model's shape")
+      m.compute_kernel = nnx.data(kernels[path])
+
+
 def forward(graphdef, state, tokens_BxT, mask_BxT, *, segment_ids_BxT=None, positions_BxT=None,
-            prefix_ids_BxT=None):
+            prefix_ids_BxT=None, compute_kernels=None):
   """Hidden states [B, T, D] of full sequences (teacher forcing); pads are masked out.
 
   With segment_ids_BxT (packed rows, see DecoderLM.__call__) the mask is segment_ids > 0
   and mask_BxT is not read; positions_BxT, if given, replace positions_from_segments (a
   response packed after a shared prompt, prefix_ids_BxT, continues the prompt's).
+  compute_kernels: what the function of that name made from the same graphdef and state.
   """
   model = nnx.merge(graphdef, state)
+  if compute_kernels:
+    _use_compute_kernels(model, compute_kernels)
   if segment_ids_BxT is None:
     hidden, _ = model(tokens_BxT, positions_from_mask(mask_BxT), mask_BxT.astype(bool))
   else:

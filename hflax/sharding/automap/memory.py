@@ -197,8 +197,13 @@ def update_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None = 
   trained = cfg.num_lora_params if cfg.lora_rank else cfg.num_params
   resident = weight_bytes(cfg) + optimizer_bytes(cfg)
   grads = trained * dtype_bytes(cfg.param_dtype)
-  return Footprint(resident, grads + activation_bytes(cfg, rows, length, scored, attention,
-                                                      scored_rows))
+  # Weights stored wider than the compute dtype are cast for the forward and the cast is
+  # what the backward reads (hflax/models/matmul.py; on CPU made once for every
+  # micro-batch, transformer.compute_kernels): alive through the step.
+  casts = (cfg.num_params * dtype_bytes(cfg.dtype)
+           if dtype_bytes(cfg.dtype) < dtype_bytes(cfg.param_dtype) else 0)
+  return Footprint(resident, grads + casts + activation_bytes(cfg, rows, length, scored,
+                                                              attention, scored_rows))
 
 
 def activation_bytes(cfg: ModelConfig, rows: int, length: int, scored: int | None = None,
