@@ -34,7 +34,7 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False, l
   result [..., *w.shape[1:]] in `dtype`; with out_in, w is [..., K] (its last axis) and
   the result [..., *w.shape[:-1]]: a decoding copy's kernel, never differentiated, put on
   the left for a few rows with kernel_left (rows_by_kernel: where the result's consumer
-  reads it transposed at no cost). `low`: w already cast to `dtype` (compute_copies), read
+  reads it transposed at no cost). `low`: w already cast to `dtype` (compute_copy), read
   in its place on CPU; the gradient still goes to w, in w's dtype."""
   dtype = jnp.dtype(dtype)
   x = x.astype(dtype)
@@ -52,7 +52,7 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False, l
   return _cpu_dot(x, w, w.astype(dtype) if low is None else low)
 
 
-def compute_copies(w, dtype):
+def compute_copy(w, dtype):
   """w cast to `dtype` where dense_dot would cast it on every call (on CPU, a kernel of
   another dtype), else None: made once for the micro-batches of an update
   (transformer.compute_kernels)."""
@@ -130,7 +130,7 @@ def _cpu_dot(x, w, low):
   Why the cast is an argument: made inside, every micro-batch of an update converted each
   float32 kernel once in the forward and once more in the backward (XLA hoists neither
   out of the micro-batch loop), passes over all the weights that took about as long as
-  the gradient accumulation; the caller can make it once (compute_copies), and the
+  the gradient accumulation; the caller can make it once (compute_copy), and the
   backward reads the forward's."""
   return lax.dot_general(x, low, (((x.ndim - 1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32).astype(x.dtype)

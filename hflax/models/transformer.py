@@ -17,7 +17,7 @@ from flax import nnx
 
 from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
-from hflax.models.matmul import (compute_copies, dense_dot, head_on_left, kernel_on_left,
+from hflax.models.matmul import (compute_copy, dense_dot, head_on_left, kernel_on_left,
                                  step_logits, tied_head, tied_logits)
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
@@ -458,14 +458,14 @@ def logical_axes(state):
 
 def compute_kernels(graphdef, state) -> dict:
   """{path of a Dense module: its kernel cast to the compute dtype}, for every kernel
-  dense_dot would otherwise cast on each call (matmul.compute_copies: 16-bit compute over
+  dense_dot would otherwise cast on each call (matmul.compute_copy: 16-bit compute over
   wider kernels on CPU; {} elsewhere). An update makes them once, outside its loop over
   micro-batches, and hands them to forward: cast in each, SmolLM2's bf16 update converted
   its 106M float32 kernel weights once per micro-batch."""
   out = {}
   for path, m in nnx.iter_modules(nnx.merge(graphdef, state)):
     if isinstance(m, Dense) and not m.out_in:
-      low = compute_copies(m.kernel[...], m.dtype)
+      low = compute_copy(m.kernel[...], m.dtype)
       if low is not None:
         out[path] = low
   return out
