@@ -10,6 +10,7 @@ from hflax.controller.training import train_compiler_options
 from hflax.models.matmul import (HEAD_LEFT_ROWS, KERNEL_LEFT_ROWS, _weight_gradient, dense_dot,
                                  rows_by_kernel, step_logits, tied_head, tied_logits)
 from hlo_dots import dot_operand_types
+from jaxpr_casts import bfloat16_casts
 
 
 def _float32_training_options() -> dict:
@@ -77,21 +78,6 @@ def test_every_matmul_of_the_bfloat16_gradient_reads_bfloat16():
   assert len(reads) == 2 and all(r == ("bf16", "bf16") for r in reads), reads
 
 
-def _kernel_casts(jaxpr, shape) -> int:
-  """convert_element_type equations turning a float32 array of `shape` into bfloat16, in
-  jaxpr and every jaxpr nested in it."""
-  found = 0
-  for eqn in jaxpr.eqns:
-    src = eqn.invars[0].aval if eqn.invars else None
-    if (eqn.primitive.name == "convert_element_type" and src is not None and
-        getattr(src, "shape", None) == shape and src.dtype == jnp.float32 and
-        eqn.params["new_dtype"] == jnp.bfloat16):
-      found += 1
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      found += _kernel_casts(sub, shape)
-  return found
-
-
 def test_the_bfloat16_gradient_casts_the_kernel_once_and_is_unchanged_by_it():
   """The backward's dx reads the bfloat16 kernel the forward cast: cast again there, an
   update's micro-batch loop converted every float32 kernel twice per micro-batch (XLA
@@ -101,7 +87,7 @@ def test_the_bfloat16_gradient_casts_the_kernel_once_and_is_unchanged_by_it():
   w, g = jax.random.normal(k[1], (16, 12)), jax.random.normal(k[2], (24, 12))
   loss = lambda x, w: jnp.sum(dense_dot(x, w, jnp.bfloat16).astype(jnp.float32) * g)  # noqa: E731
   jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w).jaxpr
-  assert _kernel_casts(jaxpr, w.shape) == 1
+  assert sum(bfloat16_casts(jaxpr, {w.shape})) == 1
 
   def twice(x, w):  # the two casts, written out: forward and backward each cast w
     @jax.custom_vjp
@@ -118,7 +104,8 @@ def test_the_bfloat16_gradient_casts_the_kernel_once_and_is_unchanged_by_it():
     dot.defvjp(lambda x, w: (dot(x, w), (x, w)), backward)
     return jnp.sum(dot(x, w).astype(jnp.float32) * g)
 
-  assert _kernel_casts(jax.make_jaxpr(jax.grad(twice, (0, 1)))(x, w).jaxpr, w.shape) == 2
+  twice_jaxpr = jax.make_jaxpr(jax.grad(twice, (0, 1)))(x, w).jaxpr
+  assert sum(bfloat16_casts(twice_jaxpr, {w.shape})) == 2
   for got, want in zip(jax.jit(jax.grad(loss, (0, 1)))(x, w),
                        jax.jit(jax.grad(twice, (0, 1)))(x, w)):
     assert got.dtype == want.dtype

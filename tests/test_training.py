@@ -12,6 +12,7 @@ from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate,
                                        make_train_step, mini_batch_order, train_compiler_options)
 from hflax.models import ModelConfig, create
 from hflax.models.logprobs import sequence_log_probs
+from jaxpr_casts import bfloat16_casts
 
 CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                   num_layers=2, num_heads=4, num_kv_heads=2, dtype="float32")
@@ -226,20 +227,6 @@ def test_fsdp_gradients_gather_weights_instead_of_resharding_activations(dtype):
       assert float(jnp.max(jnp.abs(a - b))) <= 0.1 * float(jnp.max(jnp.abs(b)))
 
 
-def _casts(jaxpr, shapes, inside=False, found=None):
-  """(outside, inside a loop): float32 -> bfloat16 converts of arrays shaped as `shapes`."""
-  found = found if found is not None else {False: 0, True: 0}
-  for eqn in jaxpr.eqns:
-    src = eqn.invars[0].aval if eqn.invars else None
-    if (eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == jnp.bfloat16
-        and getattr(src, "shape", None) in shapes and src.dtype == jnp.float32):
-      found[inside] += 1
-    loop = eqn.primitive.name in ("scan", "while")
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      _casts(sub, shapes, inside or loop, found)
-  return found[False], found[True]
-
-
 def test_a_bfloat16_step_casts_its_kernels_once_for_all_micro_batches():
   """prepare=compute_kernels: each float32 kernel is cast to bfloat16 once, before the loop
   over micro-batches (cast inside, SmolLM2's bf16 update converted its 106M kernel weights
@@ -267,8 +254,8 @@ def test_a_bfloat16_step_casts_its_kernels_once_for_all_micro_batches():
   once = make_train_step(loss, tx, 3, prepare=functools.partial(compute_kernels, graphdef))
   each = make_train_step(loss, tx, 3)
   opt = tx.init(state)
-  assert _casts(jax.make_jaxpr(once)(state, opt, rows).jaxpr, shapes) == (dense, 0)
-  outside, inside = _casts(jax.make_jaxpr(each)(state, opt, rows).jaxpr, shapes)
+  assert bfloat16_casts(jax.make_jaxpr(once)(state, opt, rows).jaxpr, shapes) == (dense, 0)
+  outside, inside = bfloat16_casts(jax.make_jaxpr(each)(state, opt, rows).jaxpr, shapes)
   assert outside == 0 and inside >= dense
   got, want = jax.jit(once)(state, opt, rows), jax.jit(each)(state, opt, rows)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
