@@ -131,3 +131,41 @@ def test_a_chunk_holds_a_block_of_tokens_whatever_the_rows():
   assert chunk_columns(1, 100) == 100  # never wider than the positions
   assert chunk_columns(4 * BLOCK_TOKENS, 100) == 1  # at least one column
   assert chunk_columns(16, 10_000, chunk=5) == 5  # the caller's width wins
+
+
+@pytest.mark.parametrize("pieces,live", [(2, 0), (2, 3), (2, 6), (4, 5), (4, 12), (1, 2)])
+def test_the_last_chunk_runs_piece_by_piece_as_far_as_live_reaches(pieces, live):
+  # A packed pass scores a data-dependent count of tokens: its last live chunk projects
+  # only the pieces of C // pieces columns the count reaches, at that width; every live
+  # column's values and the gradients are those of the whole softmax.
+  hidden, targets, embed, bias, weights = inputs()
+  width = C // pieces
+  widths = set()
+
+  def recording(e, b):
+    def head(h):
+      widths.add(h.shape[1])  # at trace time: the widths the head is called at
+      return untied(e, b)(h)
+    return head
+
+  def chunked(h, e, b):
+    return objective(*chunked_log_probs(recording(e, b), h, targets, live, 0.7, pieces),
+                     weights)
+
+  def reference(h, e, b):
+    logp, ent = log_probs_from_logits(untied(e, b)(h), targets, 0.7)
+    keep = (jnp.arange(N * C).reshape(N, 1, C) < live * width)  # columns live reaches
+    return objective(jnp.where(keep, logp, 0.0), jnp.where(keep, ent, 0.0), weights)
+
+  got, grads = jax.jit(jax.value_and_grad(chunked, (0, 1, 2)))(hidden, embed, bias)
+  want, ref_grads = jax.value_and_grad(reference, (0, 1, 2))(hidden, embed, bias)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+  assert widths == {C, width}
+  head = recording(embed, bias)
+  logp, _ = jax.jit(lambda h: chunked_log_probs(head, h, targets, live, 0.7, pieces))(hidden)
+  past = np.arange(N * C).reshape(N, 1, C).repeat(B, 1) >= live * width
+  assert not np.any(np.asarray(logp)[past])  # never computed past the live pieces
+  with pytest.raises(ValueError, match="pieces=3 must divide"):
+    chunked_log_probs(head, hidden, targets, 1, 1.0, 3)

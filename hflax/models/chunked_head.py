@@ -1,9 +1,10 @@
 """Log-probs and entropy of targets through an LM head, chunk by chunk, with a hand-written
 backward pass.
 
-`chunked_log_probs(head, hidden [N, B, C, D], targets [N, B, C], live, T)` runs the head
-over the first `live` of N chunks (a loop whose trip count is data: chunks past the scored
-tokens cost nothing) and keeps two [B, C] softmax statistics per chunk. Its backward pass
+`chunked_log_probs(head, hidden [N, B, C, D], targets [N, B, C], live, T, pieces)` runs
+the head over the first `live` pieces of C / pieces columns (loops whose trip counts are
+data: whole chunks, then the live pieces of the next one; what lies past the scored
+tokens costs nothing) and keeps two [B, C] softmax statistics per chunk. Its backward pass
 recomputes each live chunk's logits once and forms their cotangent in one pass over the
 vocabulary: d/dz_j of log p_t is [j = t] - p_j and of the entropy -p_j (z_j - mean z),
 z = logits / T. Against autodiff of a rematerialised scan under a conditional, this keeps
@@ -71,65 +72,114 @@ def logits_cotangent(z, hit, lse, mean, d_logp, d_ent):
   return d_logp * (hit - p) - d_ent * p * (z - mean)
 
 
-def chunked_log_probs(head, hidden_NxBxCxD, targets_NxBxC, live, temperature: float):
+def chunked_log_probs(head, hidden_NxBxCxD, targets_NxBxC, live, temperature: float,
+                      pieces: int = 1):
   """(log p, entropy), each [N, B, C], of targets under head(hidden) for the first `live`
-  chunks (an int or a traced scalar), 0 past them. head: hidden [B, C, D] -> logits
-  [B, C, V], differentiated with respect to whatever arrays it closes over."""
-  head_fn, consts = jax.closure_convert(head, hidden_NxBxCxD[0])
-  live = jnp.clip(jnp.asarray(live, jnp.int32), 0, hidden_NxBxCxD.shape[0])
-  return _project(head_fn, float(temperature), hidden_NxBxCxD, targets_NxBxC, live, *consts)
+  pieces (an int or a traced scalar), 0 past them: a piece is C // pieces columns of a
+  chunk. Whole chunks are projected as they are, the live pieces of the last live chunk
+  one by one (see hidden_log_probs: a packed pass's last chunk is mostly past its count).
+  head: hidden [B, C, D] -> logits [B, C, V], differentiated with respect to whatever
+  arrays it closes over."""
+  N, _, C, _ = hidden_NxBxCxD.shape
+  if pieces < 1 or C % pieces:
+    raise ValueError(f"pieces={pieces} must divide the chunk's {C} columns")
+  # Converted once per input width: the converted head keeps the shapes it was traced at.
+  heads, consts = zip(*(jax.closure_convert(head, hidden_NxBxCxD[0, :, :width])
+                        for width in dict.fromkeys((C, C // pieces))))
+  if any(len(c) != len(consts[0]) or any(a is not b for a, b in zip(c, consts[0]))
+         for c in consts):
+    raise ValueError("chunked_log_probs: the head closes over different arrays per width")
+  live = jnp.clip(jnp.asarray(live, jnp.int32), 0, N * pieces)
+  return _project(heads, float(temperature), pieces, hidden_NxBxCxD, targets_NxBxC, live,
+                  *consts[0])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _project(head, temperature, hidden, targets, live, *consts):
-  return _forward(head, temperature, hidden, targets, live, *consts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _project(heads, temperature, pieces, hidden, targets, live, *consts):
+  return _forward(heads, temperature, pieces, hidden, targets, live, *consts)[0]
 
 
-def _forward(head, temperature, hidden, targets, live, *consts):
+def _spans(pieces, C, live):
+  """(live whole chunks, live pieces of the chunk after them, a piece's columns): the
+  loop bounds both passes share."""
+  whole = live // pieces
+  return whole, live - whole * pieces, C // pieces
+
+
+def _forward(heads, temperature, pieces, hidden, targets, live, *consts):
   zeros = jnp.zeros(targets.shape, jnp.float32)
-  logits = jax.eval_shape(head, hidden[0], *consts)
+  logits = jax.eval_shape(heads[0], hidden[0], *consts)
   keep = (jax.default_backend() == "cpu" and jnp.dtype(hidden.dtype).itemsize < 4 and
           hidden.shape[0] * logits.size * logits.dtype.itemsize <= KEPT_LOGITS_BYTES)
   # Chunks past `live` are never written: the backward does not read them either. Not
   # keeping: no chunk (the backward tells by the shape).
   kept = jnp.empty((hidden.shape[0] if keep else 0, *logits.shape), logits.dtype)
+  whole, rest, width = _spans(pieces, hidden.shape[2], live)
+
+  def project(at, h, t, carry):
+    """One span of columns: at = (chunk, first column)."""
+    outs, kept = carry
+    logits = heads[h.shape[1] != hidden.shape[2]](h, *consts)
+    stats = softmax_stats(logits, t, temperature)
+    outs = tuple(lax.dynamic_update_slice(o, s[None], (at[0], 0, at[1]))
+                 for o, s in zip(outs, stats))
+    return outs, (lax.dynamic_update_slice(kept, logits[None], (at[0], 0, at[1], 0))
+                  if keep else kept)
 
   def chunk(i, carry):
-    outs, kept = carry
-    logits = head(hidden[i], *consts)
-    stats = softmax_stats(logits, targets[i], temperature)
-    return (tuple(o.at[i].set(s) for o, s in zip(outs, stats)),
-            kept.at[i].set(logits) if keep else kept)
+    return project((i, 0), hidden[i], targets[i], carry)
 
-  (logp, ent, lse, mean), kept = lax.fori_loop(0, live, chunk, ((zeros,) * 4, kept))
+  def piece(p, carry):
+    at = (whole, p * width)
+    return project(at, _columns(hidden, at, width), _columns(targets, at, width), carry)
+
+  carry = lax.fori_loop(0, whole, chunk, ((zeros,) * 4, kept))
+  (logp, ent, lse, mean), kept = lax.fori_loop(0, rest, piece, carry)
   return (logp, ent), (hidden, targets, live, lse, mean, kept, consts)
 
 
-def _backward(head, temperature, saved, cotangents):
+def _columns(x_NxBxC___, at, width):
+  """x[chunk, :, column:column + width] for at = (chunk, column)."""
+  start = (at[0], 0, at[1]) + (0,) * (x_NxBxC___.ndim - 3)
+  sizes = (1, x_NxBxC___.shape[1], width) + x_NxBxC___.shape[3:]
+  return lax.dynamic_slice(x_NxBxC___, start, sizes)[0]
+
+
+def _backward(heads, temperature, pieces, saved, cotangents):
   hidden, targets, live, lse, mean, kept, consts = saved
   d_logp, d_ent = cotangents
   floating = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
+  whole, rest, width = _spans(pieces, hidden.shape[2], live)
 
   def head_of(h, *float_consts):
     it = iter(float_consts)
+    head = heads[h.shape[1] != hidden.shape[2]]
     return head(h, *[next(it) if f else c for c, f in zip(consts, floating)])
 
   float_consts = [c for c, f in zip(consts, floating) if f]
 
-  def chunk(i, carry):
+  def project(at, span, carry):
+    """The gradient of one span of columns: at = (chunk, first column), span(x) its slice."""
     d_hidden, d_consts = carry
-    logits, pull = jax.vjp(head_of, hidden[i], *float_consts)
+    logits, pull = jax.vjp(head_of, span(hidden), *float_consts)
     if kept.shape[0]:  # the forward's logits; XLA drops the recomputed ones, now unused
-      logits = kept[i]
+      logits = span(kept)
     z = logits.astype(jnp.float32) / temperature
-    hit = jnp.arange(z.shape[-1]) == targets[i][..., None]
-    dz = logits_cotangent(z, hit, *(x[i][..., None] for x in (lse, mean, d_logp, d_ent)))
+    hit = jnp.arange(z.shape[-1]) == span(targets)[..., None]
+    dz = logits_cotangent(z, hit, *(span(x)[..., None] for x in (lse, mean, d_logp, d_ent)))
     d_h, *d_c = pull((dz / temperature).astype(logits.dtype))
-    return (d_hidden.at[i].set(d_h),
+    return (lax.dynamic_update_slice(d_hidden, d_h[None], (at[0], 0, at[1], 0)),
             [acc + d.astype(acc.dtype) for acc, d in zip(d_consts, d_c)])
 
+  def chunk(i, carry):
+    return project((i, 0), lambda x: x[i], carry)
+
+  def piece(p, carry):
+    at = (whole, p * width)
+    return project(at, lambda x: _columns(x, at, width), carry)
+
   start = (jnp.zeros_like(hidden), [jnp.zeros_like(c) for c in float_consts])
-  d_hidden, d_float = lax.fori_loop(0, live, chunk, start)
+  d_hidden, d_float = lax.fori_loop(0, rest, piece, lax.fori_loop(0, whole, chunk, start))
   it = iter(d_float)
   return (d_hidden, None, None, *[next(it) if f else None for f in floating])
 

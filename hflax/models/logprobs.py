@@ -15,15 +15,23 @@ from hflax import kernels
 from hflax.models.chunked_head import chunk_columns, chunked_log_probs
 from hflax.models.transformer import forward
 
+# Pieces a chunk is cut into past the whole chunks a count fills (chunked_log_probs): a
+# packed micro-batch scores a data-dependent number of tokens, and its last chunk of 512
+# computed every row, on average half of them past the count. SmolLM2-135M, bf16: see
+# bench/README.md.
+COUNT_PIECES = 4
+
 
 def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1.0,
                      chunk: int | None = None, count=None):
   """Log-probs of `targets` given hidden states, projected to the vocabulary chunk by chunk.
 
   count (an int or a traced scalar): only the first `count` positions are needed; chunks
-  wholly past it are skipped (forward and backward) and read 0. A packed pass sizes its
-  positions for the most response tokens a micro-batch could hold, and usually holds far
-  fewer: the LM head over 49k ids is most of the cost of a position."""
+  wholly past it are skipped (forward and backward) and read 0, and so are the pieces
+  (a COUNT_PIECES-th of a chunk) of the last chunk it reaches into that lie past it. A
+  packed pass sizes its positions for the most response tokens a micro-batch could hold,
+  and usually holds far fewer: the LM head over 49k ids is most of the cost of a
+  position."""
   fused = kernels.maybe_hidden_log_probs(model, hidden_BxTxD, targets_BxT, temperature)
   if fused is not None:  # the fused GPU kernel (hflax.kernels); never on CPU unless forced
     return fused
@@ -36,10 +44,13 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
   hidden_NxBxCxD = hidden.reshape(B, n, chunk, D).swapaxes(0, 1)
   targets_NxBxC = targets.reshape(B, n, chunk).swapaxes(0, 1)
 
+  # With a count, the last live chunk runs piece by piece, as far as the count reaches.
+  pieces = COUNT_PIECES if count is not None and chunk % COUNT_PIECES == 0 else 1
+  width = chunk // pieces
+  live = n * pieces if count is None else (count + width - 1) // width
   # The head's weights are made ready (cast) once, outside the chunk loop.
-  live = n if count is None else (count + chunk - 1) // chunk
   logp, ent = chunked_log_probs(model.logits_projection(), hidden_NxBxCxD, targets_NxBxC,
-                                live, temperature)
+                                live, temperature, pieces)
   unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]  # noqa: E731
   return unchunk(logp), unchunk(ent)
 
