@@ -99,11 +99,14 @@ def _project(heads, temperature, pieces, hidden, targets, live, *consts):
   return _forward(heads, temperature, pieces, hidden, targets, live, *consts)[0]
 
 
-def _spans(pieces, C, live):
-  """(live whole chunks, live pieces of the chunk after them, a piece's columns): the
-  loop bounds both passes share."""
-  whole = live // pieces
-  return whole, live - whole * pieces, C // pieces
+def _over_live_spans(pieces, C, live, project, carry):
+  """carry through project(at, width, carry) for every live span of columns, at = (chunk,
+  first column): the whole chunks (width C), then the live pieces of the chunk after
+  them (width C // pieces). Both passes walk the same spans."""
+  whole, width = live // pieces, C // pieces
+  carry = lax.fori_loop(0, whole, lambda i, c: project((i, 0), C, c), carry)
+  return lax.fori_loop(0, live - whole * pieces,
+                       lambda p, c: project((whole, p * width), width, c), carry)
 
 
 def _forward(heads, temperature, pieces, hidden, targets, live, *consts):
@@ -114,27 +117,20 @@ def _forward(heads, temperature, pieces, hidden, targets, live, *consts):
   # Chunks past `live` are never written: the backward does not read them either. Not
   # keeping: no chunk (the backward tells by the shape).
   kept = jnp.empty((hidden.shape[0] if keep else 0, *logits.shape), logits.dtype)
-  whole, rest, width = _spans(pieces, hidden.shape[2], live)
+  C = hidden.shape[2]
 
-  def project(at, h, t, carry):
+  def project(at, width, carry):
     """One span of columns: at = (chunk, first column)."""
     outs, kept = carry
-    logits = heads[h.shape[1] != hidden.shape[2]](h, *consts)
-    stats = softmax_stats(logits, t, temperature)
+    logits = heads[width != C](_columns(hidden, at, width), *consts)
+    stats = softmax_stats(logits, _columns(targets, at, width), temperature)
     outs = tuple(lax.dynamic_update_slice(o, s[None], (at[0], 0, at[1]))
                  for o, s in zip(outs, stats))
     return outs, (lax.dynamic_update_slice(kept, logits[None], (at[0], 0, at[1], 0))
                   if keep else kept)
 
-  def chunk(i, carry):
-    return project((i, 0), hidden[i], targets[i], carry)
-
-  def piece(p, carry):
-    at = (whole, p * width)
-    return project(at, _columns(hidden, at, width), _columns(targets, at, width), carry)
-
-  carry = lax.fori_loop(0, whole, chunk, ((zeros,) * 4, kept))
-  (logp, ent, lse, mean), kept = lax.fori_loop(0, rest, piece, carry)
+  (logp, ent, lse, mean), kept = _over_live_spans(pieces, C, live, project,
+                                                  ((zeros,) * 4, kept))
   return (logp, ent), (hidden, targets, live, lse, mean, kept, consts)
 
 
@@ -149,18 +145,18 @@ def _backward(heads, temperature, pieces, saved, cotangents):
   hidden, targets, live, lse, mean, kept, consts = saved
   d_logp, d_ent = cotangents
   floating = [jnp.issubdtype(c.dtype, jnp.inexact) for c in consts]
-  whole, rest, width = _spans(pieces, hidden.shape[2], live)
+  C = hidden.shape[2]
 
   def head_of(h, *float_consts):
     it = iter(float_consts)
-    head = heads[h.shape[1] != hidden.shape[2]]
-    return head(h, *[next(it) if f else c for c, f in zip(consts, floating)])
+    return heads[h.shape[1] != C](h, *[next(it) if f else c for c, f in zip(consts, floating)])
 
   float_consts = [c for c, f in zip(consts, floating) if f]
 
-  def project(at, span, carry):
-    """The gradient of one span of columns: at = (chunk, first column), span(x) its slice."""
+  def project(at, width, carry):
+    """The gradient of one span of columns: at = (chunk, first column)."""
     d_hidden, d_consts = carry
+    span = lambda x: _columns(x, at, width)  # noqa: E731
     logits, pull = jax.vjp(head_of, span(hidden), *float_consts)
     if kept.shape[0]:  # the forward's logits; XLA drops the recomputed ones, now unused
       logits = span(kept)
@@ -171,15 +167,8 @@ def _backward(heads, temperature, pieces, saved, cotangents):
     return (lax.dynamic_update_slice(d_hidden, d_h[None], (at[0], 0, at[1], 0)),
             [acc + d.astype(acc.dtype) for acc, d in zip(d_consts, d_c)])
 
-  def chunk(i, carry):
-    return project((i, 0), lambda x: x[i], carry)
-
-  def piece(p, carry):
-    at = (whole, p * width)
-    return project(at, lambda x: _columns(x, at, width), carry)
-
   start = (jnp.zeros_like(hidden), [jnp.zeros_like(c) for c in float_consts])
-  d_hidden, d_float = lax.fori_loop(0, rest, piece, lax.fori_loop(0, whole, chunk, start))
+  d_hidden, d_float = _over_live_spans(pieces, C, live, project, start)
   it = iter(d_float)
   return (d_hidden, None, None, *[next(it) if f else None for f in floating])
 
