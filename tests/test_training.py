@@ -8,8 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
-                                       make_train_step, mini_batch_order, train_compiler_options)
+from hflax.controller.training import (BF16_FAST_MATH, OptimConfig, UpdateConfig, learning_rate,
+                                       make_optimizer, make_train_step, mini_batch_order,
+                                       train_compiler_options)
 from hflax.models import ModelConfig, create
 from hflax.models.logprobs import sequence_log_probs
 from jaxpr_casts import bfloat16_casts
@@ -21,9 +22,40 @@ CFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_si
 def test_cpu_steps_use_ynnpack_in_float32_unless_turned_off(monkeypatch):
   options = train_compiler_options(jax.devices()[:2])
   assert options == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
-  assert train_compiler_options(jax.devices()[:2], "bfloat16") is None
   monkeypatch.setenv("HFLAX_CPU_YNN", "0")
   assert train_compiler_options(jax.devices()[:2]) is None
+
+
+def test_cpu_bfloat16_steps_reassociate_float32_math_unless_turned_off(monkeypatch):
+  assert train_compiler_options(jax.devices()[:2], "bfloat16") == BF16_FAST_MATH
+  assert train_compiler_options(jax.devices()[:2], "float16") is None
+  monkeypatch.setenv("HFLAX_CPU_FAST_MATH", "0")
+  assert train_compiler_options(jax.devices()[:2], "bfloat16") is None
+
+
+def test_fast_math_bfloat16_gradient_stays_as_close_to_float32():
+  """Reassociated float32 sums move a bf16 step's gradient by far less than bf16 itself
+  does: its distance to the float32 gradient stays what the default compilation's is.
+  Both compile at LLVM's default level: the suite's level 0 (conftest) reassociates nothing."""
+  cfg = CFG.replace(vocab_size=512, num_layers=3)
+  graphdef32, state = create(cfg)
+  graphdef16, _ = create(cfg.replace(dtype="bfloat16"))
+  tokens = jax.random.randint(jax.random.key(1), (4, 40), 0, cfg.vocab_size)
+  mask = jnp.ones_like(tokens).at[:, :7].set(0)  # left padding, as rollouts have
+
+  def grad_fn(graphdef):
+    return jax.grad(lambda p: -sequence_log_probs(graphdef, p, tokens, mask)[0].sum())
+
+  flat = lambda g: jnp.concatenate([x.ravel() for x in jax.tree.leaves(g)])  # noqa: E731
+  exact = flat(jax.jit(grad_fn(graphdef32))(state))
+  dist, grads = {}, {}
+  level = {"xla_backend_optimization_level": 3}
+  for name, options in (("default", level), ("fast", {**BF16_FAST_MATH, **level})):
+    grads[name] = flat(jax.jit(grad_fn(graphdef16), compiler_options=options)(state))
+    dist[name] = float(jnp.linalg.norm(grads[name] - exact) / jnp.linalg.norm(exact))
+  assert not jnp.array_equal(grads["fast"], grads["default"])  # the options took effect
+  assert 0 < dist["default"] < 0.1
+  assert dist["fast"] < 1.25 * dist["default"]
 
 
 def test_bfloat16_steps_keep_their_dots_in_bfloat16():
