@@ -70,6 +70,19 @@ def test_bf16_first_minibatch_exactly_on_policy(devices):
   assert metrics["actor/pg_clipfrac_first_minibatch"] == 0.0
 
 
+def test_bf16_first_minibatch_exactly_on_policy_with_fast_math_compiled(monkeypatch):
+  # The suite compiles at LLVM level 0 (conftest), where the bf16 step's fast-math
+  # reassociation does nothing; at the default level a fusion XLA duplicates could round
+  # the behaviour log-probs apart from the trained ones. They stay equal.
+  import hflax.controller.workers as workers
+  plain = workers.train_compiler_options
+  monkeypatch.setattr(workers, "train_compiler_options", lambda devices, dtype: {
+      **(plain(devices, dtype) or {}), "xla_backend_optimization_level": 3})
+  metrics = bf16_update(1)
+  assert metrics["actor/ppo_kl_first_minibatch"] == 0.0
+  assert metrics["actor/pg_clipfrac_first_minibatch"] == 0.0
+
+
 def test_bf16_one_step_per_batch_skips_the_old_log_prob_pass(monkeypatch):
   # One optimizer step per batch: nothing else reads recomputed old log-probs, so the
   # separate pass is not run (as TRL), and the step is still exactly on-policy.
