@@ -70,6 +70,22 @@ def minor_faults() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def kernel_usage() -> tuple[float, int]:
+  """(seconds this process has spent in the kernel, its minor page faults) so far."""
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_stime, r.ru_minflt
+
+
+def kernel_since(start: tuple[float, int]) -> dict:
+  """kernel_s and minor_faults since a kernel_usage() reading."""
+  now = kernel_usage()
+  return {"kernel_s": now[0] - start[0], "minor_faults": now[1] - start[1]}
+
+
+def kernel_text(step: dict) -> str:
+  return f"kernel {step['kernel_s']:.2f} s, {step['minor_faults'] / 1e3:.0f}k page faults"
+
+
 def load_average() -> str:
   one, five, fifteen = os.getloadavg()
   return f"{one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min, {os.cpu_count()} cores)"

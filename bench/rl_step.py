@@ -382,11 +382,11 @@ def run_pair(args, precision: str, ckpt: str, rows: list[dict], data_file: str, 
     """After TRL's warm-up and after every block of TRL steps, runs a block of hflax steps."""
 
     def __init__(self):
-      self.mark = None
+      self.mark = self.kernel = None
 
     def on_step_begin(self, a, state, control, **kw):
       if self.mark is None:
-        self.mark = time.perf_counter()
+        self.mark, self.kernel = time.perf_counter(), common.kernel_usage()
         common.reset_peak_rss()
 
     def on_step_end(self, a, state, control, **kw):
@@ -402,28 +402,32 @@ def run_pair(args, precision: str, ckpt: str, rows: list[dict], data_file: str, 
                   response_tokens=r["response_tokens"], stages=stages, score=r["reward_mean"],
                   rows=r["rows"], prompt_width=r["prompt_width"],
                   response_width=r["response_width"], warmup=state.global_step <= trl_warmup,
+                  **common.kernel_since(self.kernel),
                   peaks=common.matmul_peaks(args.peak_size))  # outside the step's time
       trl_steps.append(step)
       order.append("T" if not step["warmup"] else "t")
       print(f"  TRL   step {state.global_step:>2}: {step['time']:6.2f} s, {tokens:6.0f} tokens, "
-            f"reward {step['score']:.3f}{' (warm-up)' if step['warmup'] else ''}", flush=True)
+            f"reward {step['score']:.3f}, {common.kernel_text(step)}"
+            f"{' (warm-up)' if step['warmup'] else ''}", flush=True)
       done = state.global_step - trl_warmup
       if done == 0 or (done > 0 and done % args.steps_per_round == 0):
         count = hflax_warmup if done == 0 else args.steps_per_round
         common.reset_peak_rss()
         for _ in range(count):
+          kernel = common.kernel_usage()
           s = hflax.step()
+          s.update(common.kernel_since(kernel))
           s["warmup"] = done == 0
           s["peaks"] = common.matmul_peaks(args.peak_size)  # the VM's speed drifts
           hx_steps.append(s)
           order.append("h" if s["warmup"] else "H")
           print(f"  hflax step {len(hx_steps):>2}: {s['time']:6.2f} s, {s['tokens']:6.0f} tokens, "
-                f"reward {s['score']:.3f}"
+                f"reward {s['score']:.3f}, {common.kernel_text(s)}"
                 f"{' (warm-up, compiles)' if s['warmup'] and len(hx_steps) == 1 else ''}"
                 f"{' (warm-up)' if s['warmup'] and len(hx_steps) > 1 else ''}", flush=True)
         peak_rss["hflax"] = max(peak_rss["hflax"], common.window_peak_rss_mib())
         common.reset_peak_rss()
-      self.mark = time.perf_counter()
+      self.mark, self.kernel = time.perf_counter(), common.kernel_usage()
 
   print(f"== {precision}: building TRL trainer ...", flush=True)
   trainer = make_trl_trainer(args, ckpt, rows, os.path.join(workdir, f"trl_{precision}"),
