@@ -25,12 +25,15 @@ from hflax.sharding.automap.profile import DeviceProfile
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hflax")
 
 
+def _usable_cores() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine_key(devices) -> str:
   """What a measured profile depends on besides the devices' kind and count: the host,
   the cores this process may use (simulated CPU devices share them) and the JAX/XLA
   version. A change in any of them measures again."""
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  parts = (platform.node(), cores, jax.__version__, getattr(jax.lib, "__version__", ""),
+  parts = (platform.node(), _usable_cores(), jax.__version__, getattr(jax.lib, "__version__", ""),
            devices[0].client.platform_version)
   return hashlib.sha256(repr(parts).encode()).hexdigest()[:10]
 
@@ -142,7 +145,9 @@ def _host_concurrency(devices) -> float:
   in_turn = _best_time(lambda: [jax.block_until_ready(chain(*args[0])) for _ in range(2)],
                        repeats=5)
   at_once = _best_time(lambda: [chain(*a) for a in args], repeats=5)
-  return max(1.0, in_turn / at_once)
+  # Two programs finish at most twice as soon, and no sooner than the cores allow; a
+  # larger ratio is the in-turn run's extra host round trip or timer noise, not overlap.
+  return min(max(1.0, in_turn / at_once), 2.0, float(_usable_cores()))
 
 
 def calibrate(devices=None, path: str | None = None, *, refresh: bool = False) -> DeviceProfile:
