@@ -52,8 +52,8 @@ def keep_freed_memory() -> bool:
   default those threads get their own arenas, whose big buffers are mapped fresh and
   unmapped on free, so every training step touches new pages: a 10M-param model's step
   took 360k minor page faults (1.4 GB), about 1 s of kernel time, and more right after
-  other work freed memory. With these settings the same steady step takes none, however
-  much it frees at once. The cost: the process keeps its peak heap size.
+  other work freed memory. With these settings the same steady step takes none. The cost:
+  the process keeps its peak heap size.
 
   HFLAX_CPU_MALLOC=0, any MALLOC_* / GLIBC_TUNABLES variable, or a libc other than glibc
   leaves malloc as it is. Returns whether the settings were made."""
@@ -65,11 +65,10 @@ def keep_freed_memory() -> bool:
     return False
   # Some glibc builds refuse an mmap threshold above 32 MiB; that still covers most buffers.
   threshold = any(mallopt(_M_MMAP_THRESHOLD, v) for v in ((1 << 31) - 1, 32 << 20))
-  # mallopt takes an int and glibc stores it as a size_t, so -1 is "never": with the int's
-  # largest value (2 GiB - 1) glibc still returned the heap's top whenever a step freed
-  # more than that at once (a 49k-vocabulary update does), and the next step faulted it
-  # all back in (537k faults for a freed 3 GiB top, each time).
-  trim = bool(mallopt(_M_TRIM_THRESHOLD, -1))
+  # mallopt takes an int. Not -1 (glibc reads it as a size_t: never trim): a top freed
+  # past 2 GiB then stays mapped, which saved the page faults but made bench/rl_step.py's
+  # generation 15-25% slower on both sides (bench/README, fifty-second session).
+  trim = bool(mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
   return bool(mallopt(_M_ARENA_MAX, 1)) and threshold and trim
 
 
