@@ -12,6 +12,7 @@ from hflax.models import ModelConfig, create
 from hflax.models.decode_layout import (available_memory, build_leaves, decoding_plan,
                                          for_decoding)
 from hflax.models.lora import lora_config
+from hflax.models.matmul import LOW_LEFT_MIN_ROWS
 from hflax.models.transformer import Dense
 from hflax.rollout import SamplingParams, generate, left_pad
 from hflax.rollout.sampler import _generate, generate_over_rows, placed, replicate
@@ -194,10 +195,43 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype, tied):
   assert all(dims == "1" for _, dims, _ in reads), reads
   # A few float32 rows (32 in the prefill, 4 a decode step): o, down and the gate/up pair
   # are the left operands (matmul.rows_by_kernel, MLP._columns), and so is the head (its
-  # 4 rows a step, matmul.step_logits); q/k/v stay on the right, as does every kernel in
-  # bfloat16.
-  left = {"48,48", "48,80", "160,48", "64,48"} if dtype == "float32" else set()
-  assert all((side == "left") == (shape in left) for shape, _, side in reads), reads
+  # 4 rows a step, matmul.step_logits); q/k/v stay on the right. bfloat16 puts o, down and
+  # the pair on the left from LOW_LEFT_MIN_ROWS rows (the prefill's 32), not for the decode
+  # steps' 4 rows; its head stays on the right for them.
+  assert LOW_LEFT_MIN_ROWS <= 32
+  sides = {}
+  for shape, _, side in reads:
+    sides.setdefault(shape, set()).add(side)
+  o_down_pair = {"48,48", "48,80", "160,48"}
+  if dtype == "float32":
+    want = {shape: {"left"} for shape in o_down_pair | {"64,48"}}
+  else:
+    want = {shape: {"left", "right"} for shape in o_down_pair} | {"64,48": {"right"}}
+  assert sides == want | {"96,48": {"right"}}, reads
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_copys_mlp_with_kernels_on_the_left_computes_the_plain_products(dtype):
+  """A decoding copy's MLP for LOW_LEFT_MIN_ROWS rows or more on CPU (both kernels on the
+  left, MLP._columns) computes down(swiglu(gate, up)) with the plain order's roundings:
+  gate, up and the output rounded to the compute dtype once, from float32 sums."""
+  from hflax.models.transformer import swiglu
+  graphdef, state = for_decoding(*_model(dtype))
+  mlp = nnx.merge(graphdef, state).layers[0].mlp
+  rows = max(LOW_LEFT_MIN_ROWS, 8)
+  x = jax.random.normal(jax.random.key(5), (rows, 1, CFG["hidden_size"])).astype(dtype)
+  got = jax.jit(lambda x: mlp(x))(x)
+  assert got.dtype == jnp.dtype(dtype) and got.shape == x.shape
+  wide = lambda a, b: jnp.einsum("...i,oi->...o", a.astype(jnp.float32),  # noqa: E731
+                                 b.astype(jnp.float32), precision="highest")
+  F = CFG["intermediate_size"]
+  pair = wide(x, mlp.pair[...].reshape(2 * F, -1)).astype(dtype).reshape(rows, 1, F, 2)
+  want = wide(swiglu(pair[..., 0], pair[..., 1]), mlp.down.kernel[...]).astype(dtype)
+  # float32 sums in another order: one unit of the last place at most.
+  tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2 ** -7, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+  if dtype == "bfloat16":  # most entries bit-equal: no transposed or misplaced operand
+    assert np.mean(np.asarray(got, np.float32) == np.asarray(want, np.float32)) > 0.9
 
 
 @pytest.mark.parametrize("changes", [{}, {"qkv_bias": True, "qk_norm": True}])

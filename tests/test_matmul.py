@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from hflax.controller.training import train_compiler_options
-from hflax.models.matmul import (HEAD_LEFT_ROWS, KERNEL_LEFT_ROWS, _weight_gradient, dense_dot,
-                                 rows_by_kernel, step_logits, tied_head, tied_logits)
+from hflax.models.matmul import (HEAD_LEFT_ROWS, KERNEL_LEFT_ROWS, LOW_LEFT_MIN_ROWS,
+                                 _weight_gradient, dense_dot, rows_by_kernel, step_logits,
+                                 tied_head, tied_logits)
 from hlo_dots import dot_operand_types
 from jaxpr_casts import bfloat16_casts
 
@@ -186,13 +187,17 @@ def _dot_operands(fn, *args):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_few_rows_take_the_kernel_on_the_left_on_cpu(dtype):
-  """rows_by_kernel computes x w^T; up to KERNEL_LEFT_ROWS float32 rows XLA:CPU gets the
-  kernel as the dot's left operand (not folded back by the transpose after it), beyond
-  that (and in bfloat16) the rows; the result equals the plain product to rounding."""
+  """rows_by_kernel computes x w^T; up to KERNEL_LEFT_ROWS rows (bfloat16 from
+  LOW_LEFT_MIN_ROWS) XLA:CPU gets the kernel as the dot's left operand (not folded back by
+  the transpose after it), else the rows; the result equals the plain product to
+  rounding."""
   k = jax.random.split(jax.random.key(0), 2)
   w = jax.random.normal(k[0], (96, 40), dtype)
   pref = jnp.float32 if dtype == "bfloat16" else None
-  for rows, kernel_left in [(8, True), (KERNEL_LEFT_ROWS, True), (KERNEL_LEFT_ROWS + 8, False)]:
+  assert 8 < LOW_LEFT_MIN_ROWS < KERNEL_LEFT_ROWS
+  low = dtype == "float32"
+  for rows, kernel_left in [(8, low), (LOW_LEFT_MIN_ROWS - 1, low), (LOW_LEFT_MIN_ROWS, True),
+                            (KERNEL_LEFT_ROWS, True), (KERNEL_LEFT_ROWS + 8, False)]:
     x = jax.random.normal(k[1], (rows, 40), dtype)
     fn = lambda x, w: rows_by_kernel(x, w, pref) * 2.0  # noqa: E731 (a consumer after it)
     got = fn(x, w)
@@ -202,7 +207,7 @@ def test_a_few_rows_take_the_kernel_on_the_left_on_cpu(dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-5,
                                atol=1e-4)
     operands = _dot_operands(fn, x, w)
-    left = kernel_left and jax.default_backend() == "cpu" and dtype == "float32"
+    left = kernel_left and jax.default_backend() == "cpu"
     assert operands == [("96,40", f"{rows},40") if left
                         else (f"{rows},40", "96,40")], (rows, operands)
 
@@ -210,20 +215,22 @@ def test_a_few_rows_take_the_kernel_on_the_left_on_cpu(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_generation_steps_head_takes_its_table_on_the_left_up_to_its_own_limit(dtype):
   """step_logits is tied_logits' product: with the [V, D] table the dot's left operand up
-  to HEAD_LEFT_ROWS float32 rows on CPU (a limit below KERNEL_LEFT_ROWS: the token pick
-  reads the [V, R] product through a transposing copy that grows with the rows), the rows
-  on the left beyond it and in bfloat16 (there the very same program as tied_logits)."""
-  assert HEAD_LEFT_ROWS < KERNEL_LEFT_ROWS
+  to HEAD_LEFT_ROWS rows on CPU (a limit below KERNEL_LEFT_ROWS: the token pick reads the
+  [V, R] product through a transposing copy that grows with the rows; bfloat16 from
+  LOW_LEFT_MIN_ROWS rows), else the rows on the left (the very same program as
+  tied_logits)."""
+  assert LOW_LEFT_MIN_ROWS <= HEAD_LEFT_ROWS < KERNEL_LEFT_ROWS
   k = jax.random.split(jax.random.key(1), 2)
   table = jax.random.normal(k[0], (96, 40), jnp.float32)
-  for rows in (2, HEAD_LEFT_ROWS, HEAD_LEFT_ROWS + 1):
+  for rows in (2, LOW_LEFT_MIN_ROWS - 1, HEAD_LEFT_ROWS, HEAD_LEFT_ROWS + 1):
     hidden = jax.random.normal(k[1], (rows, 40), jnp.float32).astype(dtype)
     fn = lambda h, t: step_logits(h, t, dtype)  # noqa: E731
     got = fn(hidden, table)
     want = tied_logits(hidden, table, dtype)
     assert got.dtype == jnp.float32 and got.shape == (rows, 96)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    left = rows <= HEAD_LEFT_ROWS and dtype == "float32" and jax.default_backend() == "cpu"
+    left = (rows <= HEAD_LEFT_ROWS and jax.default_backend() == "cpu"
+            and (dtype == "float32" or rows >= LOW_LEFT_MIN_ROWS))
     assert _dot_operands(fn, hidden, table) == [("96,40", f"{rows},40") if left
                                                 else (f"{rows},40", "96,40")], rows
     if not left:

@@ -80,8 +80,12 @@ def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = Tr
   1.3 ms of 11.6 and its token pick lost it in a transposing copy; step_logits takes it
   for fewer rows), so callers choose (`left`).
   Many rows (a prefill, a training chunk) keep the plain order: at 1536 rows it was as
-  fast or faster. So do 16-bit dtypes: 16 bf16 prompts x 128 greedy tokens took 3.09-3.39
-  s against 2.95-3.00 with it (the RL rollout's 16 slots), though 32 rows a device gained."""
+  fast or faster. So do fewer than LOW_LEFT_MIN_ROWS rows of a 16-bit dtype: 16 bf16
+  prompts x 128 greedy tokens took 3.09-3.39 s against 2.95-3.00 with it on Zen 5 (the RL
+  rollout's 16 slots), and on a 2-core AMD EPYC (Zen 4) 16 rows gained on some kernels and
+  lost on others; from 32 rows bf16 gains there: with both devices busy, SmolLM2's down
+  projection at 32 rows a device 0.44 against 0.89 ms, the MLP's pair 1.01 against 1.38,
+  the head 16.2 against 19.0."""
   dims = (((1,), (1,)), ((), ()))
   if not (left and kernel_on_left(x_RxK.shape[0], x_RxK.dtype)):
     return lax.dot_general(x_RxK, w_NxK, dims, preferred_element_type=preferred_element_type)
@@ -89,11 +93,18 @@ def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = Tr
   return lax.optimization_barrier(y_NxR).T
 
 
+# Fewer 16-bit rows than this keep the plain order (rows_by_kernel).
+LOW_LEFT_MIN_ROWS = 32
+
+
 def kernel_on_left(rows: int, dtype, max_rows: int | None = None) -> bool:
   """Whether rows_by_kernel puts the kernel on the left for this many rows of `dtype`:
-  float32 on CPU only, up to max_rows (default KERNEL_LEFT_ROWS; see rows_by_kernel)."""
+  on CPU, up to max_rows (default KERNEL_LEFT_ROWS; see rows_by_kernel), 16-bit dtypes
+  from LOW_LEFT_MIN_ROWS rows."""
   limit = KERNEL_LEFT_ROWS if max_rows is None else max_rows
-  return jax.default_backend() == "cpu" and rows <= limit and jnp.dtype(dtype) == jnp.float32
+  if jax.default_backend() != "cpu" or rows > limit:
+    return False
+  return jnp.dtype(dtype) == jnp.float32 or rows >= LOW_LEFT_MIN_ROWS
 
 
 # Up to this many rows, step_logits puts the head's table on the left on CPU.

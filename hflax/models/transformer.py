@@ -18,7 +18,8 @@ from flax import nnx
 from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
 from hflax.models.matmul import (compute_copy, dense_dot, head_on_left, kernel_on_left,
-                                 step_logits, tied_head, tied_logits)
+                                 row_major_transpose, step_logits, tied_head, tied_logits,
+                                 widens_on_cpu)
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.models.tracing import one_trace_per_call
@@ -260,21 +261,30 @@ class MLP(nnx.Module):
     return self.down(swiglu(self.gate(x), self.up(x)))
 
   def _columns(self, x):
-    """The decoding copy's MLP for a few rows in float32 on CPU, both kernels the left
-    operands (matmul.rows_by_kernel) and the activation kept transposed ([mlp, rows])
-    between them, the down projection taking it as it lies. On a 2-core AMD EPYC (Zen 5),
-    SmolLM2 at 64 rows: the pair's product 0.68 against 0.71 ms a layer, down 0.38 against
-    0.51. (In bfloat16 XLA:CPU widens a dot whose right operand contracts its first axis
-    to float32: the MLP ran 1.6x slower this way; 16-bit dtypes keep the plain order.)"""
+    """The decoding copy's MLP for a few rows on CPU, both kernels the left operands
+    (matmul.rows_by_kernel). float32 keeps the activation transposed ([mlp, rows]) between
+    them, down taking it as it lies. On a 2-core AMD EPYC (Zen 5), SmolLM2 at 64 rows: the
+    pair's product 0.68 against 0.71 ms a layer, down 0.38 against 0.51. bfloat16 writes
+    the activation out [rows, mlp] first: XLA:CPU widens a bfloat16 dot whose right
+    operand contracts its first axis to float32 (the MLP ran 1.6x slower that way). Both
+    products are rounded to the compute dtype as the plain order rounds them."""
     # The kernel's axis 1 contracted with the right operand's `axis`.
     contract = lambda axis: (((1,), (axis,)), ((), ()))  # noqa: E731
-    x_RxD = x.reshape(-1, x.shape[-1])
+    dtype = jnp.dtype(self.down.dtype)
+    x_RxD = x.reshape(-1, x.shape[-1]).astype(dtype)
     F, _, D = self.pair.shape
-    pair_Fx2xR = jax.lax.dot_general(self.pair[...].reshape(2 * F, D), x_RxD, contract(1)
-                                     ).reshape(F, 2, -1)
+    wide = jnp.float32 if widens_on_cpu(dtype) else None
+    pair_Fx2xR = jax.lax.dot_general(self.pair[...].reshape(2 * F, D), x_RxD, contract(1),
+                                     preferred_element_type=wide).astype(dtype)
+    pair_Fx2xR = pair_Fx2xR.reshape(F, 2, -1)
     act_FxR = swiglu(pair_Fx2xR[:, 0], pair_Fx2xR[:, 1])
-    y_DxR = jax.lax.dot_general(self.down.kernel[...], act_FxR, contract(0))
-    y = jax.lax.optimization_barrier(y_DxR).T.reshape(x.shape)
+    if wide is None:
+      y_DxR = jax.lax.dot_general(self.down.kernel[...], act_FxR, contract(0))
+    else:
+      act_RxF = row_major_transpose(act_FxR[None])[0]
+      y_DxR = jax.lax.dot_general(self.down.kernel[...], act_RxF, contract(1),
+                                  preferred_element_type=wide)
+    y = jax.lax.optimization_barrier(y_DxR).T.reshape(x.shape).astype(dtype)
     return y if self.down.bias is None else y + self.down.bias[...].astype(y.dtype)
 
 
