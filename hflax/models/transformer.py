@@ -278,13 +278,10 @@ class MLP(nnx.Module):
                                      preferred_element_type=wide).astype(dtype)
     pair_Fx2xR = pair_Fx2xR.reshape(F, 2, -1)
     act_FxR = swiglu(pair_Fx2xR[:, 0], pair_Fx2xR[:, 1])
-    if wide is None:
-      y_DxR = jax.lax.dot_general(self.down.kernel[...], act_FxR, contract(0))
-    else:
-      act_RxF = row_major_transpose(act_FxR[None])[0]
-      y_DxR = jax.lax.dot_general(self.down.kernel[...], act_RxF, contract(1),
-                                  preferred_element_type=wide)
-    y = jax.lax.optimization_barrier(y_DxR).T.reshape(x.shape).astype(dtype)
+    if wide is not None:  # down's own product, its kernel on the left (rows_by_kernel)
+      return self.down(row_major_transpose(act_FxR[None])[0].reshape(x.shape[:-1] + (F,)))
+    y_DxR = jax.lax.dot_general(self.down.kernel[...], act_FxR, contract(0))
+    y = jax.lax.optimization_barrier(y_DxR).T.reshape(x.shape)
     return y if self.down.bias is None else y + self.down.bias[...].astype(y.dtype)
 
 
