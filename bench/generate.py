@@ -50,6 +50,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from hflax.models import ModelConfig, create  # noqa: E402
+from hflax.models.decode_layout import for_decoding  # noqa: E402
+from hflax.models.matmul import dense_dot  # noqa: E402
 from hflax.models.hf import export_checkpoint  # noqa: E402
 from hflax.models.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer  # noqa: E402
 import common  # noqa: E402
@@ -152,6 +154,67 @@ def make_prefill_only(graphdef):
   return prefill
 
 
+def make_weight_matmuls(graphdef):
+  """A jitted stand-in for the sampler's prefill or decode step that keeps only its weight
+  matmuls: each layer's q/k/v, o and MLP products, then the LM head on the last column,
+  through the model's own modules and matmul paths (the kernel sides and dtypes the
+  sampler compiles, and the MLP's activation between its products); no attention, norm,
+  rope, cache write or token pick. Its time at the sampler's shapes is about what the
+  call would take if everything else were free."""
+
+  @functools.partial(jax.jit, static_argnums=2)
+  def run(state, x_BxTxD, steps: int = 1):
+    model = nnx.merge(graphdef, state)
+
+    def step(_, x_BxTxD):
+      # Each step's input depends on all of the last one's logits, read once in the order
+      # they lie (a row-wise reduction would transpose the head's [V, rows] product first).
+      return x_BxTxD + (1e-3 * jnp.max(once(model, x_BxTxD))).astype(x_BxTxD.dtype)
+
+    return jax.lax.fori_loop(0, steps, step, x_BxTxD)
+
+  def once(model, x_BxTxD):
+    x, (B, T, _) = x_BxTxD, x_BxTxD.shape
+    for layer in model.layers:
+      att = layer.attn
+      if att.qkv is not None:  # the decoding copy's grouped kernel
+        qkv = dense_dot(x, att.qkv[...], att.o.dtype, out_in=True).reshape(B, T, -1)
+      else:
+        qkv = jnp.concatenate([att.q(x), att.k(x), att.v(x)], axis=-1)
+      q = qkv[..., :model.cfg.num_heads * model.cfg.head_dim]  # as wide as o's input
+      # The whole product feeds the residual (a mean), so none of it is left out.
+      x = x + att.o(q) + jnp.mean(qkv, axis=-1, keepdims=True).astype(x.dtype)
+      x = x + layer.mlp(x)
+    return model.step_logits(x[:, -1])
+
+  return run
+
+
+def time_weight_matmuls(cfg, graphdef, state, devices, rows: int, width: int, shared: int,
+                        repeats: int) -> tuple[float, float]:
+  """Seconds of make_weight_matmuls for one decode step of `rows` rows a device and for the
+  prefill (`shared` prefix columns once, the other width - shared columns of every row),
+  on `devices` at once (None: the default device), medians of `repeats` calls."""
+  graphdef, state = for_decoding(graphdef, state)
+  run = make_weight_matmuls(graphdef)
+  place = (jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("d",)),
+                                      jax.sharding.PartitionSpec()) if devices else None)
+
+  def timed(shape, steps=1):
+    x = jax.device_put(jnp.full(shape, 0.01, jnp.dtype(cfg.dtype)), place)
+    jax.block_until_ready(run(state, x, steps))
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(run(state, x, steps))
+      times.append(time.perf_counter() - t0)
+    return statistics.median(times) / steps
+
+  D = cfg.hidden_size
+  prefill = timed((rows, width - shared, D)) + (timed((1, shared, D)) if shared else 0.0)
+  return timed((rows, 1, D), steps=8), prefill
+
+
 # ----------------------------------------------------------------------------- main
 
 def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
@@ -198,7 +261,7 @@ def main(argv=None) -> int:
   parser.add_argument("--batches", type=int, nargs="+", default=None,
                       help="prompt counts (default 8 64; quick: 2 8)")
   parser.add_argument("--no-breakdown", action="store_true",
-                      help="skip timing hflax's prefill on its own")
+                      help="skip timing hflax's prefill and its weight matmuls on their own")
   parser.add_argument("--temperature", type=float, default=0.0,
                       help="sample at this temperature on both sides (default 0: greedy, the "
                       "headline); with --top-k/--top-p, times their filters too")
@@ -255,7 +318,7 @@ def main(argv=None) -> int:
   # transformers' own defaults (top_k=50) would filter where hflax does not: both get ours.
   hf_kwargs.update(dict(do_sample=True, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p) if args.temperature > 0 else dict(do_sample=False))
-  rows, extra = [], []
+  rows, extra, floors = [], [], []
   for precision in precisions:
     cfg, graphdef, state, hf_model = load_models(args, precision)
     common.reset_peak_rss()
@@ -357,6 +420,14 @@ def main(argv=None) -> int:
                           step_ms=dec_t / (new_tokens - 1) * 1e3,
                           dec_gflops=flops["decode"] / dec_t / 1e9,
                           step_mflop=flops["per_step"] / 1e6))
+        for name, (devices, placed) in variants.items():
+          rows_each = -(-B // len(devices)) if devices else B  # the sampler pads to a multiple
+          step_s, pre_s = time_weight_matmuls(cfg, graphdef, placed, devices, rows_each, width,
+                                              shared, max(3, repeats))
+          floors.append(dict(B=B, precision=precision, name=name, rows=rows_each,
+                             step_ms=step_s * 1e3, pre_ms=pre_s * 1e3,
+                             call=step_s * (new_tokens - 1) + pre_s,
+                             hx_t=statistics.median(hx_times[name]), hf_t=hf_t))
     del hf_model, state, variants
 
   tmp.cleanup()
@@ -418,6 +489,16 @@ def main(argv=None) -> int:
       print(f"  {e['precision']} batch {e['B']}: prefill {e['pre_ms']:.2f} ms "
             f"({e['pre_gflops']:.2f} GFLOP/s), decode {e['step_ms']:.3f} ms/step for "
             f"{e['step_mflop']:.1f} MFLOP/step ({e['dec_gflops']:.2f} GFLOP/s)")
+  if floors:
+    print("weight matmuls alone (make_weight_matmuls: each layer's q/k/v, o and MLP products and "
+          "the LM head, through hflax's own matmul paths at the sampler's shapes; attention, "
+          "norms, the cache and the token pick left out), against the calls above:")
+    for f in floors:
+      print(f"  {f['precision']} batch {f['B']}, {f['name']} ({f['rows']} rows a device): decode "
+            f"{f['step_ms']:.1f} ms/step, prefill {f['pre_ms']:.0f} ms: {f['call']:.2f} s a "
+            f"call, {f['call'] / f['hx_t']:.0%} of hflax's {f['hx_t']:.2f} s; transformers' "
+            f"{f['hf_t']:.2f} s is {f['hf_t'] / f['call']:.2f}x that (the ratio's ceiling "
+            f"on these matmuls)")
   print(f"peak resident memory of the process: {common.peak_rss_mib():.0f} MiB; load average "
         f"now {common.load_average()}")
   return 0

@@ -6,6 +6,7 @@ too long for the suite; the toy runs took 3 minutes each.
 Each script runs in a process of its own, on the real core count: the suite's simulated
 devices would skew them and JAX's device count is fixed once a process starts."""
 import os
+import re
 import subprocess
 import sys
 
@@ -57,6 +58,12 @@ def test_generate_quick_prints_every_row():
     if "64 prompts" in line:
       assert cells[7] in ("PASS", "MISS") and cells[10] in ("PASS", "MISS")
   assert "[fp32] matmul peak (float32)" in out and "[bf16] matmul peak (bfloat16)" in out
+  # The weight matmuls alone, one line per row above: positive times, a call's share, a ceiling.
+  floors = re.findall(r"^  (fp32|bf16) batch (\d+), hflax.*: decode ([\d.]+) ms/step, prefill "
+                      r"(\d+) ms: ([\d.]+) s a call, (\d+)% of hflax's .* is ([\d.]+)x that",
+                      out, re.M)
+  assert len(floors) == len(rows)
+  assert all(float(f[2]) > 0 and float(f[4]) > 0 and float(f[6]) > 0 for f in floors)
   assert "peak resident memory of the process" in out
 
 

@@ -1,4 +1,6 @@
 """The decoding copy of a model: kernels stored [out, in] in their compute dtype."""
+import importlib.util
+import os
 import re
 
 import jax
@@ -167,9 +169,13 @@ def _kernel_reads(graphdef, state):
   puts some on the left, matmul.rows_by_kernel). Four prompts of an 8-wide bucket make 32
   prefill rows and 4 decode rows, so no activation has a test kernel's shape."""
   tokens, mask = (jnp.asarray(x) for x in left_pad([[5, 6, 7], [9] * 5, [4], [8, 2]], 0))
-  text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0),
-                         params=SamplingParams(max_new_tokens=8, temperature=0)
-                         ).compile().as_text()
+  return _dot_reads(_generate.lower(graphdef, state, tokens, mask, jax.random.key(0),
+                                    params=SamplingParams(max_new_tokens=8, temperature=0)))
+
+
+def _dot_reads(lowered):
+  """(shape, contracting dimension, side) of both operands of every dot of a program."""
+  text = lowered.compile().as_text()
   shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", text))
   reads = []
   for lhs, rhs, lhs_dims, rhs_dims in re.findall(
@@ -208,6 +214,27 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype, tied):
   else:
     want = {shape: {"left", "right"} for shape in o_down_pair} | {"64,48": {"right"}}
   assert sides == want | {"96,48": {"right"}}, reads
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_generation_benchs_matmul_floor_reads_the_kernels_as_the_sampler_does(dtype):
+  """bench/generate.py times the sampler's weight matmuls alone (make_weight_matmuls) as
+  the least a call could take: its program must read every kernel with the shape,
+  contracting dimension and side the sampler's does, at a prefill's rows (4 x 8) and a
+  decode step's (4 x 1), or it would time other matmuls."""
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "generate.py")
+  spec = importlib.util.spec_from_file_location("bench_generate", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  graphdef, state = for_decoding(*_model(dtype))
+  kernels = {"48,48", "160,48", "48,80", "64,48", "96,48"}
+  sampler = {read for read in _kernel_reads(graphdef, state) if read[0] in kernels}
+  run = bench.make_weight_matmuls(graphdef)
+  floor = set()
+  for shape in ((4, 8, 48), (4, 1, 48)):
+    floor |= {read for read in _dot_reads(run.lower(state, jnp.zeros(shape, dtype), 1))
+              if read[0] in kernels}
+  assert floor == sampler
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
