@@ -197,22 +197,27 @@ def time_weight_matmuls(cfg, graphdef, state, devices, rows: int, width: int, sh
   on `devices` at once (None: the default device), medians of `repeats` calls."""
   graphdef, state = for_decoding(graphdef, state)
   run = make_weight_matmuls(graphdef)
-  place = (jax.sharding.NamedSharding(jax.sharding.Mesh(np.asarray(devices), ("d",)),
-                                      jax.sharding.PartitionSpec()) if devices else None)
 
   def timed(shape, steps=1):
-    x = jax.device_put(jnp.full(shape, 0.01, jnp.dtype(cfg.dtype)), place)
-    jax.block_until_ready(run(state, x, steps))
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      jax.block_until_ready(run(state, x, steps))
-      times.append(time.perf_counter() - t0)
-    return statistics.median(times) / steps
+    x = jnp.full(shape, 0.01, jnp.dtype(cfg.dtype))
+    x = replicate(x, devices) if devices else x  # every device runs the rows, as each does
+    return median_seconds(lambda: run(state, x, steps), repeats) / steps
 
   D = cfg.hidden_size
   prefill = timed((rows, width - shared, D)) + (timed((1, shared, D)) if shared else 0.0)
   return timed((rows, 1, D), steps=8), prefill
+
+
+def median_seconds(call, repeats: int) -> float:
+  """Median wall time of `repeats` calls of `call` (its result awaited), after one untimed
+  call that compiles it."""
+  jax.block_until_ready(call())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
 
 
 # ----------------------------------------------------------------------------- main
@@ -407,13 +412,7 @@ def main(argv=None) -> int:
 
       if not args.no_breakdown:
         prefill = make_prefill_only(graphdef)
-        jax.block_until_ready(prefill(state, tokens, mask, shared))
-        pre = []
-        for _ in range(max(3, repeats)):
-          t0 = time.perf_counter()
-          jax.block_until_ready(prefill(state, tokens, mask, shared))
-          pre.append(time.perf_counter() - t0)
-        pre_t = statistics.median(pre)
+        pre_t = median_seconds(lambda: prefill(state, tokens, mask, shared), max(3, repeats))
         dec_t = max(statistics.median(hx_times["hflax"]) - pre_t, 1e-9)
         extra.append(dict(B=B, precision=precision, pre_ms=pre_t * 1e3,
                           pre_gflops=flops["prefill"] / pre_t / 1e9,
@@ -495,7 +494,7 @@ def main(argv=None) -> int:
           "norms, the cache and the token pick left out), against the calls above:")
     for f in floors:
       print(f"  {f['precision']} batch {f['B']}, {f['name']} ({f['rows']} rows a device): decode "
-            f"{f['step_ms']:.1f} ms/step, prefill {f['pre_ms']:.0f} ms: {f['call']:.2f} s a "
+            f"{f['step_ms']:.1f} ms/step, prefill {f['pre_ms']:.0f} ms: {f['call']:.3g} s a "
             f"call, {f['call'] / f['hx_t']:.0%} of hflax's {f['hx_t']:.2f} s; transformers' "
             f"{f['hf_t']:.2f} s is {f['hf_t'] / f['call']:.2f}x that (the ratio's ceiling "
             f"on these matmuls)")
