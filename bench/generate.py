@@ -178,7 +178,8 @@ def make_weight_matmuls(graphdef):
     for layer in model.layers:
       att = layer.attn
       if att.qkv is not None:  # the decoding copy's grouped kernel
-        qkv = dense_dot(x, att.qkv[...], att.o.dtype, out_in=True).reshape(B, T, -1)
+        qkv = dense_dot(x, att.qkv[...], att.o.dtype, out_in=True,
+                        packed=att.packed).reshape(B, T, -1)
       else:
         qkv = jnp.concatenate([att.q(x), att.k(x), att.v(x)], axis=-1)
       q = qkv[..., :model.cfg.num_heads * model.cfg.head_dim]  # as wide as o's input

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hflax.kernels import cpu_matmul
 from hflax.models import ModelConfig, create
 from hflax.models.decode_layout import (available_memory, build_leaves, decoding_plan,
                                          for_decoding)
@@ -25,6 +26,13 @@ from hflax.sharding.layouts import (GENERATE_AXES, GENERATE_RULES, TRAIN_RULES, 
 # Non-square kernels, so that a kernel laid back out [in, out] shows in the program.
 CFG = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
            num_kv_heads=2)
+
+
+@pytest.fixture
+def xla_matmuls(monkeypatch):
+  """The [out, in] copy XLA's library multiplies, where a bfloat16 copy would otherwise
+  be packed for cpu_matmul (tests/test_cpu_matmul.py)."""
+  monkeypatch.setenv(cpu_matmul.ENV, "0")
 
 
 def _model(dtype="float32", **changes):
@@ -48,7 +56,7 @@ def _fused(layer_old, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kernels_are_stored_out_in_in_the_compute_dtype(dtype):
+def test_kernels_are_stored_out_in_in_the_compute_dtype(dtype, xla_matmuls):
   graphdef, state = _model(dtype)
   copy = for_decoding(graphdef, state)
   old, new = nnx.merge(graphdef, state), nnx.merge(*copy)
@@ -174,7 +182,8 @@ def _kernel_reads(graphdef, state):
 
 
 def _dot_reads(lowered):
-  """(shape, contracting dimension, side) of both operands of every dot of a program."""
+  """(shape, contracting dimension, side) of both operands of every dot of a program, and
+  (shape, "1", target) of the kernel each cpu_matmul custom call reads."""
   text = lowered.compile().as_text()
   shapes = dict(re.findall(r"%([\w.\-]+) = \w+\[([\d,]*)\]", text))
   reads = []
@@ -182,12 +191,15 @@ def _dot_reads(lowered):
       r" dot\(%([\w.\-]+), %([\w.\-]+)\),.*?lhs_contracting_dims=\{(\d+)\}"
       r".*?rhs_contracting_dims=\{(\d+)\}", text):
     reads += [(shapes[lhs], lhs_dims, "left"), (shapes[rhs], rhs_dims, "right")]
+  for kernel, target in re.findall(r'custom-call\(%[\w.\-]+, %([\w.\-]+)\).*?'
+                                   r'custom_call_target="(hflax_cpu_matmul\w*)"', text):
+    reads.append((shapes[kernel], "1", target))
   return reads
 
 
 @pytest.mark.parametrize("dtype,tied", [("float32", False), ("bfloat16", False),
                                         ("float32", True)])
-def test_the_decode_program_reads_the_kernels_as_stored(dtype, tied):
+def test_the_decode_program_reads_the_kernels_as_stored(dtype, tied, xla_matmuls):
   """XLA must not lay the kernels back out [in, out]: it did, in a copy hoisted out of the
   decode loop, for matmuls of [B, 1, D] activations, and the layout's gain was lost. The
   head is the copy's untied kernel or, tied, the embedding table (both [vocab, embed])."""
@@ -216,12 +228,19 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype, tied):
   assert sides == want | {"96,48": {"right"}}, reads
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_generation_benchs_matmul_floor_reads_the_kernels_as_the_sampler_does(dtype):
+@pytest.mark.parametrize("dtype,packed", [("float32", False), ("bfloat16", False),
+                                          ("bfloat16", True)])
+def test_the_generation_benchs_matmul_floor_reads_the_kernels_as_the_sampler_does(
+    dtype, packed, monkeypatch):
   """bench/generate.py times the sampler's weight matmuls alone (make_weight_matmuls) as
   the least a call could take: its program must read every kernel with the shape,
-  contracting dimension and side the sampler's does, at a prefill's rows (4 x 8) and a
-  decode step's (4 x 1), or it would time other matmuls."""
+  contracting dimension and side the sampler's does, or through the same cpu_matmul call
+  (packed), at a prefill's rows (4 x 8) and a decode step's (4 x 1), or it would time
+  other matmuls."""
+  if packed and cpu_matmul.problem(jnp.bfloat16):
+    pytest.skip(f"cpu_matmul: {cpu_matmul.problem(jnp.bfloat16)}")
+  if not packed:
+    monkeypatch.setenv(cpu_matmul.ENV, "0")
   path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "generate.py")
   spec = importlib.util.spec_from_file_location("bench_generate", path)
   bench = importlib.util.module_from_spec(spec)
@@ -235,10 +254,12 @@ def test_the_generation_benchs_matmul_floor_reads_the_kernels_as_the_sampler_doe
     floor |= {read for read in _dot_reads(run.lower(state, jnp.zeros(shape, dtype), 1))
               if read[0] in kernels}
   assert floor == sampler
+  assert {shape for shape, _, side in sampler if side.startswith("hflax_cpu")} == (
+      kernels if packed else set())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_copys_mlp_with_kernels_on_the_left_computes_the_plain_products(dtype):
+def test_a_copys_mlp_with_kernels_on_the_left_computes_the_plain_products(dtype, xla_matmuls):
   """A decoding copy's MLP for LOW_LEFT_MIN_ROWS rows or more on CPU (both kernels on the
   left, MLP._columns) computes down(swiglu(gate, up)) with the plain order's roundings:
   gate, up and the output rounded to the compute dtype once, from float32 sums."""

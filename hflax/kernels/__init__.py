@@ -76,8 +76,8 @@ def _projection(model):
     return None
   if model.lm_head is None:  # tied: embed [V, D] in hidden's dtype, f32 logits
     return model.embed[...], True, None, "float32"
-  if model.lm_head.bias is not None:
-    return None
+  if model.lm_head.bias is not None or model.lm_head.packed:
+    return None  # a packed decoding copy's head: Dense computes it (cpu_matmul)
   dtype = model.lm_head.dtype  # Dense computes and returns its dtype; logits() upcasts
   # A decoding copy stores the head [V, D], as the tied table is.
   return model.lm_head.kernel[...], model.lm_head.out_in, dtype, dtype

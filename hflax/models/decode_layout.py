@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models.transformer import MLP, Attention, Dense, kv_grouped
+from hflax.kernels import cpu_matmul
+from hflax.models.transformer import MLP, Attention, Dense, DecoderLM, kv_grouped
 
 
 class Recipe(NamedTuple):
@@ -44,15 +45,17 @@ class Recipe(NamedTuple):
   stored [out, in]), "stack" (kernels stored [out, in] and stacked on a new axis 1: the
   MLP's gate and up as [mlp, 2, embed]), "groups" (q, k and v, each split into `shape[0]`
   KV groups along its output axis and concatenated per group: kernels stored [out, in],
-  [KV, (G + 2) * head_dim, embed]; biases [KV, (G + 2) * head_dim])."""
+  [KV, (G + 2) * head_dim, embed]; biases [KV, (G + 2) * head_dim]). `packed`: the result
+  then goes into cpu_matmul's packed layout (same shape)."""
   kind: str
   sources: tuple
   dtype: Any
   shape: tuple
+  packed: bool = False
 
   @property
   def identity(self) -> bool:
-    return self.kind == "keep" and self.dtype is None
+    return self.kind == "keep" and self.dtype is None and not self.packed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +70,17 @@ class DecodingPlan:
   def copy_bytes(self, leaves) -> int:
     """Bytes of the kernels it writes on this process's devices, a replica on each."""
     return sum(_local_elements(leaves[i]) * jnp.dtype(r.dtype).itemsize
-               for r in self.recipes if r.kind != "keep" for i in r.sources)
+               for r in self.recipes if r.kind != "keep" or r.packed for i in r.sources)
 
 
-def decoding_plan(graphdef, state, fuse: bool = True) -> DecodingPlan | None:
+def decoding_plan(graphdef, state, fuse: bool = True, pack: bool = False
+                  ) -> DecodingPlan | None:
   """The plan for `state` (arrays or shape structs), or None where no plain
   (adapter-free) kernel is left to transpose; fuse=False keeps every kernel a leaf of its
   own (the hybrid engine moves leaves one to one), stacked in each decode step instead.
+  pack: the kernels that compute in bfloat16 go into cpu_matmul's packed layout where it
+  is usable, a tied head as a packed table of its own (the caller's choice: only for
+  weights whole on each device, as cpu_matmul's custom call cannot be partitioned).
 
   Why stacked and concatenated kernels: a decode step multiplies one token per row by each
   kernel, and its small products are bound by reading kernels and by per-call overhead, so
@@ -85,19 +92,23 @@ def decoding_plan(graphdef, state, fuse: bool = True) -> DecodingPlan | None:
   made = {}  # the copy's leaf path -> Recipe
   for path, m in list(nnx.iter_modules(model)) if fuse else ():
     if isinstance(m, MLP) and _plain(m.gate, m.up) and m.gate.bias is None:
-      _fuse(m, path, ("gate", "up"), "pair", "stack", ("mlp", None, "embed"), paths, made)
+      _fuse(m, path, ("gate", "up"), "pair", "stack", ("mlp", None, "embed"), paths, made,
+            pack)
     elif isinstance(m, Attention) and _plain(m.q, m.k, m.v):
       _fuse(m, path, ("q", "k", "v"), "qkv", "groups", ("kv_heads", None, "embed"), paths,
-            made)
+            made, pack)
   for path, m in nnx.iter_modules(model):
     if isinstance(m, Dense) and _plain(m):
       kernel = m.kernel.get_value()
       dtype = _compute_dtype(m)
+      m.packed = pack and _packs(m, kernel.shape[::-1])
       made[(*path, "kernel")] = Recipe("transpose", (paths[(*path, "kernel")],), dtype,
-                                       kernel.shape[::-1])
+                                       kernel.shape[::-1], m.packed)
       m.kernel = m.kernel.replace(jax.ShapeDtypeStruct(kernel.shape[::-1], dtype),
                                   axes=tuple(reversed(m.kernel.axes)))
       m.out_in = True
+  if pack and isinstance(model, DecoderLM) and model.head == "lm" and model.lm_head is None:
+    _pack_tied_head(model, paths, made)
   if not made:
     return None
   copy_graphdef, abstract = nnx.split(model)
@@ -116,6 +127,27 @@ def _plain(*denses) -> bool:
   return all(isinstance(d, Dense) and not d.out_in and d.lora_a is None for d in denses)
 
 
+def _packs(dense, shape) -> bool:
+  """Whether cpu_matmul serves this Dense's copy [out, in] of `shape`: it computes in
+  bfloat16 (a float32 computation from a bfloat16 copy keeps XLA's dot, which widens x
+  to float32, not the kernel's rounding of x to bfloat16)."""
+  bf16 = jnp.dtype(jnp.bfloat16)
+  return (jnp.dtype(dense.dtype) == bf16 and _compute_dtype(dense) == bf16
+          and cpu_matmul.packable(shape) and cpu_matmul.usable(bf16))
+
+
+def _pack_tied_head(model, paths, made):
+  """A packed bfloat16 copy of a tied table for step_logits, where it computes in
+  bfloat16 (step_logits: the hidden states' dtype, the model's compute dtype)."""
+  bf16 = jnp.dtype(jnp.bfloat16)
+  shape = model.embed.get_value().shape
+  if not (jnp.dtype(model.cfg.dtype) == bf16 and cpu_matmul.packable(shape)
+          and cpu_matmul.usable(bf16)):
+    return
+  model.packed_head = nnx.Param(jax.ShapeDtypeStruct(shape, bf16), axes=("vocab", "embed"))
+  made[("packed_head",)] = Recipe("keep", (paths[("embed",)],), bf16, shape, True)
+
+
 def _compute_dtype(dense):
   """What the matmul reads, never widened: a bfloat16 generation copy computing in
   float32 stays bfloat16."""
@@ -123,9 +155,10 @@ def _compute_dtype(dense):
                        key=lambda d: jnp.dtype(d).itemsize))
 
 
-def _fuse(module, path, names, attr, kind, axes, paths, made):
+def _fuse(module, path, names, attr, kind, axes, paths, made, pack):
   """Replaces module's Dense `names` by one Param `attr` (kernels by `kind`; their biases,
-  where present, as `attr`_bias grouped alike) and records the recipes."""
+  where present, as `attr`_bias grouped alike) and records the recipes; the kernel packed
+  (module.packed) where `pack` and _packs allow."""
   denses = [getattr(module, n) for n in names]
   dtype = _compute_dtype(denses[0])
   kernels = [d.kernel.get_value() for d in denses]
@@ -136,8 +169,9 @@ def _fuse(module, path, names, attr, kind, axes, paths, made):
     groups = module.cfg.num_kv_heads
     shape = (groups, sum(k.shape[1] for k in kernels) // groups, D)
   setattr(module, attr, nnx.Param(jax.ShapeDtypeStruct(shape, dtype), axes=axes))
+  module.packed = pack and _packs(denses[0], shape)
   made[(*path, attr)] = Recipe(kind, tuple(paths[(*path, n, "kernel")] for n in names),
-                               dtype, shape)
+                               dtype, shape, module.packed)
   if denses[0].bias is not None:
     bias = denses[0].bias.get_value()
     setattr(module, f"{attr}_bias",
@@ -170,8 +204,12 @@ def for_decoding(graphdef, state):
   if not _local_cpu_arrays(state):
     return graphdef, state
   leaves, treedef = jax.tree.flatten(state)
+  # cpu_matmul's custom call cannot be partitioned: packed only where every device holds
+  # the whole weights (a replica on each, or one device).
+  pack = (all(x.sharding.is_fully_replicated for x in leaves)
+          and cpu_matmul.problem(jnp.bfloat16) is None)
   plan = _cached_plan(graphdef, treedef,
-                      tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves))
+                      tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves), pack)
   if plan is None:
     return graphdef, state
   kept = _last_copy.of(plan, leaves)
@@ -238,12 +276,12 @@ def forget_decoding_copy():
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_plan(graphdef, treedef, structs) -> DecodingPlan | None:
+def _cached_plan(graphdef, treedef, structs, pack) -> DecodingPlan | None:
   """decoding_plan by the state's structure, once: merging the model and splitting its copy
   in every generate call cost Python time (SmolLM2: for_decoding 79-97 ms a call, 53-57
   with the plan cached), and a fresh copy graphdef cost the sampler's compiled-program
   lookup a deep comparison with the one it had compiled for."""
-  return decoding_plan(graphdef, jax.tree.unflatten(treedef, structs))
+  return decoding_plan(graphdef, jax.tree.unflatten(treedef, structs), pack=pack)
 
 
 def available_memory() -> int:
@@ -306,10 +344,12 @@ def _build(recipe: Recipe, xs):
   kernels = recipe.kind != "keep" and xs[0].ndim == 2  # a bias is grouped, not transposed
   xs = [(x.T if kernels else x).astype(recipe.dtype or x.dtype) for x in xs]
   if recipe.kind == "stack":
-    return jnp.stack(xs, axis=1)
-  if recipe.kind == "groups":
-    return kv_grouped(xs, recipe.shape[0])
-  return xs[0]
+    out = jnp.stack(xs, axis=1)
+  elif recipe.kind == "groups":
+    out = kv_grouped(xs, recipe.shape[0])
+  else:
+    out = xs[0]
+  return cpu_matmul.pack(out) if recipe.packed else out
 
 
 _build_leaves = jax.jit(build_leaves, static_argnums=0)

@@ -25,19 +25,25 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from hflax.kernels import cpu_matmul
 from hflax.models.tracing import traced_once
 
 
-@traced_once(static_argnums=2, static_argnames=("out_in", "kernel_left"))
-def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False, low=None):
+@traced_once(static_argnums=2, static_argnames=("out_in", "kernel_left", "packed"))
+def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False, low=None,
+              packed: bool = False):
   """x [..., K] contracted with w [K, ...] (w's first axis), computed in `dtype`, the
   result [..., *w.shape[1:]] in `dtype`; with out_in, w is [..., K] (its last axis) and
   the result [..., *w.shape[:-1]]: a decoding copy's kernel, never differentiated, put on
   the left for a few rows with kernel_left (rows_by_kernel: where the result's consumer
-  reads it transposed at no cost). `low`: w already cast to `dtype` (compute_copy), read
+  reads it transposed at no cost), or with packed, a bfloat16 one in cpu_matmul's packed
+  layout, multiplied by that kernel. `low`: w already cast to `dtype` (compute_copy), read
   in its place on CPU; the gradient still goes to w, in w's dtype."""
   dtype = jnp.dtype(dtype)
   x = x.astype(dtype)
+  if packed:
+    y = cpu_matmul.matmul(x.reshape(-1, x.shape[-1]), w.reshape(-1, w.shape[-1]), dtype)
+    return y.reshape(x.shape[:-1] + w.shape[:-1])
   if out_in:
     # As 2-D operands: with x's leading axes kept (a decode step's [B, 1, D]), XLA:CPU
     # lays the kernel back out [in, out] in a copy and the layout's gain is lost.

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hflax.kernels import cpu_matmul
 from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
 from hflax.models.matmul import (compute_copy, dense_dot, head_on_left, kernel_on_left,
@@ -46,13 +47,15 @@ class Dense(nnx.Module):
     # and gate/up's consumers did not (their gain went into a transposing copy). The head
     # is DecoderLM.step_logits' choice (a limit of its own).
     self.kernel_left = kernel_left
+    # True where that [dout, din] kernel is also in cpu_matmul's packed layout.
+    self.packed = False
     # The kernel already cast to the compute dtype, for the model of one update's
     # micro-batches only (compute_kernels); never part of the state.
     self.compute_kernel = nnx.data(None)
 
   def __call__(self, x):
     y = dense_dot(x, self.kernel[...], self.dtype, out_in=self.out_in,
-                  kernel_left=self.kernel_left, low=self.compute_kernel)
+                  kernel_left=self.kernel_left, low=self.compute_kernel, packed=self.packed)
     if self.lora_a is not None:
       down = dense_dot(x, self.lora_a[...], self.dtype)
       y = y + self.lora_scale * dense_dot(down, self.lora_b[...], self.dtype)
@@ -92,6 +95,7 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
     # A decoding copy's q, k and v kernels in one (decode_layout), in place of q, k and v.
     self.qkv, self.qkv_bias = nnx.data(None), nnx.data(None)
+    self.packed = False  # qkv in cpu_matmul's packed layout
 
   def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache, segment_ids_BxT=None,
                prefix_ids_BxT=None):
@@ -101,7 +105,8 @@ class Attention(nnx.Module):
     KV, H, Dh = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
     if self.qkv is not None:
       q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self._grouped_projections(
-          x_BxTxD, self.qkv[...], None if self.qkv_bias is None else self.qkv_bias[...])
+          x_BxTxD, self.qkv[...], None if self.qkv_bias is None else self.qkv_bias[...],
+          self.packed)
     elif T == 1 and self.q.out_in and self.k.out_in and self.v.out_in:
       # The hybrid engine's copy keeps q, k and v apart (its transfer moves leaves one to
       # one): grouped here, XLA hoists the concatenation out of the decode loop.
@@ -129,7 +134,7 @@ class Attention(nnx.Module):
                              teacher_forced=teacher_forced)
     return self.o(out_BxTxHxDh.reshape(B, T, H * Dh)), cache
 
-  def _grouped_projections(self, x_BxTxD, kernel, bias):
+  def _grouped_projections(self, x_BxTxD, kernel, bias, packed=False):
     """q, k and v from a decoding copy's kernel [KV, (G + 2) * Dh, D] (q, k and v
     concatenated per KV group, so a tensor-parallel split of the heads stays aligned with
     the groups) in one matmul instead of three: a decode step's small products are bound
@@ -139,7 +144,7 @@ class Attention(nnx.Module):
     cfg = self.cfg
     B, T, _ = x_BxTxD.shape
     KV, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    y = dense_dot(x_BxTxD, kernel, self.o.dtype, out_in=True)  # [B, T, KV, (G + 2) * Dh]
+    y = dense_dot(x_BxTxD, kernel, self.o.dtype, out_in=True, packed=packed)  # [B, T, KV, (G + 2) * Dh]
     if bias is not None:
       y = y + bias.astype(y.dtype)
     q, k, v = jnp.split(y, [G * Dh, (G + 1) * Dh], axis=-1)
@@ -240,13 +245,16 @@ class MLP(nnx.Module):
     # flattened [2 * mlp, embed] would split a tensor-parallel mlp axis in its minor half,
     # and XLA gathered the whole pair.
     self.pair = nnx.data(None)
+    self.packed = False  # pair in cpu_matmul's packed layout
 
   def __call__(self, x):
     if self.pair is not None:
       # out_in: down is a decoding copy's kernel too (never an adapted one: decode_layout)
-      if kernel_on_left(x.size // x.shape[-1], self.down.dtype) and self.down.out_in:
+      if (kernel_on_left(x.size // x.shape[-1], self.down.dtype) and self.down.out_in
+          and not self.packed):
         return self._columns(x)
-      gate, up = jnp.moveaxis(dense_dot(x, self.pair[...], self.down.dtype, out_in=True), -1, 0)
+      pair = dense_dot(x, self.pair[...], self.down.dtype, out_in=True, packed=self.packed)
+      gate, up = jnp.moveaxis(pair, -1, 0)
       return self.down(swiglu(gate, up))
     plain = self.gate.bias is None and self.gate.lora_a is None and self.up.lora_a is None
     if x.shape[-2] == 1 and plain:
@@ -336,6 +344,9 @@ class DecoderLM(nnx.Module):
                           cfg=cfg, rngs=rngs) if untied_lm else None)
     self.score = (Dense(cfg.hidden_size, 1, ("embed", None), bias=True, cfg=cfg, rngs=rngs)
                   if head == "value" else None)
+    # A decoding copy's tied table [V, D] in cpu_matmul's packed layout, for step_logits
+    # (decode_layout); the embedding lookups keep reading embed.
+    self.packed_head = nnx.data(None)
 
   def __call__(self, tokens_BxT, positions_BxT, kv_valid_BxS, *, cache=None, slot0=0,
                segment_ids_BxT=None, prefix_ids_BxT=None):
@@ -379,7 +390,12 @@ class DecoderLM(nnx.Module):
 
   def step_logits(self, hidden_BxD):
     """`logits` of a generation step's rows [B, D], through matmul.step_logits where the
-    head's table is stored [V, D] (tied, or a decoding copy's untied head)."""
+    head's table is stored [V, D] (tied, or a decoding copy's untied head), or through
+    cpu_matmul where the copy packed it."""
+    if self.packed_head is not None:
+      return cpu_matmul.matmul(hidden_BxD, self.packed_head[...])
+    if self.lm_head is not None and self.lm_head.packed:
+      return cpu_matmul.matmul(hidden_BxD, self.lm_head.kernel[...])
     if self.head == "lm" and self.lm_head is None:
       return step_logits(hidden_BxD, self.embed[...], hidden_BxD.dtype)
     head = self.lm_head
