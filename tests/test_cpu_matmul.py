@@ -24,6 +24,13 @@ CFG = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2, nu
            num_kv_heads=2)
 
 
+@pytest.fixture(autouse=True)
+def one_core(monkeypatch):
+  """As on a host with one core per device, where the copy is packed (cpu_matmul.serves):
+  the tests' 8 simulated devices share this machine's cores."""
+  monkeypatch.setattr(cpu_matmul, "cores", lambda: 1)
+
+
 def _model(dtype="bfloat16", **changes):
   return create(ModelConfig(**CFG, dtype=dtype, param_dtype="float32", **changes), seed=3)
 
@@ -69,16 +76,15 @@ def test_the_kernel_computes_the_float32_sums(M, N, K):
 
 
 @needs_kernel
-def test_shared_with_the_thread_pool_it_computes_the_same_bits(monkeypatch):
-  """One device on several cores shares a call's output groups with XLA's pool: each
-  output's sum is still computed whole by one thread, so the bits are the same."""
-  x, w, _ = _operands(40, 960, 576, seed=1)
-  serial = np.asarray(jax.jit(cpu_matmul.matmul)(x, cpu_matmul.pack(w)))
-  monkeypatch.setattr(cpu_matmul, "_share_with_pool", lambda: True)
-  shared = jax.jit(lambda x, w: cpu_matmul.matmul(x, w))(x, cpu_matmul.pack(w))
-  assert re.search(r"parallel\s*=\s*true", jax.jit(lambda x, w: cpu_matmul.matmul(x, w))
-                   .lower(x, w).as_text())
-  np.testing.assert_array_equal(np.asarray(shared), serial)
+def test_only_weights_on_one_device_per_core_are_packed(monkeypatch):
+  """The kernel runs on one thread: a lone device of a several-core process keeps XLA's
+  library, which spreads its matmuls over the cores."""
+  graphdef, state = _model()
+  monkeypatch.setattr(cpu_matmul, "cores", lambda: 2)
+  assert not nnx.merge(*for_decoding(graphdef, state)).layers[0].attn.packed
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  two = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))  # a replica on each
+  assert nnx.merge(*for_decoding(graphdef, two)).layers[0].attn.packed
 
 
 @needs_kernel

@@ -5,16 +5,13 @@
 //
 // Each call computes 8 rows x 48 outputs at a time in 24 vector registers: per pair of K
 // indices it loads three 16-output slices of W and broadcasts one pair of each of the 8
-// rows, so the multiply-adds, not the loads, set the pace. Groups of 48
-// outputs are the unit of work: all rows of one group are done while its slice of W
-// (K x 48) sits in L2, and groups are shared out to the XLA thread pool where asked.
+// rows, so the multiply-adds, not the loads, set the pace. All rows of a
+// group of 48 outputs are done while its slice of W (K x 48) sits in L2. One thread: a
+// device per core (see cpu_matmul.py for why not more).
 #include <immintrin.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -92,40 +89,14 @@ void Group(const uint16_t* a, int64_t M, int64_t K, const uint16_t* w, Out* c, i
   else Bf16Group<1>(a, M, K, wg, cg, N);
 }
 
-// Groups handed out one at a time; the caller works too and returns once every group is
-// done. Helpers that start after the last group was taken find nothing and leave, so the
-// caller never waits on a task the pool has not started.
-struct Work {
-  std::atomic<int64_t> next{0}, done{0};
-};
-
 template <typename Out>
-void Run(const uint16_t* a, int64_t M, int64_t K, const uint16_t* w, Out* c, int64_t N, bool parallel,
-         ffi::ThreadPool& pool) {
+void Run(const uint16_t* a, int64_t M, int64_t K, const uint16_t* w, Out* c, int64_t N) {
   const int64_t groups = (N / kLanes + kSlices - 1) / kSlices;
-  const int64_t helpers = parallel ? std::min<int64_t>(pool.num_threads(), groups - 1) : 0;
-  if (helpers <= 0 || M * N * K < (int64_t{1} << 20)) {
-    for (int64_t g = 0; g < groups; ++g) Group(a, M, K, w, c, N, g);
-    return;
-  }
-  auto work = std::make_shared<Work>();
-  auto take = [=]() {
-    for (int64_t g; (g = work->next.fetch_add(1)) < groups;) {
-      Group(a, M, K, w, c, N, g);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(take)(take));
-  take();
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < groups; ++spins) {
-    if (spins < 4096) _mm_pause();
-    else std::this_thread::yield();
-  }
+  for (int64_t g = 0; g < groups; ++g) Group(a, M, K, w, c, N, g);
 }
 
 template <typename Out, ffi::DataType D>
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                  ffi::ResultBuffer<D> out, bool parallel) {
+ffi::Error Matmul(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<D> out) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("hflax cpu matmul: expects x [M, K] and w [N, K]");
@@ -134,7 +105,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ff
     return ffi::Error::InvalidArgument("hflax cpu matmul: N must be a multiple of 16, K even");
   Run(reinterpret_cast<const uint16_t*>(x.untyped_data()), M, K,
       reinterpret_cast<const uint16_t*>(w.untyped_data()),
-      reinterpret_cast<Out*>(out->untyped_data()), N, parallel, pool);
+      reinterpret_cast<Out*>(out->untyped_data()), N);
   return ffi::Error::Success();
 }
 
@@ -142,16 +113,12 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ff
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HflaxCpuMatmulBf16, (Matmul<float, ffi::F32>),
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("parallel"));
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HflaxCpuMatmulBf16Rounded, (Matmul<uint16_t, ffi::BF16>),
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<bool>("parallel"));
+                                  .Ret<ffi::Buffer<ffi::BF16>>());

@@ -18,7 +18,9 @@ is a permutation within 16-row blocks, so reshaping a kernel stored [..., K] fla
 leading axes as the rows, and a packed copy can be sliced by 16-row blocks.
 
 HFLAX_CPU_MATMUL=0 turns it off (decoding copies then stay [out, in] for XLA's library).
-Otherwise it is used where the CPU has AVX512-BF16 and a C++ compiler (g++, or $CXX)
+Otherwise it is used for weights replicated on one device per core (`serves`; on a
+2-core host, generate(devices=jax.devices()) with jax_num_cpu_devices=2, as
+bench/generate.py's fastest row runs), where the CPU has AVX512-BF16 and a C++ compiler (g++, or $CXX)
 builds cpu_matmul.cc, once, into a cache directory ($HFLAX_CACHE_DIR, else
 $XDG_CACHE_HOME/hflax, else ~/.cache/hflax; about 4 s); where it is not, `problem` says
 why and the reason is logged once.
@@ -104,14 +106,24 @@ def matmul(x_RxK, packed_NxK, out_dtype=jnp.float32):
   out_dtype = jnp.dtype(out_dtype)
   call = jax.ffi.ffi_call(_registered(out_dtype), jax.ShapeDtypeStruct((R, N), out_dtype),
                           vmap_method="sequential")
-  return call(x_RxK.astype(jnp.bfloat16), packed_NxK, parallel=_share_with_pool())
+  return call(x_RxK.astype(jnp.bfloat16), packed_NxK)
 
 
-def _share_with_pool() -> bool:
-  """Whether one call shares its work with XLA's thread pool: not where each core already
-  runs a device of its own (jax_num_cpu_devices), whose calls then run side by side."""
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return jax.local_device_count("cpu") < (cores or 1)
+def serves(devices: int) -> bool:
+  """Whether weights held on this many devices (a replica on each) decode faster through
+  the kernel: where they keep every core busy, one device per core. The kernel runs on
+  one thread; XLA's library spreads a lone device's matmuls over the cores. Threads of
+  our own did not get there: inside the decode loop XLA hands a custom call no thread
+  pool, and a helper thread competed with XLA's spinning ones (64 SmolLM2 prompts on one
+  device of a 2-core Zen 4: 18-22 s a call against 15.4-15.9 through the library)."""
+  return devices >= cores()
+
+
+def cores() -> int:
+  """The cores this process may run on."""
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
 
 
 @functools.cache

@@ -205,8 +205,9 @@ def for_decoding(graphdef, state):
     return graphdef, state
   leaves, treedef = jax.tree.flatten(state)
   # cpu_matmul's custom call cannot be partitioned: packed only where every device holds
-  # the whole weights (a replica on each, or one device).
+  # the whole weights (a replica on each), on one device per core.
   pack = (all(x.sharding.is_fully_replicated for x in leaves)
+          and cpu_matmul.serves(len(_devices(leaves)))
           and cpu_matmul.problem(jnp.bfloat16) is None)
   plan = _cached_plan(graphdef, treedef,
                       tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves), pack)
