@@ -10,6 +10,7 @@
 // device per core (see cpu_matmul.py for why not more).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -22,22 +23,36 @@ namespace {
 constexpr int kRows = 8;    // rows per register block
 constexpr int kSlices = 3;  // 16-output slices per register block
 constexpr int kLanes = 16;  // float32 lanes of a 512-bit register
+constexpr int kAhead = 16;  // steps along K between a line's prefetch into L1 and its load
 
 // One 16-output panel of a packed bfloat16 kernel: [K / 2][16][2] (pairs along K).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16")
 // Out: float (float32 results) or uint16_t (rounded to bfloat16, to nearest even, as
 // XLA's convert rounds).
+// Lines of the next group's slice of W to bring into L2 while this block runs: `per`
+// every step along K, from `next` up to `end`.
+struct Ahead {
+  const char* next;
+  const char* end;
+  int64_t per;
+};
+
 template <int MR, int NV, typename Out>
 inline void Bf16Block(const uint16_t* a, int64_t K, const uint16_t* w, int64_t panel,
-                      Out* c, int64_t N) {
+                      Out* c, int64_t N, Ahead ahead) {
   __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K / 2; ++p) {
     __m512bh b[NV];
-    for (int j = 0; j < NV; ++j)
+    for (int j = 0; j < NV; ++j) {
       b[j] = (__m512bh)_mm512_loadu_si512(w + j * panel + p * 2 * kLanes);
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * panel + (p + kAhead) * 2 * kLanes),
+                   _MM_HINT_T0);
+    }
+    for (int64_t q = 0; q < ahead.per && ahead.next < ahead.end; ++q, ahead.next += 64)
+      _mm_prefetch(ahead.next, _MM_HINT_T1);
     for (int i = 0; i < MR; ++i) {
       int32_t pair;
       std::memcpy(&pair, a + i * K + 2 * p, sizeof(pair));
@@ -57,20 +72,32 @@ inline void Bf16Block(const uint16_t* a, int64_t K, const uint16_t* w, int64_t p
 
 template <int NV, typename Out>
 void Bf16Group(const uint16_t* a, int64_t M, int64_t K, const uint16_t* w, Out* c,
-               int64_t N) {
+               int64_t N, const uint16_t* next, int64_t next_bytes) {
   const int64_t panel = K * kLanes;
+  // The next group's slice, shared out over this group's row blocks (from DRAM to L2
+  // while these compute from L2, so that its first block does not wait on DRAM).
+  const int64_t blocks = (M + kRows - 1) / kRows, lines = (next_bytes + 63) / 64;
+  const int64_t block_lines = (lines + blocks - 1) / blocks;
+  const int64_t per = (block_lines + K / 2 - 1) / (K / 2);
+  const char* base = reinterpret_cast<const char*>(next);
+  auto ahead = [&](int64_t block) {
+    const char* from = base + std::min(lines, block * block_lines) * 64;
+    const char* to = base + std::min(lines, (block + 1) * block_lines) * 64;
+    return Ahead{from, to, per};
+  };
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) Bf16Block<kRows, NV, Out>(a + m * K, K, w, panel, c + m * N, N);
+  for (; m + kRows <= M; m += kRows)
+    Bf16Block<kRows, NV, Out>(a + m * K, K, w, panel, c + m * N, N, ahead(m / kRows));
   const uint16_t* ar = a + m * K;
   Out* cr = c + m * N;
   switch (M - m) {
-    case 7: Bf16Block<7, NV, Out>(ar, K, w, panel, cr, N); break;
-    case 6: Bf16Block<6, NV, Out>(ar, K, w, panel, cr, N); break;
-    case 5: Bf16Block<5, NV, Out>(ar, K, w, panel, cr, N); break;
-    case 4: Bf16Block<4, NV, Out>(ar, K, w, panel, cr, N); break;
-    case 3: Bf16Block<3, NV, Out>(ar, K, w, panel, cr, N); break;
-    case 2: Bf16Block<2, NV, Out>(ar, K, w, panel, cr, N); break;
-    case 1: Bf16Block<1, NV, Out>(ar, K, w, panel, cr, N); break;
+    case 7: Bf16Block<7, NV, Out>(ar, K, w, panel, cr, N, ahead(m / kRows)); break;
+    case 6: Bf16Block<6, NV, Out>(ar, K, w, panel, cr, N, ahead(m / kRows)); break;
+    case 5: Bf16Block<5, NV, Out>(ar, K, w, panel, cr, N, ahead(m / kRows)); break;
+    case 4: Bf16Block<4, NV, Out>(ar, K, w, panel, cr, N, ahead(m / kRows)); break;
+    case 3: Bf16Block<3, NV, Out>(ar, K, w, panel, cr, N, ahead(m / kRows)); break;
+    case 2: Bf16Block<2, NV, Out>(ar, K, w, panel, cr, N, ahead(m / kRows)); break;
+    case 1: Bf16Block<1, NV, Out>(ar, K, w, panel, cr, N, ahead(m / kRows)); break;
     default: break;
   }
 }
@@ -84,9 +111,12 @@ void Group(const uint16_t* a, int64_t M, int64_t K, const uint16_t* w, Out* c, i
   const int nv = static_cast<int>(panels - first < kSlices ? panels - first : kSlices);
   const uint16_t* wg = w + first * K * kLanes;
   Out* cg = c + first * kLanes;
-  if (nv == 3) Bf16Group<3>(a, M, K, wg, cg, N);
-  else if (nv == 2) Bf16Group<2>(a, M, K, wg, cg, N);
-  else Bf16Group<1>(a, M, K, wg, cg, N);
+  const int64_t after = std::min<int64_t>(kSlices, panels - first - nv);
+  const uint16_t* next = wg + nv * K * kLanes;
+  const int64_t next_bytes = after * K * kLanes * 2;
+  if (nv == 3) Bf16Group<3>(a, M, K, wg, cg, N, next, next_bytes);
+  else if (nv == 2) Bf16Group<2>(a, M, K, wg, cg, N, next, next_bytes);
+  else Bf16Group<1>(a, M, K, wg, cg, N, next, next_bytes);
 }
 
 template <typename Out>
