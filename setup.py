@@ -8,8 +8,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hflax", "hflax.*"]),
-    # The CPU decode kernel's source, built at first use (hflax/kernels/cpu_matmul.py).
-    package_data={"hflax.kernels": ["cpu_matmul.cc"]},
+    # The CPU decode kernel's source, built at first use (hflax/models/cpu_matmul.py).
+    package_data={"hflax.models": ["cpu_matmul.cc"]},
     install_requires=[
         "jax>=0.7",
         "flax>=0.12",

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.kernels import cpu_matmul
+from hflax.models import cpu_matmul
 from hflax.models import ModelConfig, create, hf
 from hflax.models.decode_layout import for_decoding
 from hflax.models.tokenizer import load_tokenizer

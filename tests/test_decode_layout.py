@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.kernels import cpu_matmul
+from hflax.models import cpu_matmul
 from hflax.models import ModelConfig, create
 from hflax.models.decode_layout import (available_memory, build_leaves, decoding_plan,
                                          for_decoding)

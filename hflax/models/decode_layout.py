@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.kernels import cpu_matmul
+from hflax.models import cpu_matmul
 from hflax.models.transformer import MLP, Attention, Dense, DecoderLM, kv_grouped
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.kernels import cpu_matmul
+from hflax.models import cpu_matmul
 from hflax.models.attention import attention
 from hflax.models.config import ModelConfig
 from hflax.models.matmul import (compute_copy, dense_dot, head_on_left, kernel_on_left,

@@ -1,6 +1,6 @@
 // Rows times a packed kernel on x86 CPUs with AVX512-BF16: C[M, N] = A[M, K] W^T, bfloat16
 // operands accumulated in float32, W being a decoding copy's kernel [N, K] stored in
-// panels of 16 outputs (see hflax/kernels/cpu_matmul.py for the layout, why, and the
+// panels of 16 outputs (see hflax/models/cpu_matmul.py for the layout, why, and the
 // measurements).
 //
 // Each call computes 8 rows x 48 outputs at a time in 24 vector registers: per pair of K
