@@ -229,7 +229,7 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype, tied, xla_matmuls
 
 
 @pytest.mark.parametrize("dtype,packed", [("float32", False), ("bfloat16", False),
-                                          ("bfloat16", True)])
+                                          ("bfloat16", True), ("float32", True)])
 def test_the_generation_benchs_matmul_floor_reads_the_kernels_as_the_sampler_does(
     dtype, packed, monkeypatch):
   """bench/generate.py times the sampler's weight matmuls alone (make_weight_matmuls) as

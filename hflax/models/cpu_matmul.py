@@ -1,29 +1,32 @@
-"""Rows times a decoding copy's bfloat16 kernel on x86 CPUs with AVX512-BF16, through a
-kernel of our own (cpu_matmul.cc) that XLA calls as a custom call (jax.ffi).
+"""Rows times a decoding copy's kernel on x86 CPUs with AVX-512 (bfloat16 with
+AVX512-BF16, and float32), through a kernel of our own (cpu_matmul.cc) that XLA calls as a
+custom call (jax.ffi).
 
 Why: a decode step multiplies a few rows (32 a device for 64 prompts on two cores) by
 every kernel, and XLA:CPU's matmul library runs such products well under the CPU's peak.
-On a 2-core AMD EPYC (Zen 4; one core's vdpbf16ps peak about 220 GFLOP/s, measured with a
-register-only loop), SmolLM2's kernels at 32 rows a device with both devices busy ran at
-75-130 GFLOP/s a device in the library and 137-159 in this kernel (in a C loop, 185-210).
-The gain comes from the layout: the kernel is packed once, when the decoding copy is
-written, so that each step along K reads 16 outputs' weights for one pair of K indices in
-one contiguous 64-byte load, the operand vdpbf16ps takes; the library repacks its operand
-on every call. float32 has no such kernel: the same scheme ran no faster than the library
-there (62-78 GFLOP/s a device against 64-78).
+On a 2-core AMD EPYC (Zen 4; one core's vdpbf16ps peak about 220 GFLOP/s and float32 FMA
+peak about 113, measured with register-only loops), SmolLM2's kernels at 32 rows a device
+with both devices busy ran at 75-142 GFLOP/s a device in the library and 137-184 in this
+kernel in bfloat16 (float32: 63-81 against 67-101). The gain comes from the layout: the
+kernel is packed once, when the decoding copy is written, so that each step along K reads
+16 outputs' weights in one contiguous 64-byte load (for one pair of K indices in
+bfloat16, the operand vdpbf16ps takes); the library repacks its operand on every call.
+Whole 64-prompt calls: bfloat16 9.0-9.4 s against 13.5-15.5, float32 15.4-16.7 against
+20.0-21.0 (bench/README.md).
 
 The packed layout (`pack`): a kernel [N, K] ([out, in]) keeps its shape and dtype, and
-each block of 16 outputs (rows n0..n0+15) is stored [K / 2, 16, 2] (pairs along K). It
-is a permutation within 16-row blocks, so reshaping a kernel stored [..., K] flattens its
-leading axes as the rows, and a packed copy can be sliced by 16-row blocks.
+each block of 16 outputs (rows n0..n0+15) is stored [K / 2, 16, 2] in bfloat16 (pairs
+along K), [K, 16] in float32. It is a permutation within 16-row blocks, so reshaping a
+kernel stored [..., K] flattens its leading axes as the rows, and a packed copy can be
+sliced by 16-row blocks.
 
 HFLAX_CPU_MATMUL=0 turns it off (decoding copies then stay [out, in] for XLA's library).
 Otherwise it is used for weights replicated on one device per core (`serves`; on a
 2-core host, generate(devices=jax.devices()) with jax_num_cpu_devices=2, as
-bench/generate.py's fastest row runs), where the CPU has AVX512-BF16 and a C++ compiler (g++, or $CXX)
-builds cpu_matmul.cc, once, into a cache directory ($HFLAX_CACHE_DIR, else
-$XDG_CACHE_HOME/hflax, else ~/.cache/hflax; about 4 s); where it is not, `problem` says
-why and the reason is logged once.
+bench/generate.py's fastest row runs), where the CPU has AVX-512 (AVX512-BF16 for
+bfloat16) and a C++ compiler (g++, or $CXX) builds cpu_matmul.cc, once, into a cache
+directory ($HFLAX_CACHE_DIR, else $XDG_CACHE_HOME/hflax, else ~/.cache/hflax; about 4 s);
+where it is not, `problem` says why and the reason is logged once.
 """
 from __future__ import annotations
 
@@ -42,13 +45,17 @@ import jax.numpy as jnp
 import numpy as np
 
 ENV = "HFLAX_CPU_MATMUL"
+# The dtypes decoding copies are packed in where the kernel can serve them.
+PACKED = ("bfloat16", "float32")
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
 LANES = 16  # outputs per packed block: a 512-bit register of float32
 # By the result's dtype: float32, or rounded to bfloat16 in the kernel (a separate convert
 # of each decode-step product cost SmolLM2 ~4 ms a step at 32 rows a device).
-_TARGETS = {jnp.dtype(jnp.float32): ("hflax_cpu_matmul_bf16", "HflaxCpuMatmulBf16"),
-            jnp.dtype(jnp.bfloat16): ("hflax_cpu_matmul_bf16_rounded",
-                                      "HflaxCpuMatmulBf16Rounded")}
+# By (operands' dtype, result's dtype).
+_TARGETS = {("bfloat16", "float32"): ("hflax_cpu_matmul_bf16", "HflaxCpuMatmulBf16"),
+            ("bfloat16", "bfloat16"): ("hflax_cpu_matmul_bf16_rounded",
+                                       "HflaxCpuMatmulBf16Rounded"),
+            ("float32", "float32"): ("hflax_cpu_matmul_f32", "HflaxCpuMatmulF32")}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions", "-w")
 
 
@@ -57,11 +64,11 @@ def problem(dtype) -> str | None:
   dtype = jnp.dtype(dtype)
   if os.environ.get(ENV, "").lower() in ("0", "false", "off"):
     return f"{ENV}={os.environ[ENV]}"
-  if dtype != jnp.bfloat16:
+  if dtype not in (jnp.bfloat16, jnp.float32):
     return f"no kernel for {dtype.name}"
   if jax.default_backend() != "cpu":
     return f"the default backend is {jax.default_backend()}, not cpu"
-  needed = {"avx512f", "avx512bw", "avx512_bf16"}
+  needed = {"avx512f", "avx512bw"} | ({"avx512_bf16"} if dtype == jnp.bfloat16 else set())
   missing = needed - _cpu_flags()
   if missing:
     return f"this CPU lacks {', '.join(sorted(missing))}"
@@ -77,36 +84,46 @@ def usable(dtype) -> bool:
   return reason is None
 
 
-def packable(shape) -> bool:
+def packable(shape, dtype=jnp.bfloat16) -> bool:
   """Whether a kernel stored [..., K] with this shape can be packed."""
-  return len(shape) >= 2 and int(np.prod(shape[:-1])) % LANES == 0 and shape[-1] % 2 == 0
+  return (len(shape) >= 2 and int(np.prod(shape[:-1])) % LANES == 0
+          and shape[-1] % _pairs(dtype) == 0)
+
+
+def _pairs(dtype) -> int:
+  return 2 if jnp.dtype(dtype) == jnp.bfloat16 else 1
 
 
 def pack(w):
-  """A bfloat16 kernel stored [..., K] ([out, in]) in the packed layout, same shape."""
-  K = w.shape[-1]
-  blocks = w.reshape(-1, LANES, K // 2, 2)  # [N / 16, 16, K / 2, 2]
+  """A kernel stored [..., K] ([out, in]) in the packed layout, same shape and dtype:
+  each 16 rows [K / 2, 16, 2] in bfloat16, [K, 16] in float32."""
+  K, pairs = w.shape[-1], _pairs(w.dtype)
+  blocks = w.reshape(-1, LANES, K // pairs, pairs)  # [N / 16, 16, K / pairs, pairs]
   return blocks.transpose(0, 2, 1, 3).reshape(w.shape)
 
 
 def unpack(w):
   """`pack`'s inverse."""
-  K = w.shape[-1]
-  blocks = w.reshape(-1, K // 2, LANES, 2)
+  K, pairs = w.shape[-1], _pairs(w.dtype)
+  blocks = w.reshape(-1, K // pairs, LANES, pairs)
   return blocks.transpose(0, 2, 1, 3).reshape(w.shape)
 
 
 def matmul(x_RxK, packed_NxK, out_dtype=jnp.float32):
-  """[R, N] in out_dtype (float32, or bfloat16 rounded once): x_RxK (cast to bfloat16)
-  times a packed bfloat16 kernel's [N, K] transposed, accumulated in float32."""
-  reason = problem(packed_NxK.dtype)
+  """[R, N] in out_dtype: x_RxK (cast to the kernel's dtype) times a packed kernel's
+  [N, K] transposed, accumulated in float32; a bfloat16 kernel's result may be rounded to
+  bfloat16 once (out_dtype), a float32 kernel's is float32."""
+  dtype = jnp.dtype(packed_NxK.dtype)
+  reason = problem(dtype)
   if reason is not None:
     raise RuntimeError(f"hflax cpu matmul: {reason}")
   R, N = x_RxK.shape[0], packed_NxK.shape[0]
   out_dtype = jnp.dtype(out_dtype)
-  call = jax.ffi.ffi_call(_registered(out_dtype), jax.ShapeDtypeStruct((R, N), out_dtype),
-                          vmap_method="sequential")
-  return call(x_RxK.astype(jnp.bfloat16), packed_NxK)
+  if (dtype.name, out_dtype.name) not in _TARGETS:
+    raise ValueError(f"hflax cpu matmul: no {dtype.name} kernel with a {out_dtype.name} result")
+  call = jax.ffi.ffi_call(_registered(dtype.name, out_dtype.name),
+                          jax.ShapeDtypeStruct((R, N), out_dtype), vmap_method="sequential")
+  return call(x_RxK.astype(dtype), packed_NxK)
 
 
 def serves(devices: int) -> bool:
@@ -127,8 +144,8 @@ def cores() -> int:
 
 
 @functools.cache
-def _registered(out_dtype) -> str:
-  name, symbol = _TARGETS[out_dtype]
+def _registered(dtype: str, out_dtype: str) -> str:
+  name, symbol = _TARGETS[dtype, out_dtype]
   jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(_library(), symbol)),
                               platform="cpu")
   return name

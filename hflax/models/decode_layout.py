@@ -73,13 +73,14 @@ class DecodingPlan:
                for r in self.recipes if r.kind != "keep" or r.packed for i in r.sources)
 
 
-def decoding_plan(graphdef, state, fuse: bool = True, pack: bool = False
+def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = ()
                   ) -> DecodingPlan | None:
   """The plan for `state` (arrays or shape structs), or None where no plain
   (adapter-free) kernel is left to transpose; fuse=False keeps every kernel a leaf of its
   own (the hybrid engine moves leaves one to one), stacked in each decode step instead.
-  pack: the kernels that compute in bfloat16 go into cpu_matmul's packed layout where it
-  is usable, a tied head as a packed table of its own (the caller's choice: only for
+  pack: the names of the dtypes whose kernels (those computing in that dtype, from a
+  copy in it) go into cpu_matmul's packed layout, a tied head as a packed table of its
+  own (the caller's choice, of the dtypes cpu_matmul can serve: only for
   weights whole on each device, as cpu_matmul's custom call cannot be partitioned).
 
   Why stacked and concatenated kernels: a decode step multiplies one token per row by each
@@ -101,14 +102,14 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: bool = False
     if isinstance(m, Dense) and _plain(m):
       kernel = m.kernel.get_value()
       dtype = _compute_dtype(m)
-      m.packed = pack and _packs(m, kernel.shape[::-1])
+      m.packed = _packs(m, kernel.shape[::-1], pack)
       made[(*path, "kernel")] = Recipe("transpose", (paths[(*path, "kernel")],), dtype,
                                        kernel.shape[::-1], m.packed)
       m.kernel = m.kernel.replace(jax.ShapeDtypeStruct(kernel.shape[::-1], dtype),
                                   axes=tuple(reversed(m.kernel.axes)))
       m.out_in = True
   if pack and isinstance(model, DecoderLM) and model.head == "lm" and model.lm_head is None:
-    _pack_tied_head(model, paths, made)
+    _pack_tied_head(model, paths, made, pack)
   if not made:
     return None
   copy_graphdef, abstract = nnx.split(model)
@@ -127,25 +128,24 @@ def _plain(*denses) -> bool:
   return all(isinstance(d, Dense) and not d.out_in and d.lora_a is None for d in denses)
 
 
-def _packs(dense, shape) -> bool:
-  """Whether cpu_matmul serves this Dense's copy [out, in] of `shape`: it computes in
-  bfloat16 (a float32 computation from a bfloat16 copy keeps XLA's dot, which widens x
-  to float32, not the kernel's rounding of x to bfloat16)."""
-  bf16 = jnp.dtype(jnp.bfloat16)
-  return (jnp.dtype(dense.dtype) == bf16 and _compute_dtype(dense) == bf16
-          and cpu_matmul.packable(shape) and cpu_matmul.usable(bf16))
+def _packs(dense, shape, pack) -> bool:
+  """Whether cpu_matmul serves this Dense's copy [out, in] of `shape`: it computes in the
+  copy's own dtype, one of `pack` (a float32 computation from a bfloat16 copy keeps
+  XLA's dot, which widens x to float32, not the kernel's rounding of x to bfloat16)."""
+  dtype = _compute_dtype(dense)
+  return (jnp.dtype(dense.dtype) == dtype and dtype.name in pack
+          and cpu_matmul.packable(shape, dtype))
 
 
-def _pack_tied_head(model, paths, made):
-  """A packed bfloat16 copy of a tied table for step_logits, where it computes in
-  bfloat16 (step_logits: the hidden states' dtype, the model's compute dtype)."""
-  bf16 = jnp.dtype(jnp.bfloat16)
+def _pack_tied_head(model, paths, made, pack):
+  """A packed copy of a tied table for step_logits, in the dtype step_logits computes in
+  (the hidden states', the model's compute dtype), where `pack` has it."""
+  dtype = jnp.dtype(model.cfg.dtype)
   shape = model.embed.get_value().shape
-  if not (jnp.dtype(model.cfg.dtype) == bf16 and cpu_matmul.packable(shape)
-          and cpu_matmul.usable(bf16)):
+  if not (dtype.name in pack and cpu_matmul.packable(shape, dtype)):
     return
-  model.packed_head = nnx.Param(jax.ShapeDtypeStruct(shape, bf16), axes=("vocab", "embed"))
-  made[("packed_head",)] = Recipe("keep", (paths[("embed",)],), bf16, shape, True)
+  model.packed_head = nnx.Param(jax.ShapeDtypeStruct(shape, dtype), axes=("vocab", "embed"))
+  made[("packed_head",)] = Recipe("keep", (paths[("embed",)],), dtype, shape, True)
 
 
 def _compute_dtype(dense):
@@ -169,7 +169,7 @@ def _fuse(module, path, names, attr, kind, axes, paths, made, pack):
     groups = module.cfg.num_kv_heads
     shape = (groups, sum(k.shape[1] for k in kernels) // groups, D)
   setattr(module, attr, nnx.Param(jax.ShapeDtypeStruct(shape, dtype), axes=axes))
-  module.packed = pack and _packs(denses[0], shape)
+  module.packed = _packs(denses[0], shape, pack)
   made[(*path, attr)] = Recipe(kind, tuple(paths[(*path, n, "kernel")] for n in names),
                                dtype, shape, module.packed)
   if denses[0].bias is not None:
@@ -206,9 +206,9 @@ def for_decoding(graphdef, state):
   leaves, treedef = jax.tree.flatten(state)
   # cpu_matmul's custom call cannot be partitioned: packed only where every device holds
   # the whole weights (a replica on each), on one device per core.
-  pack = (all(x.sharding.is_fully_replicated for x in leaves)
-          and cpu_matmul.serves(len(_devices(leaves)))
-          and cpu_matmul.problem(jnp.bfloat16) is None)
+  whole = (all(x.sharding.is_fully_replicated for x in leaves)
+           and cpu_matmul.serves(len(_devices(leaves))))
+  pack = tuple(d for d in cpu_matmul.PACKED if cpu_matmul.usable(d)) if whole else ()
   plan = _cached_plan(graphdef, treedef,
                       tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves), pack)
   if plan is None:

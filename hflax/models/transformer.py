@@ -144,7 +144,8 @@ class Attention(nnx.Module):
     cfg = self.cfg
     B, T, _ = x_BxTxD.shape
     KV, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    y = dense_dot(x_BxTxD, kernel, self.o.dtype, out_in=True, packed=packed)  # [B, T, KV, (G + 2) * Dh]
+    # [B, T, KV, (G + 2) * Dh]
+    y = dense_dot(x_BxTxD, kernel, self.o.dtype, out_in=True, packed=packed)
     if bias is not None:
       y = y + bias.astype(y.dtype)
     q, k, v = jnp.split(y, [G * Dh, (G + 1) * Dh], axis=-1)
