@@ -160,9 +160,10 @@ def test_the_packed_copy_computes_what_the_xla_copy_does(monkeypatch, dtype):
                              atol=2e-2 if dtype == "bfloat16" else 1e-5)
 
 
-def test_it_stays_off_where_asked_or_unusable(monkeypatch, caplog):
-  """HFLAX_CPU_MATMUL=0, float32, a missing compiler: the copy stays [out, in] for XLA's
-  library, and the reason is logged."""
+def test_it_stays_off_where_asked_or_unusable(monkeypatch, caplog, tmp_path):
+  """HFLAX_CPU_MATMUL=0, float32 computed from bfloat16 weights, a missing compiler, an
+  unusable cache directory: the copy stays [out, in] for XLA's library, and the reason is
+  logged."""
   monkeypatch.setenv(cpu_matmul.ENV, "0")
   assert cpu_matmul.problem(BF16) == "HFLAX_CPU_MATMUL=0"
   new = nnx.merge(*for_decoding(*_model()))
@@ -185,6 +186,12 @@ def test_it_stays_off_where_asked_or_unusable(monkeypatch, caplog):
     assert "decoding with XLA's matmuls in bfloat16: no C++ compiler" in caplog.text
     with pytest.raises(RuntimeError, match="hflax cpu matmul: no C"):
       cpu_matmul.matmul(jnp.ones((2, 4), BF16), jnp.ones((16, 4), BF16))
+    if REASON is None:  # a compiler, but a cache directory that cannot be made
+      monkeypatch.delenv("CXX")
+      (tmp_path / "a-file").write_text("")
+      monkeypatch.setenv("HFLAX_CACHE_DIR", str(tmp_path / "a-file" / "hflax"))
+      cpu_matmul._library.cache_clear()
+      assert "could not be built or loaded at" in cpu_matmul.problem(BF16)
   finally:
     cpu_matmul._library.cache_clear()
 

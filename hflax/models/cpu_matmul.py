@@ -49,9 +49,9 @@ ENV = "HFLAX_CPU_MATMUL"
 PACKED = ("bfloat16", "float32")
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
 LANES = 16  # outputs per packed block: a 512-bit register of float32
-# By the result's dtype: float32, or rounded to bfloat16 in the kernel (a separate convert
-# of each decode-step product cost SmolLM2 ~4 ms a step at 32 rows a device).
-# By (operands' dtype, result's dtype).
+# By (operands' dtype, result's dtype): bfloat16 products may be rounded to bfloat16 in the
+# kernel (a separate convert of each decode-step product cost SmolLM2 ~4 ms a step at 32
+# rows a device).
 _TARGETS = {("bfloat16", "float32"): ("hflax_cpu_matmul_bf16", "HflaxCpuMatmulBf16"),
             ("bfloat16", "bfloat16"): ("hflax_cpu_matmul_bf16_rounded",
                                        "HflaxCpuMatmulBf16Rounded"),
@@ -174,21 +174,24 @@ def _library():
   key = hashlib.sha256("\0".join([SOURCE.read_text(), version, include, jax.__version__,
                                   *_FLAGS]).encode()).hexdigest()[:16]
   path = _cache_dir() / f"cpu_matmul-{key}.so"
-  if not path.exists():
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Written aside and renamed: processes building at once (test workers) never load a
-    # half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    built = subprocess.run([compiler, *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
-                           capture_output=True, text=True)
-    if built.returncode:
-      os.unlink(tmp)
-      lines = built.stderr.strip().splitlines() or ["no output"]
-      first = next((line for line in lines if "error" in line), lines[0])
-      return f"{compiler} could not build cpu_matmul.cc: {first}"
-    os.replace(tmp, path)
-  return ctypes.cdll.LoadLibrary(str(path))
+  try:
+    if not path.exists():
+      path.parent.mkdir(parents=True, exist_ok=True)
+      # Written aside and renamed: processes building at once (test workers) never load a
+      # half-written library.
+      fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+      os.close(fd)
+      built = subprocess.run([compiler, *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
+                             capture_output=True, text=True)
+      if built.returncode:
+        os.unlink(tmp)
+        lines = built.stderr.strip().splitlines() or ["no output"]
+        first = next((line for line in lines if "error" in line), lines[0])
+        return f"{compiler} could not build cpu_matmul.cc: {first}"
+      os.replace(tmp, path)
+    return ctypes.cdll.LoadLibrary(str(path))
+  except OSError as e:  # an unwritable cache directory, a library that does not load
+    return f"cpu_matmul.cc could not be built or loaded at {path}: {e}"
 
 
 def _cache_dir() -> pathlib.Path:

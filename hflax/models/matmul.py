@@ -36,8 +36,8 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False, l
   result [..., *w.shape[1:]] in `dtype`; with out_in, w is [..., K] (its last axis) and
   the result [..., *w.shape[:-1]]: a decoding copy's kernel, never differentiated, put on
   the left for a few rows with kernel_left (rows_by_kernel: where the result's consumer
-  reads it transposed at no cost), or with packed, a bfloat16 one in cpu_matmul's packed
-  layout, multiplied by that kernel. `low`: w already cast to `dtype` (compute_copy), read
+  reads it transposed at no cost), or with packed, one in cpu_matmul's packed layout
+  (bfloat16 or float32), multiplied by that kernel. `low`: w already cast to `dtype` (compute_copy), read
   in its place on CPU; the gradient still goes to w, in w's dtype."""
   dtype = jnp.dtype(dtype)
   x = x.astype(dtype)
