@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hflax.models import cpu_matmul
 from hflax.models import ModelConfig, create, hf
-from hflax.models.decode_layout import for_decoding
+from hflax.models.decode_layout import decoding_plan, for_decoding
 from hflax.models.tokenizer import load_tokenizer
 from hflax.rollout import SamplingParams, generate, left_pad
 from hflax.rollout.sampler import _generate
@@ -61,15 +61,17 @@ def test_pack_is_a_permutation_within_16_row_blocks():
 
 @needs_kernel
 @DTYPES
-@pytest.mark.parametrize("M,N,K", [(1, 16, 2), (7, 32, 64), (8, 48, 48), (13, 80, 576),
+@pytest.mark.parametrize("M,N,K", [(0, 48, 8), (1, 16, 2), (3, 64, 6), (4, 112, 10),
+                                   (6, 80, 576), (7, 32, 64), (8, 48, 48), (13, 80, 576),
                                    (33, 960, 576), (130, 176, 1536)])
 def test_the_kernel_computes_the_float32_sums(M, N, K, dtype):
-  """Every row-block remainder (M mod 8) and output-group remainder (16, 32 or 48 outputs
-  last); float32 sums against float64 ones (bfloat16 products are exact in float32)."""
+  """Every row-block remainder (M mod 8, no rows at all) and output-group remainder (16,
+  32 or 48 outputs last, after full groups of 48 too); float32 sums against float64 ones
+  (bfloat16 products are exact in float32)."""
   x, w, want = _operands(M, N, K, dtype=dtype)
   got = np.asarray(jax.jit(cpu_matmul.matmul)(x, cpu_matmul.pack(w)))
   assert got.dtype == np.float32 and got.shape == (M, N)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=1))
   if dtype == "float32":
     return
   rounded = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, BF16))(x, cpu_matmul.pack(w))
@@ -96,7 +98,13 @@ def test_only_weights_on_one_device_per_core_are_packed(monkeypatch):
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_copy_holds_packed_kernels(tied, dtype):
   graphdef, state = _model(dtype, tie_word_embeddings=tied)
-  old, new = nnx.merge(graphdef, state), nnx.merge(*for_decoding(graphdef, state))
+  copy = for_decoding(graphdef, state)
+  old, new = nnx.merge(graphdef, state), nnx.merge(*copy)
+  # A decoding copy is left as it is (its packed table not packed again).
+  again = for_decoding(*copy)
+  assert again[0] is copy[0] and again[1] is copy[1]
+  with pytest.raises(ValueError, match="pack needs fuse=True"):
+    decoding_plan(graphdef, state, fuse=False, pack=(dtype,))
   for layer_old, layer_new in zip(old.layers, new.layers):
     assert layer_new.attn.packed and layer_new.mlp.packed
     for before, after in ((layer_old.attn.o, layer_new.attn.o),
@@ -181,6 +189,7 @@ def test_it_stays_off_where_asked_or_unusable(monkeypatch, caplog, tmp_path):
   try:
     reason = cpu_matmul.problem(BF16)
     assert reason.startswith("no C++ compiler found"), reason
+    cpu_matmul._note_once.cache_clear()  # logged once a process: maybe logged already
     with caplog.at_level(logging.INFO, logger=cpu_matmul.__name__):
       assert not cpu_matmul.usable(BF16)
     assert "decoding with XLA's matmuls in bfloat16: no C++ compiler" in caplog.text

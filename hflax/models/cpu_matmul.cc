@@ -139,6 +139,7 @@ ffi::Error Matmul(ffi::Buffer<DIn> x, ffi::Buffer<DIn> w, ffi::ResultBuffer<DOut
   if (N % kLanes || K % kStep<In>)
     return ffi::Error::InvalidArgument("hflax cpu matmul: N must be a multiple of 16 (and K "
                                        "even for bfloat16)");
+  if (M == 0) return ffi::Error::Success();  // no rows: nothing to write (and no blocks)
   const In* a = reinterpret_cast<const In*>(x.untyped_data());
   const In* wp = reinterpret_cast<const In*>(w.untyped_data());
   Out* c = reinterpret_cast<Out*>(out->untyped_data());

@@ -88,6 +88,10 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = ()
   q, k and v are one matmul and so are gate and up (on CPU the pair ran 1.6x (64 rows) to
   2.7x (8 rows) faster than two). Written into the copy, the stack is made once; made
   inside the generate program, it was rewritten on every call (SmolLM2 fp32: ~0.1 s)."""
+  if pack and not fuse:
+    # Kernels kept apart are stacked or grouped in each decode step (MLP, Attention),
+    # which a packed layout does not survive.
+    raise ValueError("decoding_plan: pack needs fuse=True")
   model = nnx.merge(graphdef, state)
   paths = {p: i for i, p in enumerate(_leaf_paths(state))}
   made = {}  # the copy's leaf path -> Recipe
@@ -108,7 +112,8 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = ()
       m.kernel = m.kernel.replace(jax.ShapeDtypeStruct(kernel.shape[::-1], dtype),
                                   axes=tuple(reversed(m.kernel.axes)))
       m.out_in = True
-  if pack and isinstance(model, DecoderLM) and model.head == "lm" and model.lm_head is None:
+  if (pack and isinstance(model, DecoderLM) and model.head == "lm" and model.lm_head is None
+      and model.packed_head is None):  # a decoding copy already has its packed table
     _pack_tied_head(model, paths, made, pack)
   if not made:
     return None
