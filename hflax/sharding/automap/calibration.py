@@ -20,20 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from hflax.models.cpu_matmul import cores
 from hflax.sharding.automap.profile import DeviceProfile
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hflax")
-
-
-def _usable_cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def machine_key(devices) -> str:
   """What a measured profile depends on besides the devices' kind and count: the host,
   the cores this process may use (simulated CPU devices share them) and the JAX/XLA
   version. A change in any of them measures again."""
-  parts = (platform.node(), _usable_cores(), jax.__version__, getattr(jax.lib, "__version__", ""),
+  parts = (platform.node(), cores(), jax.__version__, getattr(jax.lib, "__version__", ""),
            devices[0].client.platform_version)
   return hashlib.sha256(repr(parts).encode()).hexdigest()[:10]
 
@@ -147,7 +144,7 @@ def _host_concurrency(devices) -> float:
   at_once = _best_time(lambda: [chain(*a) for a in args], repeats=5)
   # Two programs finish at most twice as soon, and no sooner than the cores allow; a
   # larger ratio is the in-turn run's extra host round trip or timer noise, not overlap.
-  return min(max(1.0, in_turn / at_once), 2.0, float(_usable_cores()))
+  return min(max(1.0, in_turn / at_once), 2.0, float(cores()))
 
 
 def calibrate(devices=None, path: str | None = None, *, refresh: bool = False) -> DeviceProfile:
