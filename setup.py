@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["hflax", "hflax.*"]),
     # The CPU decode kernel's source, built at first use (hflax/models/cpu_matmul.py).
-    package_data={"hflax.models": ["cpu_matmul.cc"]},
+    package_data={"hflax.models": ["cpu_matmul.cc", "cpu_attention.cc"]},
     install_requires=[
         "jax>=0.7",
         "flax>=0.12",

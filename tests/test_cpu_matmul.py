@@ -189,7 +189,7 @@ def test_it_stays_off_where_asked_or_unusable(monkeypatch, caplog, tmp_path):
   try:
     reason = cpu_matmul.problem(BF16)
     assert reason.startswith("no C++ compiler found"), reason
-    cpu_matmul._note_once.cache_clear()  # logged once a process: maybe logged already
+    cpu_matmul.note_once.cache_clear()  # logged once a process: maybe logged already
     with caplog.at_level(logging.INFO, logger=cpu_matmul.__name__):
       assert not cpu_matmul.usable(BF16)
     assert "decoding with XLA's matmuls in bfloat16: no C++ compiler" in caplog.text

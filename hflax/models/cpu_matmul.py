@@ -47,7 +47,9 @@ import numpy as np
 ENV = "HFLAX_CPU_MATMUL"
 # The dtypes decoding copies are packed in where the kernel can serve them.
 PACKED = ("bfloat16", "float32")
-SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
+# Built into one library: this kernel and cpu_attention's.
+SOURCES = tuple(pathlib.Path(__file__).with_name(name)
+                for name in ("cpu_matmul.cc", "cpu_attention.cc"))
 LANES = 16  # outputs per packed block: a 512-bit register of float32
 # By (operands' dtype, result's dtype): bfloat16 products may be rounded to bfloat16 in the
 # kernel (a separate convert of each decode-step product cost SmolLM2 ~4 ms a step at 32
@@ -68,8 +70,13 @@ def problem(dtype) -> str | None:
     return f"no kernel for {dtype.name}"
   if jax.default_backend() != "cpu":
     return f"the default backend is {jax.default_backend()}, not cpu"
-  needed = {"avx512f", "avx512bw"} | ({"avx512_bf16"} if dtype == jnp.bfloat16 else set())
-  missing = needed - _cpu_flags()
+  return machine_problem({"avx512f", "avx512bw"} |
+                         ({"avx512_bf16"} if dtype == jnp.bfloat16 else set()))
+
+
+def machine_problem(flags) -> str | None:
+  """Why the kernels' library cannot run here with these CPU flags, or None."""
+  missing = set(flags) - _cpu_flags()
   if missing:
     return f"this CPU lacks {', '.join(sorted(missing))}"
   library = _library()
@@ -80,7 +87,7 @@ def usable(dtype) -> bool:
   """Whether decoding copies in `dtype` are packed for this kernel (logs why not, once)."""
   reason = problem(dtype)
   if reason is not None:
-    _note_once(f"decoding with XLA's matmuls in {jnp.dtype(dtype).name}: {reason}")
+    note_once(f"decoding with XLA's matmuls in {jnp.dtype(dtype).name}: {reason}")
   return reason is None
 
 
@@ -145,10 +152,19 @@ def cores() -> int:
 
 @functools.cache
 def _registered(dtype: str, out_dtype: str) -> str:
-  name, symbol = _TARGETS[dtype, out_dtype]
+  return register(*_TARGETS[dtype, out_dtype])
+
+
+def register(name: str, symbol: str) -> str:
+  """Registers the library's handler `symbol` as the CPU custom call `name` (once)."""
+  _register(name, symbol)
+  return name
+
+
+@functools.cache
+def _register(name, symbol):
   jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(_library(), symbol)),
                               platform="cpu")
-  return name
 
 
 @functools.cache
@@ -168,11 +184,11 @@ def _library():
   """The compiled kernel (ctypes.CDLL), or a string saying why there is none."""
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if compiler is None or shutil.which(compiler) is None:
-    return "no C++ compiler found (g++, or $CXX) to build cpu_matmul.cc"
+    return "no C++ compiler found (g++, or $CXX) to build hflax's CPU kernels"
   include = jax.ffi.include_dir()
   version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-  key = hashlib.sha256("\0".join([SOURCE.read_text(), version, include, jax.__version__,
-                                  *_FLAGS]).encode()).hexdigest()[:16]
+  key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES), version, include,
+                                  jax.__version__, *_FLAGS]).encode()).hexdigest()[:16]
   path = _cache_dir() / f"cpu_matmul-{key}.so"
   try:
     if not path.exists():
@@ -181,17 +197,17 @@ def _library():
       # half-written library.
       fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
       os.close(fd)
-      built = subprocess.run([compiler, *_FLAGS, f"-I{include}", str(SOURCE), "-o", tmp],
+      built = subprocess.run([compiler, *_FLAGS, f"-I{include}", *map(str, SOURCES), "-o", tmp],
                              capture_output=True, text=True)
       if built.returncode:
         os.unlink(tmp)
         lines = built.stderr.strip().splitlines() or ["no output"]
         first = next((line for line in lines if "error" in line), lines[0])
-        return f"{compiler} could not build cpu_matmul.cc: {first}"
+        return f"{compiler} could not build hflax's CPU kernels: {first}"
       os.replace(tmp, path)
     return ctypes.cdll.LoadLibrary(str(path))
   except OSError as e:  # an unwritable cache directory, a library that does not load
-    return f"cpu_matmul.cc could not be built or loaded at {path}: {e}"
+    return f"hflax's CPU kernels could not be built or loaded at {path}: {e}"
 
 
 def _cache_dir() -> pathlib.Path:
@@ -202,5 +218,5 @@ def _cache_dir() -> pathlib.Path:
 
 
 @functools.cache
-def _note_once(message: str):
+def note_once(message: str):
   logging.getLogger(__name__).info(message)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models import cpu_matmul
+from hflax.models import cpu_attention, cpu_matmul
 from hflax.models.transformer import MLP, Attention, Dense, DecoderLM, kv_grouped
 
 
@@ -73,7 +73,7 @@ class DecodingPlan:
                for r in self.recipes if r.kind != "keep" or r.packed for i in r.sources)
 
 
-def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = ()
+def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = (), attend: bool = False
                   ) -> DecodingPlan | None:
   """The plan for `state` (arrays or shape structs), or None where no plain
   (adapter-free) kernel is left to transpose; fuse=False keeps every kernel a leaf of its
@@ -82,6 +82,8 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = ()
   copy in it) go into cpu_matmul's packed layout, a tied head as a packed table of its
   own (the caller's choice, of the dtypes cpu_matmul can serve: only for
   weights whole on each device, as cpu_matmul's custom call cannot be partitioned).
+  attend: decode steps attend through cpu_attention's kernel where it serves the model's
+  dtype and head_dim (the caller's choice, on the same terms as pack).
 
   Why stacked and concatenated kernels: a decode step multiplies one token per row by each
   kernel, and its small products are bound by reading kernels and by per-call overhead, so
@@ -103,6 +105,8 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = ()
       _fuse(m, path, ("q", "k", "v"), "qkv", "groups", ("kv_heads", None, "embed"), paths,
             made, pack)
   for path, m in nnx.iter_modules(model):
+    if isinstance(m, Attention) and attend:
+      m.cpu_attention = cpu_attention.usable(m.cfg.dtype, m.cfg.head_dim)
     if isinstance(m, Dense) and _plain(m):
       kernel = m.kernel.get_value()
       dtype = _compute_dtype(m)
@@ -215,7 +219,8 @@ def for_decoding(graphdef, state):
            and cpu_matmul.serves(len(_devices(leaves))))
   pack = tuple(d for d in cpu_matmul.PACKED if cpu_matmul.usable(d)) if whole else ()
   plan = _cached_plan(graphdef, treedef,
-                      tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves), pack)
+                      tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves), pack,
+                      whole)
   if plan is None:
     return graphdef, state
   kept = _last_copy.of(plan, leaves)
@@ -282,12 +287,13 @@ def forget_decoding_copy():
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_plan(graphdef, treedef, structs, pack) -> DecodingPlan | None:
+def _cached_plan(graphdef, treedef, structs, pack, attend) -> DecodingPlan | None:
   """decoding_plan by the state's structure, once: merging the model and splitting its copy
   in every generate call cost Python time (SmolLM2: for_decoding 79-97 ms a call, 53-57
   with the plan cached), and a fresh copy graphdef cost the sampler's compiled-program
   lookup a deep comparison with the one it had compiled for."""
-  return decoding_plan(graphdef, jax.tree.unflatten(treedef, structs), pack=pack)
+  return decoding_plan(graphdef, jax.tree.unflatten(treedef, structs), pack=pack,
+                       attend=attend)
 
 
 def available_memory() -> int:

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models import cpu_matmul
-from hflax.models.attention import attention
+from hflax.models import cpu_attention, cpu_matmul
+from hflax.models.attention import attention, visible
 from hflax.models.config import ModelConfig
 from hflax.models.matmul import (compute_copy, dense_dot, head_on_left, kernel_on_left,
                                  row_major_transpose, step_logits, tied_head, tied_logits,
@@ -96,6 +96,7 @@ class Attention(nnx.Module):
     # A decoding copy's q, k and v kernels in one (decode_layout), in place of q, k and v.
     self.qkv, self.qkv_bias = nnx.data(None), nnx.data(None)
     self.packed = False  # qkv in cpu_matmul's packed layout
+    self.cpu_attention = False  # decode steps attend through cpu_attention's kernel
 
   def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache, segment_ids_BxT=None,
                prefix_ids_BxT=None):
@@ -129,9 +130,17 @@ class Attention(nnx.Module):
       k_BxKxDhxS, v_BxKxSxDh = stored_keys(cache["k"]), cache["v"]
     # The slot each query was written to: [1, T] for a shared slot0, [B, T] per row.
     q_slot_BxT = jnp.reshape(slot0, (-1, 1)) + jnp.arange(T)
-    out_BxTxHxDh = attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
-                             segment_ids_BxT, segment_ids_BxT, prefix_ids_BxT, impl=cfg.attention,
-                             teacher_forced=teacher_forced)
+    if (self.cpu_attention and T == 1 and cache is not None
+        and cpu_attention.takes(q_BxTxHxDh.dtype, cache["k"], cache["v"])):
+      seen_BxS = visible(kv_valid_BxS, q_slot_BxT, segment_ids_BxT, segment_ids_BxT,
+                         q_prefix_BxT=prefix_ids_BxT)[:, 0]
+      out_BxTxHxDh = cpu_attention.decode(q_BxTxHxDh[:, 0], cache["k"], cache["v"],
+                                          jnp.broadcast_to(seen_BxS, (B, seen_BxS.shape[-1])))
+      out_BxTxHxDh = out_BxTxHxDh[:, None]
+    else:
+      out_BxTxHxDh = attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
+                               segment_ids_BxT, segment_ids_BxT, prefix_ids_BxT,
+                               impl=cfg.attention, teacher_forced=teacher_forced)
     return self.o(out_BxTxHxDh.reshape(B, T, H * Dh)), cache
 
   def _grouped_projections(self, x_BxTxD, kernel, bias, packed=False):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from hflax.models import cpu_matmul
 from hflax.models.decode_layout import (Recipe, build_leaves, copy_leaves, decoding_plan,
                                          fits_in_memory)
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
@@ -261,7 +262,10 @@ class HybridEngine:
     if graphdef is None or not local_cpu or not all(isinstance(s, NamedSharding) for s in sources):
       return None  # accelerators keep their measured path; processes would decide apart
     # Unfused: a leaf made of several would need its own resharding (and bytes count).
-    return decoding_plan(graphdef, abstract, fuse=False)
+    # Decode steps attend through cpu_attention's kernel where each device holds the whole
+    # weights (no tensor axis), one device per core: on for_decoding's terms.
+    whole = self.mesh.shape.get("tensor", 1) == 1 and cpu_matmul.serves(self.mesh.devices.size)
+    return decoding_plan(graphdef, abstract, fuse=False, attend=whole)
 
   def _use(self, layout: _Layout):
     self.graphdef, self.shardings, self.moved = layout.graphdef, layout.shardings, layout.moved

@@ -1,0 +1,84 @@
+"""One decode step's attention on x86 CPUs with AVX-512, through a kernel of our own
+(cpu_attention.cc, built with cpu_matmul's) that XLA calls as a custom call (jax.ffi).
+
+Why: attention.one_query, XLA's best decode step, ran as five programs a layer (the keys
+widened to float32 and written out, the scores, a max, a sum, the values' dot), each
+reading or writing the whole cache: SmolLM2 at 64 rows on two devices of a 2-core Zen 4
+spent about 13 ms of a 75 ms bfloat16 step there. The kernel reads each row's keys and
+values once, from the cache as it lies (the keys' bfloat16 bits), and keeps its scores
+in L1. Whole 64-prompt calls (bench/README.md): bfloat16 9.5-10.0 against 8.3-8.5 s,
+float32 18.2-19.0 against 16.1-16.2, the float32 tokens unchanged.
+
+Numerics: the scores are one_query's exactly (products exact in float32, summed over
+head_dim in order, the same scale and mask); the softmax's exp is a polynomial within
+2 ulp of float32's; the values are summed in slot order (XLA's dot chooses its own), so
+results differ from one_query's by float32 rounding (bfloat16's probabilities and
+outputs are rounded as one_query rounds them).
+
+Used where the decoding copy says so (Attention.cpu_attention: weights whole on one
+device per core, as for cpu_matmul's kernels, since the kernel runs on one thread and
+cannot be partitioned), for bfloat16 and float32 caches with head_dim a multiple of 16.
+HFLAX_CPU_ATTENTION=0 turns it off; `problem` says why it cannot serve, logged once.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from hflax.models import cpu_matmul
+
+ENV = "HFLAX_CPU_ATTENTION"
+_TARGETS = {"bfloat16": ("hflax_cpu_attention_bf16", "HflaxCpuAttentionBf16"),
+            "float32": ("hflax_cpu_attention_f32", "HflaxCpuAttentionF32")}
+_FLAGS = {"avx512f", "avx512bw", "avx512vl"}
+
+
+def problem(dtype, head_dim: int) -> str | None:
+  """Why the kernel cannot serve a cache in `dtype` with this head_dim here, or None."""
+  dtype = jnp.dtype(dtype)
+  if os.environ.get(ENV, "").lower() in ("0", "false", "off"):
+    return f"{ENV}={os.environ[ENV]}"
+  if dtype.name not in _TARGETS:
+    return f"no kernel for {dtype.name}"
+  if head_dim % 16:
+    return f"head_dim {head_dim} is not a multiple of 16"
+  if jax.default_backend() != "cpu":
+    return f"the default backend is {jax.default_backend()}, not cpu"
+  return cpu_matmul.machine_problem(_FLAGS)
+
+
+def usable(dtype, head_dim: int) -> bool:
+  """Whether decode steps in `dtype` attend through the kernel (logs why not, once)."""
+  reason = problem(dtype, head_dim)
+  if reason is not None:
+    cpu_matmul.note_once(f"decode attention through XLA in {jnp.dtype(dtype).name}: {reason}")
+  return reason is None
+
+
+def takes(q_dtype, k_cache, v_cache) -> bool:
+  """Whether the kernel reads this cache for queries of q_dtype: bfloat16 keys as their
+  bits (or as bfloat16) with bfloat16 values, or float32 throughout."""
+  q, k, v = jnp.dtype(q_dtype), jnp.dtype(k_cache.dtype), jnp.dtype(v_cache.dtype)
+  if q == jnp.bfloat16:
+    return k in (jnp.uint16, jnp.bfloat16) and v == jnp.bfloat16
+  return q == k == v == jnp.float32
+
+
+def decode(q_BxHxDh, k_BxKxDhxS, v_BxKxSxDh, visible_BxS):
+  """[B, H, Dh] in q's dtype: each row's one query per head against its cache (keys
+  [B, KV, Dh, S], values [B, KV, S, Dh]) at the slots `visible` (bool [B, S]) marks,
+  H // KV consecutive query heads a KV head, as attention.one_query computes it."""
+  dtype = jnp.dtype(q_BxHxDh.dtype)
+  if not takes(dtype, k_BxKxDhxS, v_BxKxSxDh):
+    raise ValueError(f"hflax cpu attention: no kernel for {dtype.name} queries on "
+                     f"{k_BxKxDhxS.dtype} keys and {v_BxKxSxDh.dtype} values")
+  reason = problem(dtype, q_BxHxDh.shape[-1])
+  if reason is not None:
+    raise RuntimeError(f"hflax cpu attention: {reason}")
+  if k_BxKxDhxS.dtype == jnp.bfloat16:
+    k_BxKxDhxS = jax.lax.bitcast_convert_type(k_BxKxDhxS, jnp.uint16)
+  call = jax.ffi.ffi_call(cpu_matmul.register(*_TARGETS[dtype.name]),
+                          jax.ShapeDtypeStruct(q_BxHxDh.shape, dtype), vmap_method="sequential")
+  return call(q_BxHxDh, k_BxKxDhxS, v_BxKxSxDh, visible_BxS.astype(bool))
