@@ -30,31 +30,36 @@ import jax.numpy as jnp
 from hflax.models import cpu_matmul
 
 ENV = "HFLAX_CPU_ATTENTION"
+DTYPES = ("bfloat16", "float32")  # of the caches (and queries) it reads
+LANES = 16  # head_dim is taken 16 at a time: a 512-bit register of float32
 _TARGETS = {"bfloat16": ("hflax_cpu_attention_bf16", "HflaxCpuAttentionBf16"),
             "float32": ("hflax_cpu_attention_f32", "HflaxCpuAttentionF32")}
 _FLAGS = {"avx512f", "avx512bw", "avx512vl"}
 
 
-def problem(dtype, head_dim: int) -> str | None:
-  """Why the kernel cannot serve a cache in `dtype` with this head_dim here, or None."""
+def problem(dtype) -> str | None:
+  """Why the kernel cannot serve caches in `dtype` in this process, or None."""
   dtype = jnp.dtype(dtype)
   if os.environ.get(ENV, "").lower() in ("0", "false", "off"):
     return f"{ENV}={os.environ[ENV]}"
-  if dtype.name not in _TARGETS:
+  if dtype.name not in DTYPES:
     return f"no kernel for {dtype.name}"
-  if head_dim % 16:
-    return f"head_dim {head_dim} is not a multiple of 16"
   if jax.default_backend() != "cpu":
     return f"the default backend is {jax.default_backend()}, not cpu"
   return cpu_matmul.machine_problem(_FLAGS)
 
 
-def usable(dtype, head_dim: int) -> bool:
-  """Whether decode steps in `dtype` attend through the kernel (logs why not, once)."""
-  reason = problem(dtype, head_dim)
+def usable(dtype) -> bool:
+  """Whether decode steps in `dtype` may attend through the kernel (logs why not, once)."""
+  reason = problem(dtype)
   if reason is not None:
     cpu_matmul.note_once(f"decode attention through XLA in {jnp.dtype(dtype).name}: {reason}")
   return reason is None
+
+
+def fits(head_dim: int) -> bool:
+  """Whether the kernel takes heads of this size."""
+  return head_dim % LANES == 0
 
 
 def takes(q_dtype, k_cache, v_cache) -> bool:
@@ -74,7 +79,10 @@ def decode(q_BxHxDh, k_BxKxDhxS, v_BxKxSxDh, visible_BxS):
   if not takes(dtype, k_BxKxDhxS, v_BxKxSxDh):
     raise ValueError(f"hflax cpu attention: no kernel for {dtype.name} queries on "
                      f"{k_BxKxDhxS.dtype} keys and {v_BxKxSxDh.dtype} values")
-  reason = problem(dtype, q_BxHxDh.shape[-1])
+  if not fits(q_BxHxDh.shape[-1]):
+    raise ValueError(f"hflax cpu attention: head_dim {q_BxHxDh.shape[-1]} is not a "
+                     f"multiple of {LANES}")
+  reason = problem(dtype)
   if reason is not None:
     raise RuntimeError(f"hflax cpu attention: {reason}")
   if k_BxKxDhxS.dtype == jnp.bfloat16:

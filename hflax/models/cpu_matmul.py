@@ -24,9 +24,10 @@ HFLAX_CPU_MATMUL=0 turns it off (decoding copies then stay [out, in] for XLA's l
 Otherwise it is used for weights replicated on one device per core (`serves`; on a
 2-core host, generate(devices=jax.devices()) with jax_num_cpu_devices=2, as
 bench/generate.py's fastest row runs), where the CPU has AVX-512 (AVX512-BF16 for
-bfloat16) and a C++ compiler (g++, or $CXX) builds cpu_matmul.cc, once, into a cache
-directory ($HFLAX_CACHE_DIR, else $XDG_CACHE_HOME/hflax, else ~/.cache/hflax; about 4 s);
-where it is not, `problem` says why and the reason is logged once.
+bfloat16) and a C++ compiler (g++, or $CXX) builds cpu_matmul.cc (with cpu_attention.cc,
+one library), once, into a cache directory ($HFLAX_CACHE_DIR, else $XDG_CACHE_HOME/hflax,
+else ~/.cache/hflax; about 5 s); where it is not, `problem` says why and the reason is
+logged once.
 """
 from __future__ import annotations
 

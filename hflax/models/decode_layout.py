@@ -73,7 +73,7 @@ class DecodingPlan:
                for r in self.recipes if r.kind != "keep" or r.packed for i in r.sources)
 
 
-def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = (), attend: bool = False
+def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = (), attend: tuple = ()
                   ) -> DecodingPlan | None:
   """The plan for `state` (arrays or shape structs), or None where no plain
   (adapter-free) kernel is left to transpose; fuse=False keeps every kernel a leaf of its
@@ -82,8 +82,8 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = (), attend: 
   copy in it) go into cpu_matmul's packed layout, a tied head as a packed table of its
   own (the caller's choice, of the dtypes cpu_matmul can serve: only for
   weights whole on each device, as cpu_matmul's custom call cannot be partitioned).
-  attend: decode steps attend through cpu_attention's kernel where it serves the model's
-  dtype and head_dim (the caller's choice, on the same terms as pack).
+  attend: the names of the dtypes whose decode steps attend through cpu_attention's
+  kernel (where it takes the model's head_dim; the caller's choice, on pack's terms).
 
   Why stacked and concatenated kernels: a decode step multiplies one token per row by each
   kernel, and its small products are bound by reading kernels and by per-call overhead, so
@@ -105,8 +105,9 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = (), attend: 
       _fuse(m, path, ("q", "k", "v"), "qkv", "groups", ("kv_heads", None, "embed"), paths,
             made, pack)
   for path, m in nnx.iter_modules(model):
-    if isinstance(m, Attention) and attend:
-      m.cpu_attention = cpu_attention.usable(m.cfg.dtype, m.cfg.head_dim)
+    if isinstance(m, Attention):
+      m.cpu_attention = (jnp.dtype(m.cfg.dtype).name in attend
+                         and cpu_attention.fits(m.cfg.head_dim))
     if isinstance(m, Dense) and _plain(m):
       kernel = m.kernel.get_value()
       dtype = _compute_dtype(m)
@@ -218,9 +219,10 @@ def for_decoding(graphdef, state):
   whole = (all(x.sharding.is_fully_replicated for x in leaves)
            and cpu_matmul.serves(len(_devices(leaves))))
   pack = tuple(d for d in cpu_matmul.PACKED if cpu_matmul.usable(d)) if whole else ()
+  attend = attending_dtypes() if whole else ()
   plan = _cached_plan(graphdef, treedef,
                       tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves), pack,
-                      whole)
+                      attend)
   if plan is None:
     return graphdef, state
   kept = _last_copy.of(plan, leaves)
@@ -234,6 +236,11 @@ def for_decoding(graphdef, state):
   copy = plan.graphdef, jax.tree.unflatten(jax.tree.structure(plan.abstract), out)
   _last_copy.keep(plan, leaves, copy)
   return copy
+
+
+def attending_dtypes() -> tuple:
+  """The dtypes whose decode steps cpu_attention's kernel can serve here."""
+  return tuple(d for d in cpu_attention.DTYPES if cpu_attention.usable(d))
 
 
 class _LastCopy:

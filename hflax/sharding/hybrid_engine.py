@@ -20,8 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hflax.models import cpu_matmul
-from hflax.models.decode_layout import (Recipe, build_leaves, copy_leaves, decoding_plan,
-                                         fits_in_memory)
+from hflax.models.decode_layout import (Recipe, attending_dtypes, build_leaves, copy_leaves,
+                                         decoding_plan, fits_in_memory)
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
 
 
@@ -265,7 +265,8 @@ class HybridEngine:
     # Decode steps attend through cpu_attention's kernel where each device holds the whole
     # weights (no tensor axis), one device per core: on for_decoding's terms.
     whole = self.mesh.shape.get("tensor", 1) == 1 and cpu_matmul.serves(self.mesh.devices.size)
-    return decoding_plan(graphdef, abstract, fuse=False, attend=whole)
+    return decoding_plan(graphdef, abstract, fuse=False,
+                         attend=attending_dtypes() if whole else ())
 
   def _use(self, layout: _Layout):
     self.graphdef, self.shardings, self.moved = layout.graphdef, layout.shardings, layout.moved
