@@ -46,7 +46,7 @@ def _operands(B, KV, G, Dh, S, dtype, seed=0):
 @needs_kernel
 @DTYPES
 @pytest.mark.parametrize("KV,G,Dh,S", [(1, 1, 16, 1), (2, 3, 64, 17), (3, 5, 80, 33),
-                                       (1, 4, 128, 80), (2, 9, 32, 130)])
+                                       (1, 4, 128, 80), (2, 9, 32, 130), (1, 2, 48, 64)])
 def test_the_kernel_attends_as_one_query(KV, G, Dh, S, dtype):
   """Every remainder: head groups of 4 and less, head_dim in 64-wide blocks and less,
   slots in 32-wide blocks and less. float32: one_query's result to float32 rounding (the

@@ -6,8 +6,10 @@ widened to float32 and written out, the scores, a max, a sum, the values' dot), 
 reading or writing the whole cache: SmolLM2 at 64 rows on two devices of a 2-core Zen 4
 spent about 13 ms of a 75 ms bfloat16 step there. The kernel reads each row's keys and
 values once, from the cache as it lies (the keys' bfloat16 bits), and keeps its scores
-in L1. Whole 64-prompt calls (bench/README.md): bfloat16 9.5-10.0 against 8.3-8.5 s,
-float32 18.2-19.0 against 16.1-16.2, the float32 tokens unchanged.
+in L1, prefetching the next head's keys and values into L2 meanwhile (without that it
+lost to XLA). Whole 64-prompt calls (bench/README.md): bfloat16 8.3-8.7 s against
+9.5-10.0 through XLA's attention, float32 16.1-16.5 against 18.2-19.0, the float32 tokens
+unchanged.
 
 Numerics: the scores are one_query's exactly (products exact in float32, summed over
 head_dim in order, the same scale and mask); the softmax's exp is a polynomial within
