@@ -16,7 +16,9 @@ from hflax.models.attention import one_query, visible
 from hflax.models.decode_layout import decoding_plan, for_decoding
 from hflax.models.tokenizer import load_tokenizer
 from hflax.rollout import SamplingParams, generate, left_pad
-from hflax.rollout.sampler import _generate
+from hflax.rollout.sampler import _generate, replicate
+from hflax.sharding.hybrid_engine import HybridEngine
+from hflax.sharding.layouts import TRAIN_RULES, state_shardings, train_mesh
 
 REASON = cpu_attention.problem(jnp.float32)
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"cpu_attention: {REASON}")
@@ -39,7 +41,7 @@ def _operands(B, KV, G, Dh, S, dtype, seed=0):
   v = jax.random.normal(kv, (B, KV, S, Dh)).astype(dtype)
   valid = jax.random.uniform(km, (B, S)) < 0.8
   valid = valid.at[0].set(False)  # a row that sees nothing: uniform over every slot
-  slot = jnp.arange(B)[:, None] % S  # each row's query at a slot of its own
+  slot = (S - 1 - jnp.arange(B)[:, None]) % S  # late slots: every slot block is seen
   return q, k, v, valid, slot
 
 
@@ -119,6 +121,43 @@ def test_the_decode_program_calls_the_kernel_in_every_layer(dtype):
 
 
 @needs_kernel
+def test_xla_attends_where_asked_after_the_copy_was_made_or_by_the_config(monkeypatch):
+  """HFLAX_CPU_ATTENTION=0 set after a copy asked for the kernel, and a model configured
+  for an attention implementation of its own: their decode programs call no kernel."""
+  tokens, mask = (jnp.asarray(x) for x in left_pad([[5, 6, 7], [9] * 5], 0))
+
+  def calls(graphdef, state):
+    text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0),
+                           params=SamplingParams(max_new_tokens=4, temperature=0)
+                           ).compile().as_text()
+    return len(re.findall(r'custom_call_target="hflax_cpu_attention_', text))
+
+  copy = for_decoding(*_model("float32"))
+  assert _flags(*copy) == [True, True] and calls(*copy) == 2
+  monkeypatch.setenv(cpu_attention.ENV, "0")
+  jax.clear_caches()  # a program traced before keeps what it was traced with
+  assert calls(*copy) == 0
+  monkeypatch.delenv(cpu_attention.ENV)
+  blockwise = for_decoding(*_model("float32", attention="blockwise"))
+  assert _flags(*blockwise) == [True, True] and calls(*blockwise) == 0
+
+
+@needs_kernel
+def test_the_hybrid_engines_copy_attends_through_it_without_a_tensor_axis():
+  """An RL actor's generation copy (the hybrid engine's): the kernel where each device
+  holds the whole weights (generation tensor width 1), not where they are split."""
+  graphdef, state = _model()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  mesh = train_mesh(jax.devices()[:2], fsdp=2)
+  train = state_shardings(abstract, mesh, TRAIN_RULES)
+  weights = jax.device_put(state, train)
+  for tensor, attends in ((1, True), (2, False)):
+    engine = HybridEngine(mesh, abstract, train, tensor, graphdef=graphdef)
+    generation, _ = engine.to_generate(weights)
+    assert _flags(engine.graphdef, generation) == [attends] * 2
+
+
+@needs_kernel
 @DTYPES
 def test_generation_through_the_kernel_equals_xla_attention(monkeypatch, dtype):
   """Greedy tokens and their log-probs, with the kernel and with HFLAX_CPU_ATTENTION=0,
@@ -127,6 +166,7 @@ def test_generation_through_the_kernel_equals_xla_attention(monkeypatch, dtype):
   prompts = [[5, 6, 7], [9] * 5, [4], [8, 2], [1, 2, 3, 4, 5, 6, 7], [3]]
   params = SamplingParams(max_new_tokens=12, temperature=0)
   devices = jax.devices()[:2]
+  assert _flags(*for_decoding(graphdef, replicate(state, devices))) == [True, True]
   via_kernel = generate(graphdef, state, prompts, params, devices=devices)
   monkeypatch.setenv(cpu_attention.ENV, "0")
   assert _flags(*for_decoding(graphdef, state)) == [False, False]
@@ -148,8 +188,8 @@ def test_it_stays_off_where_asked_or_unusable(monkeypatch, caplog):
   assert _flags(*for_decoding(graphdef, state)) == [False, False]
   monkeypatch.delenv(cpu_attention.ENV)
   assert cpu_attention.problem(jnp.float16) == "no kernel for float16"
-  assert not cpu_attention.fits(24) and cpu_attention.fits(80)
-  with pytest.raises(ValueError, match="head_dim 24 is not a multiple of 16"):
+  assert not cpu_attention.fits(24) and not cpu_attention.fits(0) and cpu_attention.fits(80)
+  with pytest.raises(ValueError, match="head_dim 24 is not a positive multiple of 16"):
     cpu_attention.decode(jnp.ones((1, 2, 24)), jnp.ones((1, 1, 24, 3)), jnp.ones((1, 1, 3, 24)),
                          jnp.ones((1, 3), bool))
   monkeypatch.setattr(cpu_matmul, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))

@@ -7,15 +7,16 @@ reading or writing the whole cache: SmolLM2 at 64 rows on two devices of a 2-cor
 spent about 13 ms of a 75 ms bfloat16 step there. The kernel reads each row's keys and
 values once, from the cache as it lies (the keys' bfloat16 bits), and keeps its scores
 in L1, prefetching the next head's keys and values into L2 meanwhile (without that it
-lost to XLA). Whole 64-prompt calls (bench/README.md): bfloat16 8.3-8.7 s against
+lost to XLA). Whole 64-prompt calls (bench/README.md): bfloat16 7.9-8.7 s against
 9.5-10.0 through XLA's attention, float32 16.1-16.5 against 18.2-19.0, the float32 tokens
 unchanged.
 
-Numerics: the scores are one_query's exactly (products exact in float32, summed over
-head_dim in order, the same scale and mask); the softmax's exp is a polynomial within
-2 ulp of float32's; the values are summed in slot order (XLA's dot chooses its own), so
-results differ from one_query's by float32 rounding (bfloat16's probabilities and
-outputs are rounded as one_query rounds them).
+Numerics: the scores are multiply-adds over head_dim in one_query's order with the same
+scale and mask (in bfloat16 the products are exact in float32, so the scores are
+one_query's exactly; in float32 each fused multiply-add rounds once); the softmax's exp
+is a polynomial within 2 ulp of float32's; the values are summed in slot order (XLA's
+dot chooses its own), so results differ from one_query's by float32 rounding
+(bfloat16's probabilities and outputs are rounded as one_query rounds them).
 
 Used where the decoding copy says so (Attention.cpu_attention: weights whole on one
 device per core, as for cpu_matmul's kernels, since the kernel runs on one thread and
@@ -61,7 +62,14 @@ def usable(dtype) -> bool:
 
 def fits(head_dim: int) -> bool:
   """Whether the kernel takes heads of this size."""
-  return head_dim % LANES == 0
+  return head_dim > 0 and head_dim % LANES == 0
+
+
+def serves(q_dtype, k_cache, v_cache) -> bool:
+  """Whether a decode step with these queries and cache attends through the kernel now:
+  it takes them and nothing turned it off since the decoding copy asked for it
+  (HFLAX_CPU_ATTENTION=0 set later falls back to XLA's attention, logged)."""
+  return takes(q_dtype, k_cache, v_cache) and usable(q_dtype)
 
 
 def takes(q_dtype, k_cache, v_cache) -> bool:
@@ -83,7 +91,7 @@ def decode(q_BxHxDh, k_BxKxDhxS, v_BxKxSxDh, visible_BxS):
                      f"{k_BxKxDhxS.dtype} keys and {v_BxKxSxDh.dtype} values")
   if not fits(q_BxHxDh.shape[-1]):
     raise ValueError(f"hflax cpu attention: head_dim {q_BxHxDh.shape[-1]} is not a "
-                     f"multiple of {LANES}")
+                     f"positive multiple of {LANES}")
   reason = problem(dtype)
   if reason is not None:
     raise RuntimeError(f"hflax cpu attention: {reason}")

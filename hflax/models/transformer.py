@@ -96,7 +96,8 @@ class Attention(nnx.Module):
     # A decoding copy's q, k and v kernels in one (decode_layout), in place of q, k and v.
     self.qkv, self.qkv_bias = nnx.data(None), nnx.data(None)
     self.packed = False  # qkv in cpu_matmul's packed layout
-    self.cpu_attention = False  # decode steps attend through cpu_attention's kernel
+    # Decode steps attend through cpu_attention's kernel (where cfg.attention is "auto").
+    self.cpu_attention = False
 
   def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache, segment_ids_BxT=None,
                prefix_ids_BxT=None):
@@ -130,8 +131,8 @@ class Attention(nnx.Module):
       k_BxKxDhxS, v_BxKxSxDh = stored_keys(cache["k"]), cache["v"]
     # The slot each query was written to: [1, T] for a shared slot0, [B, T] per row.
     q_slot_BxT = jnp.reshape(slot0, (-1, 1)) + jnp.arange(T)
-    if (self.cpu_attention and T == 1 and cache is not None
-        and cpu_attention.takes(q_BxTxHxDh.dtype, cache["k"], cache["v"])):
+    if (self.cpu_attention and T == 1 and cache is not None and cfg.attention == "auto"
+        and cpu_attention.serves(q_BxTxHxDh.dtype, cache["k"], cache["v"])):
       seen_BxS = visible(kv_valid_BxS, q_slot_BxT, segment_ids_BxT, segment_ids_BxT,
                          q_prefix_BxT=prefix_ids_BxT)[:, 0]
       out_BxTxHxDh = cpu_attention.decode(q_BxTxHxDh[:, 0], cache["k"], cache["v"],
