@@ -44,6 +44,14 @@ import time  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/common.py
 
+# As hflax's launcher sets up a CPU process (hflax.xla_env.configure_cpu), before XLA's
+# threads allocate: glibc keeps freed memory for reuse, so each call's KV cache is not
+# page-faulted in afresh (on 2 devices, 0.75 s of a 15.5 s float32 call went there).
+# malloc is the process's: transformers runs with the same. HFLAX_CPU_MALLOC=0: off.
+from hflax.xla_env import keep_freed_memory  # noqa: E402
+
+KEEPS_FREED_MEMORY = keep_freed_memory()
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -88,20 +96,20 @@ def generation_flops(cfg: ModelConfig, batch: int, prompt_width: int, new_tokens
   on the last position; it yields the first new token. The prompts' `shared` first
   tokens (sampler.shared_prefix_length) are prefilled once, for one row, and each row's
   other prompt_width - shared columns after them. The decode loop then runs
-  new_tokens - 1 single-token steps in segments; a step in a segment ending at step e
-  attends over all prompt_width + e slots of the cache at that point (masked ones
-  included), i.e. 4 * layers * heads * head_dim * width FLOPs per query for QK^T and PV.
+  new_tokens - 1 single-token steps; step s attends over the prompt_width + s slots that
+  can hold a token by then (cpu_attention's kernel reads just those; XLA's attention
+  reads the rest of its loop segment's cache too, masked, and that is not counted),
+  i.e. 4 * layers * heads * head_dim * slots FLOPs per query for QK^T and PV.
   """
   body, head = matmul_params(cfg)
   per_slot = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
   per_column = 2 * body + per_slot * prompt_width
   prefill = shared * per_column + batch * ((prompt_width - shared) * per_column + 2 * head)
-  ends = sampler.segment_ends(new_tokens, sampler.decode_segments(new_tokens))
-  widths = [prompt_width + next(e for e in ends if step < e) for step in range(1, new_tokens)]
+  widths = [prompt_width + step for step in range(1, new_tokens)]
   decode = batch * sum(2 * (body + head) + per_slot * w for w in widths)
   per_step = decode / max(1, len(widths))
   return dict(prefill=prefill, per_step=per_step, decode=decode, total=prefill + decode,
-              cache_width=f"{prompt_width + ends[0]}..{prompt_width + ends[-1]}")
+              cache_width=f"{widths[0]}..{widths[-1]}" if widths else f"{prompt_width}")
 
 
 # ----------------------------------------------------------------------------- matmul peak
@@ -305,6 +313,8 @@ def main(argv=None) -> int:
   print(f"torch {torch.__version__} threads: {torch.get_num_threads()}  "
         f"transformers {transformers.__version__}  os.cpu_count(): {os.cpu_count()}  "
         f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+  print(f"glibc keeps freed memory for reuse (hflax.xla_env.keep_freed_memory, both "
+        f"frameworks; HFLAX_CPU_MALLOC=0 turns it off): {KEEPS_FREED_MEMORY}")
   print(f"load average at start: {common.load_average()}")
   print(common.bf16_instructions())
 
@@ -475,9 +485,9 @@ def main(argv=None) -> int:
           f"split, the weights replicated")
   print(f"FLOPs: 2*(non-embedding matmul + lm_head params) per decoded token, prefill body on "
         f"every prompt position it computes (the first {rows[0]['shared']} tokens, every "
-        f"prompt's, once) + lm_head on the last, attention 4*L*H*Dh*S with S = the cache "
-        f"width each step attends over (the cache grows in segments: "
-        f"{rows[0]['cache_width']} slots, masked slots included)")
+        f"prompt's, once) + lm_head on the last, attention 4*L*H*Dh*S with S = the slots "
+        f"that can hold a token at each step ({rows[0]['cache_width']}; XLA's attention also "
+        f"reads its loop segment's empty tail, not counted)")
   for r in rows:
     print(f"  {r['precision']} batch {r['B']}: {r['name']} {r['hx_t'] * 1e3:.1f} ms/call (reps "
           f"{', '.join(f'{t * 1e3:.0f}' for t in r['hx_times'])}; first call incl. compile "

@@ -16,6 +16,7 @@ from hflax.models.attention import one_query, visible
 from hflax.models.decode_layout import decoding_plan, for_decoding
 from hflax.models.tokenizer import load_tokenizer
 from hflax.rollout import SamplingParams, generate, left_pad
+from hflax.rollout.decoding import decode_segments, loop_segments
 from hflax.rollout.sampler import _generate, replicate
 from hflax.sharding.hybrid_engine import HybridEngine
 from hflax.sharding.layouts import TRAIN_RULES, state_shardings, train_mesh
@@ -96,6 +97,48 @@ def test_bfloat16_keys_are_read_as_their_bits():
     cpu_attention.decode(q[:, 0].astype(jnp.float32), k, v, seen)
 
 
+@needs_kernel
+@DTYPES
+def test_rows_are_read_only_to_their_last_visible_slot(dtype):
+  """A cache wider than what it holds (grown once to its full width): each row reads up to
+  its last visible slot, so the result is the narrow cache's bit for bit, even with NaN in
+  the empty tail (a row that sees nothing still weighs every slot)."""
+  B, KV, G, Dh, S, wide = 5, 2, 3, 64, 40, 200
+  q, k, v, valid, slot = _operands(B, KV, G, Dh, S, dtype)
+  seen = visible(valid, slot)[:, 0]
+  seen = seen.at[1, 7:].set(False)  # rows ending at different slots
+  nan = lambda x, axis: jnp.concatenate(  # noqa: E731
+      [x, jnp.full(x.shape[:axis] + (wide - S,) + x.shape[axis + 1:], jnp.nan, x.dtype)],
+      axis)
+  seen_wide = jnp.concatenate([seen, jnp.zeros((B, wide - S), bool)], axis=1)
+  seen_wide = seen_wide.at[0].set(False)
+  narrow = np.asarray(cpu_attention.decode(q[:, 0], k, v, seen), np.float32)
+  got = np.asarray(cpu_attention.decode(q[:, 0], nan(k, 3), nan(v, 2), seen_wide), np.float32)
+  np.testing.assert_array_equal(got[1:], narrow[1:])
+  assert np.isnan(got[0]).all()  # row 0 sees nothing: the mean over every slot, NaN too
+
+
+@needs_kernel
+@DTYPES
+def test_a_copy_attending_through_the_kernel_decodes_in_one_loop(monkeypatch, dtype):
+  """The kernel skips the unfilled tail, so the cache grows once and the decode loop is
+  not split into segments (each growth copies the whole cache); XLA's attention keeps
+  them (it reads every slot)."""
+  copy = for_decoding(*_model(dtype))
+  tokens, mask = (jnp.asarray(x) for x in left_pad([[5, 6, 7], [9] * 5], 0))
+
+  def calls(graphdef, state):
+    text = _generate.lower(graphdef, state, tokens, mask, jax.random.key(0),
+                           params=SamplingParams(max_new_tokens=64, temperature=0)
+                           ).compile().as_text()
+    return len(re.findall(r'custom_call_target="hflax_cpu_attention_', text))
+
+  assert loop_segments(nnx.merge(*copy), 128) == 1 and calls(*copy) == 2  # one loop
+  monkeypatch.setenv(cpu_attention.ENV, "0")
+  jax.clear_caches()
+  assert loop_segments(nnx.merge(*copy), 128) == decode_segments(128) == 4
+
+
 def _model(dtype="bfloat16", **changes):
   return create(ModelConfig(**CFG, dtype=dtype, param_dtype="float32", **changes), seed=3)
 
@@ -160,11 +203,12 @@ def test_the_hybrid_engines_copy_attends_through_it_without_a_tensor_axis():
 @needs_kernel
 @DTYPES
 def test_generation_through_the_kernel_equals_xla_attention(monkeypatch, dtype):
-  """Greedy tokens and their log-probs, with the kernel and with HFLAX_CPU_ATTENTION=0,
-  on two devices (rows split, a replica of the copy on each)."""
+  """Greedy tokens and their log-probs, with the kernel (one decode loop, the cache at its
+  full width) and with HFLAX_CPU_ATTENTION=0 (two loop segments), on two devices (rows
+  split, a replica of the copy on each)."""
   graphdef, state = _model(dtype)
   prompts = [[5, 6, 7], [9] * 5, [4], [8, 2], [1, 2, 3, 4, 5, 6, 7], [3]]
-  params = SamplingParams(max_new_tokens=12, temperature=0)
+  params = SamplingParams(max_new_tokens=64, temperature=0)
   devices = jax.devices()[:2]
   assert _flags(*for_decoding(graphdef, replicate(state, devices))) == [True, True]
   via_kernel = generate(graphdef, state, prompts, params, devices=devices)

@@ -18,6 +18,12 @@ is a polynomial within 2 ulp of float32's; the values are summed in slot order (
 dot chooses its own), so results differ from one_query's by float32 rounding
 (bfloat16's probabilities and outputs are rounded as one_query rounds them).
 
+Each row is read only up to its last visible slot (all of them where it sees none), so
+a cache wider than what it holds costs no reads: the sampler grows the cache once, to its
+full width, where every layer attends through the kernel (decoding.loop_segments) instead
+of between loop segments, each growth a copy of the whole cache; the result is the
+narrow cache's bit for bit.
+
 Used where the decoding copy says so (Attention.cpu_attention: weights whole on one
 device per core, as for cpu_matmul's kernels, since the kernel runs on one thread and
 cannot be partitioned), for bfloat16 and float32 caches with head_dim a multiple of 16.
