@@ -100,7 +100,7 @@ struct Ahead {
       while (at >= row + row_bytes) {
         if (--rows <= 0) {
           if (then >= then_end) return;
-          row = at = then, row_bytes = then_end - then, rows = 1, then = then_end;
+          row = then, at = Line(then), row_bytes = then_end - then, rows = 1, then = then_end;
           break;
         }
         row += stride;
