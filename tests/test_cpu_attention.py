@@ -16,7 +16,7 @@ from hflax.models.attention import one_query, visible
 from hflax.models.decode_layout import decoding_plan, for_decoding
 from hflax.models.tokenizer import load_tokenizer
 from hflax.rollout import SamplingParams, generate, left_pad
-from hflax.rollout.decoding import decode_segments, loop_segments
+from hflax.rollout.decoding import decode_segments, kernel_attends
 from hflax.rollout.sampler import _generate, replicate
 from hflax.sharding.hybrid_engine import HybridEngine
 from hflax.sharding.layouts import TRAIN_RULES, state_shardings, train_mesh
@@ -135,10 +135,10 @@ def test_a_copy_attending_through_the_kernel_decodes_in_one_loop(monkeypatch, dt
 
   # Asked for decode_segments(64) == 2 loops, it compiles one: a call a layer, not two.
   assert decode_segments(64) == 2
-  assert loop_segments(nnx.merge(*copy), 128) == 1 and calls(*copy) == 2
+  assert kernel_attends(nnx.merge(*copy)) and calls(*copy) == 2
   monkeypatch.setenv(cpu_attention.ENV, "0")
   jax.clear_caches()
-  assert loop_segments(nnx.merge(*copy), 128) == decode_segments(128) == 4
+  assert not kernel_attends(nnx.merge(*copy)) and calls(*copy) == 0
 
 
 def _model(dtype="bfloat16", **changes):

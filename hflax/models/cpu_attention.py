@@ -20,7 +20,7 @@ dot chooses its own), so results differ from one_query's by float32 rounding
 
 Each row is read only up to its last visible slot (all of them where it sees none), so
 a cache wider than what it holds costs no reads: the sampler grows the cache once, to its
-full width, where every layer attends through the kernel (decoding.loop_segments) instead
+full width, where every layer attends through the kernel (decoding.kernel_attends) instead
 of between loop segments, each growth a copy of the whole cache; the result is the
 narrow cache's bit for bit.
 

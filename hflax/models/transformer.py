@@ -99,6 +99,12 @@ class Attention(nnx.Module):
     # Decode steps attend through cpu_attention's kernel (where cfg.attention is "auto").
     self.cpu_attention = False
 
+  @property
+  def kernel_decodes(self) -> bool:
+    """Whether decode steps attend through cpu_attention's kernel where it takes the cache:
+    the decoding copy asked for it and no other attention implementation is configured."""
+    return self.cpu_attention and self.cfg.attention == "auto"
+
   def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache, segment_ids_BxT=None,
                prefix_ids_BxT=None):
     cfg = self.cfg
@@ -131,7 +137,7 @@ class Attention(nnx.Module):
       k_BxKxDhxS, v_BxKxSxDh = stored_keys(cache["k"]), cache["v"]
     # The slot each query was written to: [1, T] for a shared slot0, [B, T] per row.
     q_slot_BxT = jnp.reshape(slot0, (-1, 1)) + jnp.arange(T)
-    if (self.cpu_attention and T == 1 and cache is not None and cfg.attention == "auto"
+    if (self.kernel_decodes and T == 1 and cache is not None
         and cpu_attention.serves(q_BxTxHxDh.dtype, cache["k"], cache["v"])):
       seen_BxS = visible(kv_valid_BxS, q_slot_BxT, segment_ids_BxT, segment_ids_BxT,
                          q_prefix_BxT=prefix_ids_BxT)[:, 0]

@@ -273,17 +273,15 @@ def decode_segments(max_new_tokens: int) -> int:
   return max(1, min(4, max_new_tokens // 32))
 
 
-def loop_segments(model, max_new_tokens: int) -> int:
-  """decode_segments, or 1 where every layer's decode step attends through cpu_attention's
-  kernel: it reads each row only up to its last visible slot, so a cache grown once to
-  its full width costs it no reads, and the copies of the whole cache that growing it
-  between segments makes are saved (SmolLM2, 64 rows x 128 tokens on two devices:
-  183 copies a device a call, 0.65 s of a 15.5 s float32 call)."""
+def kernel_attends(model) -> bool:
+  """Whether every layer's decode step attends through cpu_attention's kernel, which reads
+  each row only up to its last visible slot: a cache grown once to its full width then
+  costs it no reads, and one loop saves the copies of the whole cache that growing it
+  between segments makes (SmolLM2, 64 rows x 128 tokens on two devices: 183 copies a
+  device a call, 0.65 s of a 15.5 s float32 call)."""
   layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Attention)]
-  if (layers and all(m.cpu_attention and m.cfg.attention == "auto" for m in layers)
-      and cpu_attention.usable(model.cfg.dtype)):
-    return 1
-  return decode_segments(max_new_tokens)
+  return (bool(layers) and all(m.kernel_decodes for m in layers)
+          and cpu_attention.usable(model.cfg.dtype))
 
 
 def segment_ends(max_new_tokens: int, segments: int) -> list[int]:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hflax.models.decode_layout import for_decoding
 from hflax.models.transformer import positions_from_mask
 from hflax.rollout import continuous
-from hflax.rollout.decoding import (SamplingParams, decode_segments, grow, loop_segments,
+from hflax.rollout.decoding import (SamplingParams, decode_segments, grow, kernel_attends,
                                     outputs, pick, prefill, segment_ends)
 
 
@@ -141,8 +141,9 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
 
   # The cache grows between segments of the decode loop, so early steps do not read (and
   # mask) slots that cannot hold anything yet; each segment is its own compiled loop.
+  # Where the kernel attends (it skips the unfilled tail) one loop over the whole cache.
   carry = (jnp.int32(1), cache, kv_valid, tok, pos, done, out_tokens, out_logp, out_mask)
-  for end in segment_ends(N, min(segments, loop_segments(model, N))):
+  for end in segment_ends(N, 1 if kernel_attends(model) else segments):
     step, cache, kv_valid, *rest = carry
     cache, kv_valid = grow(cache, kv_valid, P + end)
     cond = lambda c, end=end: (c[0] < end) & ~jnp.all(c[5])  # noqa: E731
