@@ -15,6 +15,7 @@ model's for safe_rlhf, ...) are found by probing under those settings too.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -175,8 +176,10 @@ def _placeholder_type(c, path):
 
 
 def _default(path: str, value) -> str:
-  from hflax.xla_env import default_compile_cache_dir
-  if path == "trainer.compile_cache_dir" and value == default_compile_cache_dir():
+  # The cache's default depends on the environment (where it lives moves with the
+  # platform layer, so it is recomputed here rather than imported).
+  cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "hflax", "jax")
+  if path == "trainer.compile_cache_dir" and value == cache:
     return "`$XDG_CACHE_HOME/hflax/jax`, else `~/.cache/hflax/jax`"
   if hasattr(value, "to_dict"):
     value = value.to_dict()
