@@ -4,5 +4,5 @@ from hflax.rollout.engine import Completion, Request, RolloutEngine
 from hflax.rollout.sampler import generate, left_pad, replicate
 from hflax.rollout.waves import generation_slots, generation_waves
 
-__all__ = ["Completion", "Request", "RolloutEngine", "SamplingParams", "filter_logits", "generate", "generation_slots", "generation_waves",
-           "left_pad", "replicate"]
+__all__ = ["Completion", "Request", "RolloutEngine", "SamplingParams", "filter_logits",
+           "generate", "generation_slots", "generation_waves", "left_pad", "replicate"]
