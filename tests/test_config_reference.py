@@ -43,3 +43,9 @@ def test_a_changed_default_or_check_changes_the_reference():
   finally:
     RANGES["actor.optim.lr"] = saved
   assert before == "a finite number > 0" and after == "a finite number in (0, 1]"
+
+
+def test_readme_is_at_most_300_lines_and_links_the_reference():
+  readme = (ROOT / "README.md").read_text()
+  assert len(readme.splitlines()) <= 300
+  assert "docs/config.md" in readme
