@@ -187,3 +187,48 @@ def test_bad_engine_settings(model):
     RolloutEngine(*model, GREEDY, slots=0)
   with pytest.raises(ValueError, match="3 slots do not split over the mesh's 2 data devices"):
     RolloutEngine(*model, GREEDY, slots=3, devices=jax.devices()[:2])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=12, temperature=0),
+                                    SamplingParams(max_new_tokens=12, temperature=0.9)],
+                         ids=["greedy", "sampled"])
+def test_a_continuation_samples_what_the_whole_context_would(model, prompts, params):
+  """Turn 2 continues turn 1's kept cache with only the new tokens: it samples what a fresh
+  request for the whole context (prompt, turn 1, new tokens) samples, while another
+  trajectory decodes beside it."""
+  key = jax.random.key(21)
+  engine = RolloutEngine(*model, params, slots=2, steps_per_call=3, max_prompt_len=40,
+                         max_turn_len=6, max_context_len=64, key=key)
+  turn1, other = engine.run([Request(prompts[1], id="t1", keep=True, max_new_tokens=5),
+                             Request(prompts[3], id="o", keep=True)])
+  assert engine.kept == ("t1", "o") and engine.busy == 0
+  observation = [9, 8, 7]
+  engine.submit(Request(prompts[0], id="side"))
+  (turn2,) = engine.run([Request(observation, id="t2", continues="t1", row=50)])
+  assert turn2.prompt_ids == observation and engine.kept == ("o",)
+  fresh = RolloutEngine(*model, params, slots=1, max_prompt_len=40, key=key)
+  (want,) = fresh.run([Request(prompts[1] + turn1.token_ids + observation, row=50)])
+  assert turn2.token_ids == want.token_ids and len(want.token_ids) > 6
+  np.testing.assert_allclose(turn2.log_probs, want.log_probs, atol=1e-5)
+  engine.release("o")
+  assert engine.kept == ()
+  while engine.busy:
+    engine.step()
+
+
+def test_continuation_limits(model, prompts):
+  params = SamplingParams(max_new_tokens=8, temperature=0)
+  engine = RolloutEngine(*model, params, slots=1, max_prompt_len=16, max_turn_len=4,
+                         max_context_len=30)
+  with pytest.raises(ValueError, match="continues 'nope', which is not a finished request"):
+    engine.submit(Request([3], continues="nope"))
+  engine.run([Request(prompts[1], id="a", keep=True)])  # columns 0..22 hold its context
+  with pytest.raises(ValueError, match="brings at most max_turn_len=4"):
+    engine.submit(Request([3] * 5, continues="a"))
+  # 2 new tokens after a's last: columns 23..25; a reply fills 26..29 and ends unwritten.
+  (b,) = engine.run([Request([3, 4], id="b", continues="a", keep=True)])
+  assert len(b.token_ids) == 5 and b.finish_reason == "length"
+  with pytest.raises(ValueError, match="context of 'b' is full"):
+    engine.submit(Request([3, 4, 5], continues="b"))
+  with pytest.raises(ValueError, match="max_turn_len=0"):
+    RolloutEngine(*model, params, slots=1).submit(Request([3], continues="a"))

@@ -51,13 +51,21 @@ class Request:
   """One sequence to continue. prompt_ids: its token ids (the whole context so far);
   max_new_tokens: at most the engine's (default: the engine's); stop_ids: tokens that end
   it besides the engine's eos ids (a tool call's closing token, say); key and row: its
-  sampling stream (default: the engine's key and a row counted per submission)."""
+  sampling stream (default: the engine's key and a row counted per submission).
+
+  keep: when it finishes, its slot keeps the cache (a trajectory's next turn continues
+  from it) until a request `continues` it or `release(id)`. continues: the id of a kept
+  request; prompt_ids are then only the new tokens (a tool's observation and the next
+  turn's header), prefilled after the kept context and its last sampled token, so the
+  context is never tokenized or prefilled again."""
   prompt_ids: Sequence[int]
   id: Hashable = None
   max_new_tokens: int | None = None
   stop_ids: tuple[int, ...] = ()
   key: jax.Array | None = None
   row: int | None = None
+  keep: bool = False
+  continues: Hashable = None
 
 
 @dataclasses.dataclass
@@ -71,6 +79,13 @@ class Completion:
   log_probs: list[float]
   versions: list[int]
   finish_reason: str
+
+
+@dataclasses.dataclass
+class _Held:
+  slot: int
+  last_token: int
+  end: int  # the column the last token goes to: the context holds columns 0..end-1
 
 
 @dataclasses.dataclass
@@ -91,11 +106,17 @@ class RolloutEngine:
   axis, with `state` already placed on it (the hybrid engine's generation layout); or
   devices: a mesh of these with the weights replicated on each; default the state's
   devices. version: the weights' version. key: the default sampling key of requests.
+  max_turn_len: the most new tokens a continuing request brings (0: no continuations).
+  max_context_len: the most tokens a trajectory's context holds, prompt padding
+  included (default and least: max_prompt_len + max_new_tokens); a slot's cache has that
+  many columns, and max_turn_len more where continuations are on, so that a
+  continuation's prefill writes whole columns inside it.
   """
 
   def __init__(self, graphdef, state, sampling: SamplingParams, *, slots: int = 8,
                max_prompt_len: int = 256, steps_per_call: int = 8, mesh: Mesh | None = None,
-               devices: Sequence | None = None, version: int = 0, key: jax.Array | None = None):
+               devices: Sequence | None = None, version: int = 0, key: jax.Array | None = None,
+               max_turn_len: int = 0, max_context_len: int = 0):
     if len(sampling.eos_ids) > MAX_STOP_IDS:
       raise ValueError(f"RolloutEngine: at most {MAX_STOP_IDS} eos ids, got {sampling.eos_ids}")
     for name, value in (("slots", slots), ("max_prompt_len", max_prompt_len),
@@ -112,6 +133,12 @@ class RolloutEngine:
                        f"{mesh.shape['data']} data devices")
     self.sampling, self.slots, self.steps_per_call = sampling, int(slots), int(steps_per_call)
     self.prompt_width = int(max_prompt_len)
+    if not isinstance(max_turn_len, (int, np.integer)) or max_turn_len < 0:
+      raise ValueError(f"RolloutEngine: max_turn_len must be an integer >= 0, got "
+                       f"{max_turn_len!r}")
+    self.max_turn_len = int(max_turn_len)
+    self.context_width = max(int(max_context_len), self.prompt_width + sampling.max_new_tokens)
+    self._slack = sampler.length_bucket(self.max_turn_len + 1) if self.max_turn_len else 0
     self.mesh = mesh
     self.key = jax.random.key(0) if key is None else key
     # The model's graphdef, and the (graphdef, state) decoded with: the platform's decoding
@@ -124,6 +151,8 @@ class RolloutEngine:
     self._live: list[_Live | None] = [None] * self.slots
     self._rows = itertools.count()
     self._ids = set()
+    self._held: dict[Hashable, _Held] = {}  # kept requests: their slot and context
+    self._next_col = [0] * self.slots  # per decoding slot: its first token's cache column
     self._carry = None  # the slots' cache and counters, made at the first admission
 
   # -- weights ---------------------------------------------------------------------------
@@ -198,9 +227,11 @@ class RolloutEngine:
     where = f"request {r.id!r}"
     if r.id in self._ids:
       raise ValueError(f"{where}: that id is already in the engine")
-    if not r.prompt_ids:
+    if r.continues is not None:
+      self._check_continuation(r, where)
+    elif not r.prompt_ids:
       raise ValueError(f"{where}: empty prompt")
-    if len(r.prompt_ids) > self.prompt_width:
+    elif len(r.prompt_ids) > self.prompt_width:
       raise ValueError(f"{where}: {len(r.prompt_ids)} prompt tokens, the engine holds at most "
                        f"max_prompt_len={self.prompt_width}")
     cap = self.sampling.max_new_tokens
@@ -211,6 +242,34 @@ class RolloutEngine:
       raise ValueError(f"{where}: at most {MAX_STOP_IDS} stop and eos ids together")
     if r.key is None and not self.sampling.greedy:
       r.key = self.key
+
+  def _check_continuation(self, r: Request, where: str):
+    if not self.max_turn_len:
+      raise ValueError(f"{where}: continues {r.continues!r}, but the engine was built with "
+                       "max_turn_len=0 (no continuations)")
+    held = self._held.get(r.continues)
+    if held is None or any(w.continues == r.continues for w in self._waiting):
+      raise ValueError(f"{where}: continues {r.continues!r}, which is not a finished request "
+                       "kept with keep=True (or another request continues it already)")
+    if len(r.prompt_ids) > self.max_turn_len:
+      raise ValueError(f"{where}: {len(r.prompt_ids)} new tokens, a continuation brings at "
+                       f"most max_turn_len={self.max_turn_len}")
+    if held.end + 1 + len(r.prompt_ids) > self.context_width:
+      raise ValueError(f"{where}: the context of {r.continues!r} is full ({held.end} of "
+                       f"{self.context_width} columns): no room for {len(r.prompt_ids)} more "
+                       "tokens and a reply")
+
+  def release(self, request_id: Hashable):
+    """Frees the slot a kept request holds (its trajectory ends)."""
+    held = self._held.pop(request_id, None)
+    if held is None:
+      raise KeyError(f"release: no kept request {request_id!r}")
+    self._ids.discard(request_id)
+
+  @property
+  def kept(self) -> tuple:
+    """The ids of finished requests whose slots keep their context."""
+    return tuple(self._held)
 
   def abort(self, request_id: Hashable) -> Completion:
     """Stops a request: a waiting one returns with no tokens, a decoding one with those
@@ -228,7 +287,7 @@ class RolloutEngine:
 
   @property
   def busy(self) -> int:
-    """Requests waiting or decoding."""
+    """Requests waiting or decoding (kept ones are not)."""
     return len(self._waiting) + sum(live is not None for live in self._live)
 
   def step(self) -> list[Completion]:
@@ -263,14 +322,17 @@ class RolloutEngine:
 
   # -- slots ----------------------------------------------------------------------------
   def _admit(self) -> list[Completion]:
-    free = [s for s, live in enumerate(self._live) if live is None]
-    take = self._waiting[:len(free)]
-    if not take:
-      return []
     graphdef, state = self._weights()
     if self._carry is None:
       self._carry = self._place(_empty_carry(nnx.merge(graphdef, state).cfg, self.slots,
-                                             self.prompt_width, self.sampling.max_new_tokens))
+                                             self.context_width + self._slack))
+    finished = self._continue([r for r in self._waiting if r.continues is not None])
+    self._waiting = [r for r in self._waiting if r.continues is None]
+    held = {h.slot for h in self._held.values()}
+    free = [s for s, live in enumerate(self._live) if live is None and s not in held]
+    take = self._waiting[:len(free)]
+    if not take:
+      return finished
     del self._waiting[:len(take)]
     K = _admission_rows(len(take), self.slots)
     picks = [take[i % len(take)] for i in range(K)]  # padding rows repeat real ones
@@ -278,37 +340,78 @@ class RolloutEngine:
     tokens, mask = sampler.left_pad([r.prompt_ids for r in picks], self.sampling.pad_id, width)
     slots = np.full(K, self.slots, np.int32)  # out of range: padding rows write nowhere
     slots[:len(take)] = free[:len(take)]
-    keys = [r.key if r.key is not None else self.key for r in picks]
-    per_row = {
-        "tokens": tokens, "mask": mask, "slot": slots,
-        "key": np.stack([_key_data(k) for k in keys]),
-        "row": np.asarray([r.row for r in picks], np.int32),
-        "max_new": np.asarray([r.max_new_tokens or self.sampling.max_new_tokens
-                               for r in picks], np.int32),
-        "stops": np.stack([_stop_row(r.stop_ids, self.sampling.eos_ids) for r in picks]),
-    }
+    per_row = {**self._sampling_rows(picks), "tokens": tokens, "mask": mask, "slot": slots}
     self._carry, (first, logp, going) = _prefill_into(
         graphdef, state, self._carry, per_row, params=self.sampling,
         prompt_width=self.prompt_width)
+    return finished + self._started(take, slots, [self.prompt_width] * len(take),
+                                    first, logp, going)
+
+  def _started(self, requests, slots, columns, first, logp, going) -> list[Completion]:
+    """Marks admitted requests as decoding (their first token picked) and returns those
+    that ended at it."""
     first, logp, going = jax.device_get((first, logp, going))
     finished = []
-    for i, r in enumerate(take):
+    for i, r in enumerate(requests):
       s = int(slots[i])
       self._live[s] = _Live(r, [int(first[i])], [float(logp[i])], [self.version])
+      self._next_col[s] = columns[i]
       if not going[i]:
         finished.append(self._finish(s))
     return finished
+
+  def _continue(self, requests: list[Request]) -> list[Completion]:
+    """Prefills each continuing request's new tokens after its kept context, in the slot
+    that holds it, and picks its first token."""
+    if not requests:
+      return []
+    K = _admission_rows(len(requests), self.slots)
+    picks = [requests[i % len(requests)] for i in range(K)]
+    held = [self._held[r.continues] for r in picks]
+    T = sampler.length_bucket(max(len(r.prompt_ids) for r in requests) + 1, minimum=1)
+    tokens = np.full((K, T), self.sampling.pad_id, np.int32)
+    for i, (r, h) in enumerate(zip(picks, held)):
+      tokens[i, :len(r.prompt_ids) + 1] = [h.last_token] + r.prompt_ids
+    lengths = np.asarray([len(r.prompt_ids) + 1 for r in picks], np.int32)
+    starts = np.asarray([h.end for h in held], np.int32)
+    slots = np.full(K, self.slots, np.int32)
+    slots[:len(requests)] = [h.slot for h in held[:len(requests)]]
+    room = self.context_width - (starts + lengths) + 1  # the most tokens a reply can have
+    per_row = {**self._sampling_rows(picks), "tokens": tokens, "length": lengths,
+               "start": starts, "slot": slots}
+    per_row["max_new"] = np.minimum(per_row["max_new"], room).astype(np.int32)
+    for r in requests:
+      del self._held[r.continues]
+      self._ids.discard(r.continues)
+    self._carry, (first, logp, going) = _extend(*self._weights(), self._carry, per_row,
+                                                params=self.sampling)
+    return self._started(requests, slots, (starts + lengths)[:len(requests)].tolist(),
+                         first, logp, going)
+
+  def _sampling_rows(self, picks) -> dict:
+    keys = [r.key if r.key is not None else self.key for r in picks]
+    return {"key": np.stack([_key_data(k) for k in keys]),
+            "row": np.asarray([r.row for r in picks], np.int32),
+            "max_new": np.asarray([r.max_new_tokens or self.sampling.max_new_tokens
+                                   for r in picks], np.int32),
+            "stops": np.stack([_stop_row(r.stop_ids, self.sampling.eos_ids) for r in picks])}
 
   def _finish(self, s: int) -> Completion:
     live = self._live[s]
     r = live.request
     stops = set(r.stop_ids) | set(self.sampling.eos_ids)
     reason = "stop" if live.tokens and live.tokens[-1] in stops else "length"
-    self._free(s)
+    self._free(s, keep=r.keep)
     return _completion(live, reason)
 
-  def _free(self, s: int):
-    self._ids.discard(self._live[s].request.id)
+  def _free(self, s: int, keep: bool = False):
+    """Ends slot s's request; with keep its context stays for a continuation."""
+    live = self._live[s]
+    if keep:  # the last token's keys and values are not written yet: its column is next
+      self._held[live.request.id] = _Held(s, live.tokens[-1],
+                                          self._next_col[s] + len(live.tokens) - 1)
+    else:
+      self._ids.discard(live.request.id)
     self._live[s] = None
     self._carry = {**self._carry, "active": self._carry["active"].at[s].set(False)}
 
@@ -335,12 +438,13 @@ def _admission_rows(count: int, slots: int) -> int:
   return min(slots, 1 << max(0, count - 1).bit_length())
 
 
-def _empty_carry(cfg, slots: int, prompt_width: int, max_new: int) -> dict:
-  S, W = slots, prompt_width + max_new
+def _empty_carry(cfg, slots: int, width: int) -> dict:
+  S, W = slots, width
   key_shape = jax.random.key_data(jax.random.key(0)).shape
   return {"cache": init_cache(cfg, S, W), "kv_valid": jnp.zeros((S, W), bool),
           "tok": jnp.zeros((S,), jnp.int32), "pos": jnp.zeros((S,), jnp.int32),
-          "step": jnp.ones((S,), jnp.int32), "active": jnp.zeros((S,), bool),
+          "step": jnp.ones((S,), jnp.int32), "col": jnp.zeros((S,), jnp.int32),
+          "active": jnp.zeros((S,), bool),
           "key": jnp.zeros((S,) + key_shape, jnp.uint32), "row": jnp.zeros((S,), jnp.int32),
           "max_new": jnp.ones((S,), jnp.int32),
           "stops": jnp.full((S, MAX_STOP_IDS), -1, jnp.int32)}
@@ -385,6 +489,7 @@ def _prefill_into(graphdef, state, carry, rows, *, params: SamplingParams, promp
            "tok": put(carry["tok"], first),
            "pos": put(carry["pos"], positions_from_mask(mask)[:, -1] + 1),
            "step": put(carry["step"], jnp.ones((K,), jnp.int32)),
+           "col": put(carry["col"], jnp.full((K,), prompt_width, jnp.int32)),
            "active": put(carry["active"], going),
            "key": put(carry["key"], rows["key"]), "row": put(carry["row"], rows["row"]),
            "max_new": put(carry["max_new"], rows["max_new"]),
@@ -395,13 +500,13 @@ def _prefill_into(graphdef, state, carry, rows, *, params: SamplingParams, promp
 @functools.partial(jax.jit, static_argnames=("graphdef", "params", "steps"),
                    donate_argnames=("carry",))
 def _decode(graphdef, state, carry, *, params: SamplingParams, steps: int):
-  """Up to `steps` decode steps of every active slot (fewer once none is active). Slot s
-  writes its step-t token's keys and values at column prompt_width + t - 1 (the batch
-  sampler's layout) and stops at a stop id or its max_new. Returns the carry and, per
-  slot and step, the token, its log-prob and whether the slot emitted it."""
+  """Up to `steps` decode steps of every active slot (fewer once none is active). Each
+  step writes a slot's last token's keys and values at its column (a fresh request's
+  step-t token at prompt_width + t - 1: the batch sampler's layout) and picks the next;
+  a slot stops at a stop id or its max_new. Returns the carry and, per slot and step,
+  the token, its log-prob and whether the slot emitted it."""
   model = nnx.merge(graphdef, state)
   S, W = carry["kv_valid"].shape
-  P = W - params.max_new_tokens
   out = {"tokens": jnp.full((S, steps), params.pad_id, jnp.int32),
          "log_probs": jnp.zeros((S, steps), jnp.float32),
          "emitted": jnp.zeros((S, steps), bool)}
@@ -409,8 +514,10 @@ def _decode(graphdef, state, carry, *, params: SamplingParams, steps: int):
   def body(state_i):
     c, o, i = state_i
     active, step = c["active"], c["step"]
-    col = jnp.minimum(P + step - 1, W - 1)  # idle slots stay in range, unread
-    kv_valid = c["kv_valid"].at[jnp.arange(S), col].set(True)
+    # Idle slots write where their next token would go (a kept context's free column),
+    # left invalid: a continuation overwrites it.
+    col = jnp.minimum(c["col"], W - 1)
+    kv_valid = c["kv_valid"].at[jnp.arange(S), col].set(active | c["kv_valid"][jnp.arange(S), col])
     hidden, cache = model(c["tok"][:, None], c["pos"][:, None], kv_valid, cache=c["cache"],
                           slot0=col)
     keys = None if params.greedy else _keys(c["key"], step, c["row"])
@@ -422,10 +529,48 @@ def _decode(graphdef, state, carry, *, params: SamplingParams, steps: int):
     ends = jnp.any(tok[:, None] == c["stops"], axis=1) | (step + 1 >= c["max_new"])
     c = {**c, "cache": cache, "kv_valid": kv_valid, "tok": tok,
          "pos": jnp.where(active, c["pos"] + 1, c["pos"]),
-         "step": jnp.where(active, step + 1, step), "active": active & ~ends}
+         "step": jnp.where(active, step + 1, step), "col": jnp.where(active, col + 1, col),
+         "active": active & ~ends}
     return c, o, i + 1
 
   carry, out, _ = jax.lax.while_loop(lambda s: (s[2] < steps) & s[0]["active"].any(), body,
                                      (carry, out, jnp.int32(0)))
   return carry, out
 
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params"), donate_argnames=("carry",))
+def _extend(graphdef, state, carry, rows, *, params: SamplingParams):
+  """Continuations: row i's tokens (its kept context's last token, then the new ones,
+  right-padded) are prefilled into slot rows["slot"][i] at columns start.., against the
+  context already there, and its first token picked (step 0). Padding columns are
+  written but never marked valid; the next decode step overwrites the first of them."""
+  model = nnx.merge(graphdef, state)
+  tokens, length, start, at = rows["tokens"], rows["length"], rows["start"], rows["slot"]
+  K, T = tokens.shape
+  S, W = carry["kv_valid"].shape
+  take = lambda x: x[jnp.minimum(at, S - 1)]  # noqa: E731  padding rows read a slot, write none
+  real_KxT = jnp.arange(T)[None] < length[:, None]
+  columns_KxT = start[:, None] + jnp.arange(T)
+  kv_valid = take(carry["kv_valid"]).at[jnp.arange(K)[:, None], columns_KxT].set(
+      real_KxT, mode="drop")
+  positions = take(carry["pos"])[:, None] + jnp.arange(T)
+  hidden, cache = model(tokens, positions, kv_valid,
+                        cache=[{"k": take(c["k"]), "v": take(c["v"])} for c in carry["cache"]],
+                        slot0=start)
+  last = jnp.take_along_axis(hidden, (length - 1)[:, None, None], axis=1)[:, 0]
+  keys = None if params.greedy else _keys(rows["key"], jnp.zeros((K,), jnp.int32), rows["row"])
+  first, logp = pick_with_keys(model.step_logits(last), keys, params)
+  going = ~jnp.any(first[:, None] == rows["stops"], axis=1) & (rows["max_new"] > 1)
+  put = lambda old, new: old.at[at].set(new, mode="drop")  # noqa: E731
+  carry = {**carry,
+           "cache": [{"k": put(o["k"], n["k"]), "v": put(o["v"], n["v"])}
+                     for o, n in zip(carry["cache"], cache)],
+           "kv_valid": put(carry["kv_valid"], kv_valid), "tok": put(carry["tok"], first),
+           "pos": put(carry["pos"], positions[jnp.arange(K), length - 1] + 1),
+           "step": put(carry["step"], jnp.ones((K,), jnp.int32)),
+           "col": put(carry["col"], start + length), "active": put(carry["active"], going),
+           "key": put(carry["key"], rows["key"]), "row": put(carry["row"], rows["row"]),
+           "max_new": put(carry["max_new"], rows["max_new"]),
+           "stops": put(carry["stops"], rows["stops"])}
+  return carry, (first, logp, going)
