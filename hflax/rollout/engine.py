@@ -459,7 +459,8 @@ def _key_data(key) -> np.ndarray:
 
 def _keys(key_data, steps, rows):
   """Each slot's key for its token `steps`: fold_in(fold_in(key, step), row)."""
-  fold = lambda k, s, r: jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), s), r)  # noqa: E731
+  def fold(k, s, r):
+    return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), s), r)
   return jax.vmap(fold)(key_data, steps, rows)
 
 
@@ -478,8 +479,9 @@ def _prefill_into(graphdef, state, carry, rows, *, params: SamplingParams, promp
   first, logp = pick_with_keys(model.step_logits(last), keys, params)
   going = ~jnp.any(first[:, None] == rows["stops"], axis=1) & (rows["max_new"] > 1)
   W = carry["kv_valid"].shape[1]
-  widen = lambda x, axis: jnp.pad(x, [(prompt_width - p, W - prompt_width) if a == axis  # noqa: E731
-                                      else (0, 0) for a in range(x.ndim)])
+  def widen(x, axis):  # the prompt right-aligned in the slot's first prompt_width columns
+    return jnp.pad(x, [(prompt_width - p, W - prompt_width) if a == axis else (0, 0)
+                       for a in range(x.ndim)])
   at = rows["slot"]
   put = lambda old, new: old.at[at].set(new, mode="drop")  # noqa: E731
   new_cache = [{"k": put(o["k"], widen(n["k"], 3)), "v": put(o["v"], widen(n["v"], 2))}
@@ -517,7 +519,8 @@ def _decode(graphdef, state, carry, *, params: SamplingParams, steps: int):
     # Idle slots write where their next token would go (a kept context's free column),
     # left invalid: a continuation overwrites it.
     col = jnp.minimum(c["col"], W - 1)
-    kv_valid = c["kv_valid"].at[jnp.arange(S), col].set(active | c["kv_valid"][jnp.arange(S), col])
+    rows = jnp.arange(S)
+    kv_valid = c["kv_valid"].at[rows, col].set(active | c["kv_valid"][rows, col])
     hidden, cache = model(c["tok"][:, None], c["pos"][:, None], kv_valid, cache=c["cache"],
                           slot0=col)
     keys = None if params.greedy else _keys(c["key"], step, c["row"])
