@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from hflax.algorithms import aggregate_loss, ppo_clip_loss  # noqa: E402
 from hflax.controller.batch import Batch  # noqa: E402
 from hflax.controller.training import OptimConfig, UpdateConfig  # noqa: E402
-from hflax.controller.workers import ActorRolloutWorker  # noqa: E402
+from hflax.controller.actor import ActorRolloutWorker  # noqa: E402
 from hflax.models import ModelConfig, create  # noqa: E402
 from hflax.models.lora import add_adapters, lora_config  # noqa: E402
 from hflax.rollout import SamplingParams, left_pad  # noqa: E402

@@ -7,8 +7,8 @@ from hflax.algorithms import (aggregate_loss, apply_kl_penalty, gae_advantage, p
                               value_loss)
 from hflax.controller.batch import Batch
 from hflax.controller.training import OptimConfig, UpdateConfig
-from hflax.controller.workers import (ActorRolloutWorker, CriticWorker, ReferenceWorker,
-                                      RewardModelWorker)
+from hflax.controller.actor import ActorRolloutWorker
+from hflax.controller.workers import CriticWorker, ReferenceWorker, RewardModelWorker
 from hflax.models import ModelConfig, create
 from hflax.rollout import SamplingParams, left_pad
 from hflax.sharding.placement import build_placement

@@ -8,7 +8,7 @@ import pytest
 from ppo_step import CFG, SAMPLING, actor_loss, prompts_batch
 from hflax.controller.batch import Batch
 from hflax.controller.training import OptimConfig, UpdateConfig
-from hflax.controller.workers import ActorRolloutWorker
+from hflax.controller.actor import ActorRolloutWorker
 from hflax.models import create
 from hflax.sharding.placement import build_placement, colocated
 
@@ -74,7 +74,7 @@ def test_bf16_first_minibatch_exactly_on_policy_with_fast_math_compiled(monkeypa
   # The suite compiles at LLVM level 0 (conftest), where the bf16 step's fast-math
   # reassociation does nothing; at the default level a fusion XLA duplicates could round
   # the behaviour log-probs apart from the trained ones. They stay equal.
-  import hflax.controller.workers as workers
+  import hflax.controller.update_engine as workers  # where the training steps compile
   plain = workers.train_compiler_options
   monkeypatch.setattr(workers, "train_compiler_options", lambda devices, dtype: {
       **(plain(devices, dtype) or {}), "xla_backend_optimization_level": 3})

@@ -166,7 +166,7 @@ def test_actor_with_continuous_batching_samples_what_its_waves_do(model, prompts
   # rollout.continuous_batching through the actor: max_num_seqs=3 slots per replica on 2
   # devices against the wave actor with the same cap (which then fits 1 prompt of n=2).
   from hflax.controller.batch import Batch
-  from hflax.controller.workers import ActorRolloutWorker
+  from hflax.controller.actor import ActorRolloutWorker
   from hflax.sharding.placement import build_placement, colocated
   placed = build_placement(colocated(["actor"], 2))
   params = sampling_cases(eos_ids)[1]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ppo_step import CFG, SAMPLING, prompts_batch
-from hflax.controller import workers
+from hflax.controller import actor as workers
 from hflax.launch.config import base_config, validate
 from hflax.launch.plan import workload
 from hflax.models import create

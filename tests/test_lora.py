@@ -9,7 +9,8 @@ from flax import nnx
 from ppo_step import CFG, SAMPLING, actor_loss, prompts_batch
 from hflax.controller.batch import Batch
 from hflax.controller.training import OptimConfig, UpdateConfig
-from hflax.controller.workers import ActorRolloutWorker, ReferenceWorker
+from hflax.controller.actor import ActorRolloutWorker
+from hflax.controller.workers import ReferenceWorker
 from hflax.models import create, hf
 from hflax.models.lora import (add_adapters, export_adapter, init_adapters, lora_config,
                                lora_targets, merge_adapters, split_adapters)
@@ -254,7 +255,7 @@ def test_critic_lora_trains_its_adapters_and_value_head_only():
                  "returns": jnp.asarray(rs.randn(8, 4), jnp.float32)})
   values = critic.compute_values(batch)["values"]
   # Fresh adapters: the values of the same critic without them.
-  from hflax.controller.workers import _values_fn
+  from hflax.models.forwards import values_fn as _values_fn
   np.testing.assert_allclose(values, _values_fn(plain[0], 4)(plain[1], batch.arrays), atol=1e-6)
   before = dict(nnx.to_flat_state(jax.tree.map(np.asarray, critic.params)))
   for _ in range(2):  # the first moves B alone (A's gradient is 0 while B = 0)

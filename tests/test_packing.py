@@ -160,7 +160,7 @@ def test_packed_log_probs_equal_the_padded_path():
 def grpo_actor(update, devices=2, remove_padding=False, dtype="float32"):
   from hflax.algorithms.objectives import actor_loss
   from hflax.controller.training import OptimConfig
-  from hflax.controller.workers import ActorRolloutWorker
+  from hflax.controller.actor import ActorRolloutWorker
   from hflax.models import ModelConfig, create
   from hflax.rollout import SamplingParams
   from hflax.sharding.placement import build_placement, colocated

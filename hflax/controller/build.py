@@ -9,8 +9,9 @@ from flax import nnx
 from hflax.algorithms.objectives import actor_loss, critic_loss
 from hflax.controller.plan import LoraPlan, RunPlan
 from hflax.controller.roles import Role, Roles
-from hflax.controller.workers import (ActorRolloutWorker, CriticWorker, FunctionRewardWorker,
-                                      ReferenceWorker, RewardModelWorker)
+from hflax.controller.actor import ActorRolloutWorker
+from hflax.controller.workers import (CriticWorker, FunctionRewardWorker, ReferenceWorker,
+                                      RewardModelWorker)
 from hflax.models import ModelConfig, create, hf
 from hflax.models.lora import add_adapters, load_adapter, lora_config, split_adapters
 from hflax.sharding.placement import build_placement

@@ -1,0 +1,214 @@
+"""The actor role: the policy that generates rollouts and is trained on them.
+
+It generates in the generation layout (through the hybrid engine, with LoRA adapters
+merged into the weights it hands over), scores log-probs with the trainer's weights,
+moves its optimizer state to host memory while it generates, and trains through the
+role worker's update engine.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hflax.controller.batch import Batch
+from hflax.controller.protocol import Protocol, transfer
+from hflax.controller.update_engine import FRESH, response_width
+from hflax.controller.workers import RoleWorker, packs_forward, packs_update
+from hflax.models.forwards import (base_log_probs_fn, base_packed_log_probs_fn, log_probs_fn,
+                                   packed_log_probs_fn)
+from hflax.models.logprobs import sequence_log_probs
+from hflax.models.lora import base_config, merged_kernels, split_adapters, split_for_merge
+from hflax.models.transformer import compute_kernels, create_abstract
+from hflax.rollout.sampler import SamplingParams, generate_over_rows
+from hflax.rollout.waves import generation_slots, generation_waves
+from hflax.sharding.hybrid_engine import HybridEngine
+from hflax.sharding.layouts import TRAIN_RULES, state_shardings
+
+
+class ActorRolloutWorker(RoleWorker):
+  """The policy: generates in the generate layout (hybrid engine), trains in the train layout."""
+
+  prefix = "actor"
+
+  def __init__(self, placement, graphdef, state, *, sampling: SamplingParams,
+               loss_fn: Callable | None = None, generate_dtype: str | None = None,
+               recompute_log_prob: bool = False, loss_fields: tuple[str, ...] = (),
+               optimizer_offload: bool = False, max_num_seqs: int = 0,
+               continuous_batching: bool = False, old_log_probs_in_reward: bool = False, **kw):
+    super().__init__(placement, graphdef, state, **kw)
+    self.sampling, self.loss_fn, self.loss_fields = sampling, loss_fn, tuple(loss_fields)
+    # Sequences one generation replica holds at once (0: all of its rows): the tighter of
+    # the config's rollout.max_num_seqs and the placement's (the KV cache the plan fits).
+    self.max_num_seqs = min((c for c in (max_num_seqs, placement.max_num_seqs) if c), default=0)
+    # Continuous batching: that many decode slots per replica instead of waves of prompts.
+    self.continuous_batching = continuous_batching
+    # Optimizer state in host memory from generation until the next update, so the KV
+    # cache and the generation copy of the weights have the accelerator to themselves.
+    self.optimizer_offload = optimizer_offload and self.opt_state is not None
+    self._opt_on_device = None  # the device shardings while the state is offloaded
+    # In float32 the sampler's log-probs are the trainer's to float precision. Generation
+    # in another dtype, or low-precision compute (where the KV-cache decode and the
+    # teacher-forced pass round differently, ~1e-3 in bfloat16), needs the separate
+    # forward pass that makes the first mini-batch exactly on-policy, as verl always runs.
+    self.recompute_log_prob = (recompute_log_prob or self.cfg.dtype != "float32" or
+                               generate_dtype not in (None, self.cfg.param_dtype))
+    # That pass is skipped where nothing reads its result: one optimizer step per batch
+    # (whose loss takes the update's own forward as the behaviour policy, see FRESH) and no
+    # KL penalty in the reward (which reads the old log-probs), unless asked for.
+    self.recompute_requested = recompute_log_prob
+    self.old_log_probs_in_reward = old_log_probs_in_reward
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    self.base_graphdef, shardings = graphdef, self.shardings
+    if self.trainable is not None:
+      # Generation runs the merged weights (W + scale A B) on the base model's graph: no
+      # adapter matmuls in the decode loop, and the engine reshards base-shaped weights.
+      self.base_graphdef = create_abstract(base_config(self.cfg))[0]
+      # Only the adapted kernels are computed (and copied); the other weights pass through.
+      kernels = split_for_merge(abstract)[0]
+      self._merge = jax.jit(functools.partial(merged_kernels, self.cfg),
+                            out_shardings=state_shardings(kernels, self.mesh, TRAIN_RULES))
+      abstract = split_adapters(abstract)[1]
+      shardings = state_shardings(abstract, self.mesh, TRAIN_RULES)
+    self.engine = HybridEngine(self.mesh, abstract, shardings, placement.generate_tensor,
+                               generate_dtype, placement.generate_strided, self.base_graphdef)
+    self.temperature = sampling.temperature or 1.0
+    self._rng = jax.random.key(self.seed)
+
+  def generate_sequences(self, prompts: Batch, sampling: SamplingParams | None = None,
+                         rng=None) -> Batch:
+    """prompts: fields "prompts" [B, P] and "prompt_mask" (left-padded). Returns B * n rows.
+
+    Without `rng`, call i of the run samples with fold_in(seed key, i), so a resumed run
+    (which restores the call count) draws exactly what the uninterrupted run would have.
+    """
+    params = sampling or self.sampling
+    for key in ("prompts", "prompt_mask"):
+      if key not in prompts:
+        raise KeyError(f"actor.generate_sequences needs field {key!r}; batch has {prompts.keys()}")
+    count = len(prompts)
+    # Generation replicas split the prompts, in waves when max_num_seqs caps them.
+    replicas = self.engine.mesh.shape["data"]
+    if self.continuous_batching:
+      wave, slots = 0, generation_slots(count, replicas, params.n, self.max_num_seqs)
+    else:
+      wave = replicas * generation_waves(count, replicas, params.n, self.max_num_seqs)[1]
+      slots = 0
+    gen_state, metrics = self.engine.to_generate(self._generation_weights())
+    if self.optimizer_offload:
+      metrics.update(self._offload_optimizer())
+    if rng is None:
+      rng = jax.random.fold_in(self._rng, self.calls)
+      self.calls += 1
+    out = generate_over_rows(self.engine.graphdef, gen_state, prompts["prompts"],
+                             prompts["prompt_mask"], rng, params, self.engine.mesh,
+                             wave_rows=wave, slots=slots,
+                             collect=lambda x: jax.device_put(x, self.home))
+    del gen_state  # the generation copy is freed once the programs have consumed it
+    metrics["rollout/waves"] = float(-(-count // wave)) if wave else 1.0
+    # samples of prompt i are rows i*n .. i*n + n - 1
+    out["group_ids"] = jax.device_put(
+        jnp.repeat(jnp.arange(count, dtype=jnp.int32), params.n), self.home)
+    return Batch(out, prompts.repeat(params.n).objects, {"metrics": metrics})
+
+  def old_log_probs(self, batch: Batch) -> Batch:
+    """The behaviour policy's log-probs: the rollout's own, or recomputed when they differ."""
+    if self.recompute_log_prob and not self._update_reads_only_its_own(len(batch)):
+      return self.compute_log_prob(batch)
+    return Batch({"old_log_probs": batch["rollout_log_probs"]})
+
+  def _update_reads_only_its_own(self, rows: int) -> bool:
+    """Whether nothing but the update's first (FRESH) mini-batch would read recomputed
+    old log-probs of `rows` rows: then the separate pass is skipped, as TRL does."""
+    cfg = self.update_cfg
+    return (cfg is not None and cfg.epochs == 1 and rows <= cfg.mini_batch_size
+            and not self.recompute_requested and not self.old_log_probs_in_reward)
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"), packs=packs_forward)
+  def compute_log_prob(self, rows, batch):
+    if self.remove_padding:
+      logp, entropy = self._packed_forward(packed_log_probs_fn(self.graphdef, self.temperature),
+                                           rows, batch)
+      return {"old_log_probs": logp, "entropy": entropy}
+    fn = self.update_engine.jit_rows(
+        log_probs_fn(self.graphdef, response_width(batch), self.temperature))
+    logp, entropy = fn(self.params, rows)
+    return {"old_log_probs": logp, "entropy": entropy}
+
+  def _generation_weights(self):
+    """The training-layout weights generation reshards: with LoRA, the merged ones."""
+    if self.trainable is None:
+      return self.params
+    kernels, adapters, rest = split_for_merge(self.params)
+    return nnx.merge_state(rest, self._merge(kernels, adapters))
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"), packs=packs_forward)
+  def compute_ref_log_prob(self, rows, batch):
+    """With LoRA, the reference policy is the base model beneath the adapters (verl's
+    ref_in_actor): the log-probs of the frozen weights, with no copy of them elsewhere."""
+    if self.trainable is None:
+      raise ValueError("actor.compute_ref_log_prob needs LoRA adapters (model.lora_rank > 0); "
+                       "without them the reference policy is a role of its own")
+    if self.remove_padding:
+      logp, _ = self._packed_forward(
+          base_packed_log_probs_fn(self.base_graphdef, self.temperature), rows, batch)
+      return {"ref_log_prob": logp}
+    fn = self.update_engine.jit_rows(
+        base_log_probs_fn(self.base_graphdef, response_width(batch), self.temperature))
+    logp, _ = fn(self.params, rows)
+    return {"ref_log_prob": logp}
+
+  def _offload_optimizer(self) -> dict:
+    """The optimizer state to host memory, each leaf keeping its sharding; its size is
+    reported on every generation it is off the device (validation may have moved it)."""
+    if self._opt_on_device is None:
+      self._opt_on_device = jax.tree.map(lambda x: x.sharding, self.opt_state)
+      # Not waited for: the copy overlaps generation, and the device memory is freed when
+      # it completes.
+      self.opt_state = jax.device_put(self.opt_state, jax.tree.map(
+          lambda s: s.with_memory_kind("pinned_host"), self._opt_on_device))
+    return {"offload/optimizer_bytes": float(sum(x.nbytes for x in jax.tree.leaves(self.opt_state)))}
+
+  def _reload_optimizer(self):
+    if self._opt_on_device is not None:
+      self.opt_state = jax.device_put(self.opt_state, self._opt_on_device)
+      self._opt_on_device = None
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask", "response_mask",
+                                            "old_log_probs", "advantages"), packs=packs_update)
+  def update_actor(self, rows, batch):
+    if self.loss_fn is None:
+      raise ValueError("actor has no loss_fn; pass one (e.g. from hflax.algorithms)")
+    self._reload_optimizer()
+    for k in self.loss_fields:  # e.g. ref_log_prob for a KL loss
+      rows[k] = jax.device_put(batch[k], self.rows_sharding)
+    width, temperature, graphdef, loss = response_width(batch), self.temperature, self.graphdef, self.loss_fn
+    weight_fn = getattr(loss, "micro_batch_weight", None)
+    # The kernels in the compute dtype, cast once per optimizer step for all its micro-batches.
+    prepare = functools.partial(compute_kernels, graphdef)
+    if self.update_cfg.packed:
+      packed = packed_log_probs_fn(graphdef, temperature)
+
+      def packed_loss(params, fields, kernels):
+        logp, entropy = packed(params, fields, kernels)
+        return loss(logp, entropy, _fresh_behaviour(logp, fields))
+      return self._train_packed("update_actor", packed_loss, rows, batch, weight_fn, prepare)
+
+    def loss_fn(params, fields, kernels):
+      logp, entropy = sequence_log_probs(graphdef, params, fields["input_ids"],
+                                         fields["attention_mask"], temperature=temperature,
+                                         last=width, compute_kernels=kernels)
+      return loss(logp, entropy, _fresh_behaviour(logp, fields))
+
+    return self._train("update_actor", loss_fn, rows, batch, weight_fn, prepare)
+
+
+def _fresh_behaviour(logp, fields):
+  """The loss's fields with the update's own forward (without gradient) as old_log_probs
+  in its first mini-batch, which is exactly on-policy (see update_engine.FRESH)."""
+  fresh = fields[FRESH][:, None] > 0
+  return {**fields, "old_log_probs": jnp.where(fresh, jax.lax.stop_gradient(logp),
+                                               fields["old_log_probs"])}
