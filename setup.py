@@ -8,8 +8,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["hflax", "hflax.*"]),
-    # The CPU decode kernel's source, built at first use (hflax/models/cpu_matmul.py).
-    package_data={"hflax.models": ["cpu_matmul.cc", "cpu_attention.cc"]},
+    # The CPU decode kernels' sources, built at first use (hflax/platforms/cpu/matmul.py).
+    package_data={"hflax.platforms.cpu": ["matmul.cc", "attention.cc"]},
     install_requires=[
         "jax>=0.7",
         "flax>=0.12",

@@ -44,11 +44,11 @@ import time  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/common.py
 
-# As hflax's launcher sets up a CPU process (hflax.xla_env.configure_cpu), before XLA's
+# As hflax's launcher sets up a CPU process (hflax.platforms.cpu.process.configure_cpu), before XLA's
 # threads allocate: glibc keeps freed memory for reuse, so each call's KV cache is not
 # page-faulted in afresh (on 2 devices, 0.75 s of a 15.5 s float32 call went there).
 # malloc is the process's: transformers runs with the same. HFLAX_CPU_MALLOC=0: off.
-from hflax.xla_env import keep_freed_memory  # noqa: E402
+from hflax.platforms.cpu.process import keep_freed_memory  # noqa: E402
 
 KEEPS_FREED_MEMORY = keep_freed_memory()
 
@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from hflax.models import ModelConfig, create  # noqa: E402
-from hflax.models.decode_layout import for_decoding  # noqa: E402
+from hflax.platforms.cpu.decoding_copy import for_decoding  # noqa: E402
 from hflax.models.matmul import dense_dot  # noqa: E402
 from hflax.models.hf import export_checkpoint  # noqa: E402
 from hflax.models.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer  # noqa: E402
@@ -313,7 +313,7 @@ def main(argv=None) -> int:
   print(f"torch {torch.__version__} threads: {torch.get_num_threads()}  "
         f"transformers {transformers.__version__}  os.cpu_count(): {os.cpu_count()}  "
         f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
-  print(f"glibc keeps freed memory for reuse (hflax.xla_env.keep_freed_memory, both "
+  print(f"glibc keeps freed memory for reuse (hflax.platforms.cpu.process.keep_freed_memory, both "
         f"frameworks; HFLAX_CPU_MALLOC=0 turns it off): {KEEPS_FREED_MEMORY}")
   print(f"load average at start: {common.load_average()}")
   print(common.bf16_instructions())

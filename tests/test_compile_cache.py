@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from hflax.launch.config import base_config, validate
 from hflax.launch.trainer import Trainer
-from hflax.xla_env import (CompileCacheStats, compile_cache_summary, default_compile_cache_dir,
-                           use_compile_cache)
+from hflax.platforms.compile_cache import (CompileCacheStats, compile_cache_summary,
+                                           default_compile_cache_dir, use_compile_cache)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_RUN = ("--config", "grpo.py", "--config.trainer.total_steps=1",
@@ -78,7 +78,7 @@ def test_an_empty_directory_turns_the_cache_off(tmp_path):
 
 
 def test_jax_own_directory_wins_over_the_config(tmp_path):
-  code = ("import jax; from hflax.xla_env import use_compile_cache as use; "
+  code = ("import jax; from hflax.platforms.compile_cache import use_compile_cache as use; "
           "print(use('/elsewhere'), jax.config.jax_compilation_cache_dir)")
   mine = str(tmp_path / "mine")
   done = subprocess.run([sys.executable, "-c", code], env=_env(JAX_COMPILATION_CACHE_DIR=mine),
@@ -91,7 +91,7 @@ def test_jax_own_directory_wins_over_the_config(tmp_path):
 
 
 def test_a_relative_or_home_path_is_made_absolute_in_the_process_using_it(tmp_path):
-  code = ("import jax; from hflax.xla_env import use_compile_cache as use; "
+  code = ("import jax; from hflax.platforms.compile_cache import use_compile_cache as use; "
           "print(use('~/c1'), jax.config.jax_compilation_cache_dir); print(use(''))")
   done = subprocess.run([sys.executable, "-c", code], env=_env(HOME=str(tmp_path)),
                         capture_output=True, text=True, timeout=120)

@@ -8,26 +8,44 @@ import shutil
 
 HFLAX = pathlib.Path(__file__).resolve().parents[1] / "hflax"
 
-CORE = {"hflax.models", "hflax.kernels", "hflax.sharding", "hflax.rollout"}
-# Which packages each package may import (besides itself). Lower layers never import
-# higher ones: controller knows nothing of drivers or launch, algorithms nothing at all.
+# Bottom up: each layer may import the layers below it, never one above.
+#   platforms    the hardware: kernels, compiler options, process set-up (no model code)
+#   models       weights and math, backend-neutral (they ask platforms)
+#   platform model families: platform code over the model's modules (the CPU decoding copy)
+#   rollout < sharding < controller < algorithms drivers < launch
+PLATFORMS = {"hflax.platforms", "hflax.xla_env"}
+MODELS = PLATFORMS | {"hflax.models"}
+FAMILIES = MODELS | {"hflax.platforms.cpu.decoding_copy"}
+ROLLOUT = FAMILIES | {"hflax.rollout"}
+SHARDING = ROLLOUT | {"hflax.sharding"}
+SIDE = {"hflax.algorithms", "hflax.checkpoint", "hflax.rewards"}
+CONTROLLER = SHARDING | SIDE | {"hflax.controller"}
+# Which packages each package may import (besides itself); algorithms import nothing.
 ALLOWED = {
-    "hflax.xla_env": set(),
+    "hflax.platforms": set(),
+    "hflax.xla_env": {"hflax.platforms"},  # the CPU set-up's first import path
     "hflax.checkpoint": set(),
     "hflax.algorithms": set(),
-    **{p: CORE for p in CORE},
-    "hflax.data": CORE,
-    "hflax.rewards": CORE,
-    "hflax.metrics": CORE | {"hflax.algorithms"},
-    "hflax.controller": CORE | {"hflax.algorithms", "hflax.checkpoint", "hflax.rewards"},
-    "hflax.controller.ray_backend": CORE | {"hflax.algorithms", "hflax.checkpoint",
-                                            "hflax.rewards", "hflax.controller",
-                                            "hflax.xla_env"},
-    "hflax.algorithms.drivers": CORE | {"hflax.algorithms", "hflax.controller", "hflax.metrics"},
+    "hflax.models": PLATFORMS | {"hflax.kernels"},
+    "hflax.kernels": MODELS,
+    "hflax.platforms.cpu.decoding_copy": MODELS,
+    "hflax.rollout": FAMILIES,
+    "hflax.sharding": ROLLOUT,
+    "hflax.data": SHARDING,
+    "hflax.rewards": SHARDING,
+    "hflax.metrics": SHARDING | {"hflax.algorithms"},
+    "hflax.controller": CONTROLLER - {"hflax.controller"},
+    "hflax.controller.ray_backend": CONTROLLER,
+    "hflax.algorithms.drivers": CONTROLLER | {"hflax.metrics"},
     "hflax.launch": None,  # the top: anything
     "hflax.configs": None,  # config files, read by path
 }
-SUBPACKAGES = ("hflax.algorithms.drivers", "hflax.controller.ray_backend")
+# Read as packages of their own (the longest match wins).
+SUBPACKAGES = ("hflax.algorithms.drivers", "hflax.controller.ray_backend",
+               "hflax.platforms.cpu.decoding_copy")
+LAYERS = ("hflax.platforms", "hflax.models", "hflax.platforms.cpu.decoding_copy",
+          "hflax.rollout", "hflax.sharding", "hflax.controller", "hflax.algorithms.drivers",
+          "hflax.launch")
 
 
 def package(module: str) -> str:
@@ -135,3 +153,27 @@ def test_a_forbidden_import_is_caught(tmp_path):
                                   "hflax.controller.workers imports hflax.launch.config"]
   assert any("hflax.controller.workers" in group and "hflax.launch.config" in group
              for group in cycles(tmp_path))
+
+
+def test_the_layers_are_ordered_bottom_up():
+  """Each layer may import every layer below it and none above: the order platforms <
+  models < rollout < sharding < controller < drivers < launch is the table's."""
+  for i, layer in enumerate(LAYERS[:-1]):
+    allowed = ALLOWED[layer]
+    assert set(LAYERS[:i]) <= allowed, layer
+    assert not set(LAYERS[i + 1:]) & allowed, layer
+
+
+def test_platforms_importing_a_model_is_caught(tmp_path):
+  """The hardware layer sits below the models: a kernel module that reached for a model
+  (as the CPU kernels once sat in models/ to escape such a cycle) is flagged; the
+  decoding copy, the CPU platform's model family, is above them and may."""
+  shutil.copytree(HFLAX, tmp_path / "hflax", ignore=shutil.ignore_patterns("__pycache__"))
+  kernel = tmp_path / "hflax" / "platforms" / "cpu" / "matmul.py"
+  kernel.write_text(kernel.read_text() + "\n\ndef late():\n  from hflax.models import transformer\n")
+  settings = tmp_path / "hflax" / "platforms" / "cpu" / "settings.py"
+  settings.write_text(settings.read_text() + "\nfrom hflax.platforms.cpu import decoding_copy\n")
+  assert violations(tmp_path) == [
+      "hflax.platforms.cpu.matmul imports hflax.models.transformer",
+      "hflax.platforms.cpu.settings imports hflax.platforms.cpu.decoding_copy"]
+  assert cycles(tmp_path)

@@ -6,7 +6,6 @@ summed inside one compiled step (lax.scan), so memory is bounded by the micro-ba
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
 import jax
@@ -14,6 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+
+# Compiler options are the platform's choice; imported here under their first names.
+from hflax.platforms import train_compiler_options  # noqa: F401
+from hflax.platforms.cpu.options import BF16_FAST_MATH  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,45 +79,6 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
   chain.append(optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2,
                            weight_decay=cfg.weight_decay))
   return optax.chain(*chain)
-
-
-def train_compiler_options(devices, compute_dtype="float32") -> dict | None:
-  """XLA options for a training step on `devices` computing in `compute_dtype`, on CPU:
-  in float32, YNNPACK fusions of dots only (xla_cpu_experimental_ynn_fusion_type=dot
-  instead of XLA:CPU's default set); in bfloat16, LLVM's fast-math reassociation and
-  contraction (BF16_FAST_MATH). None elsewhere.
-
-  The dot option, measured on a 2-core x86 VM (jax 0.10.2): the GRPO policy update of
-  bench/rl_step.py 2.22 s instead of 2.73 s, loss equal to 1e-6; on a 2-core Xeon with
-  AMX, SmolLM2's gradient over 448 tokens 2.56 s instead of 2.72 s. Not in bfloat16:
-  there the option makes XLA:CPU widen every bf16 x bf16 -> f32 dot to float32 (the same
-  gradient took 2.56 s instead of 1.71 s). Training steps only: the option made the
-  sampler's small decode matmuls slower (bench/generate.py, batch 8: 191 ms per call
-  instead of 105), so generation and forward passes keep the default. HFLAX_CPU_YNN=0
-  turns it off; HFLAX_CPU_FAST_MATH=0 turns off the bfloat16 one.
-  """
-  if any(d.platform != "cpu" for d in devices):
-    return None
-  dtype = jnp.dtype(compute_dtype)
-  if dtype == jnp.float32:
-    if os.environ.get("HFLAX_CPU_YNN", "1") == "0":
-      return None
-    return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
-  if dtype == jnp.bfloat16 and os.environ.get("HFLAX_CPU_FAST_MATH", "1") != "0":
-    return dict(BF16_FAST_MATH)
-  return None
-
-
-# A bfloat16 step's float32 reductions (log-softmax sums over the vocabulary, norms,
-# attention's online softmax) may be reassociated, which lets XLA:CPU vectorize them, and
-# multiply-adds fused; NaNs, infinities, division and math functions keep their IEEE
-# behaviour (the masks' -1e30 scores, a row that sees no key). SmolLM2-135M, one packed
-# 768-token micro-batch's gradient (2-core AMD EPYC, Zen 5): see bench/README.md. The
-# gradient's distance to the float32 one moves within bfloat16's own (tests/test_training).
-BF16_FAST_MATH = {"xla_cpu_enable_fast_math": True, "xla_cpu_fast_math_honor_nans": True,
-                  "xla_cpu_fast_math_honor_infs": True,
-                  "xla_cpu_fast_math_honor_division": True,
-                  "xla_cpu_fast_math_honor_functions": True}
 
 
 def trained_part(params, trainable=None):

@@ -8,7 +8,7 @@ import os
 import sys
 import traceback
 
-from hflax.xla_env import configure_cpu
+from hflax.platforms.cpu.process import configure_cpu
 
 try:
   configure_cpu()  # before JAX starts: simulated CPU devices for per-model meshes

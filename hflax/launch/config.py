@@ -16,7 +16,7 @@ from hflax.algorithms import LOSS_AGG_MODES, advantage_estimator_names, policy_l
 from hflax.algorithms.drivers import algorithm_names, get_algorithm
 from hflax.launch.ranges import check_numbers
 from hflax.models.lora import lora_targets
-from hflax.xla_env import default_compile_cache_dir
+from hflax.platforms.compile_cache import default_compile_cache_dir
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -125,8 +125,8 @@ def base_config() -> ml_collections.ConfigDict:
       log_val_generations=0,
       sft_warmup=dict(steps=0, lr=1e-3, batch_size=64, cache_dir="", target_loss=0.0),
       # JAX's persistent compilation cache: a rerun or resume reads its compiled programs
-      # back (hflax.xla_env.use_compile_cache). "" turns it off; a directory JAX already
-      # has (JAX_COMPILATION_CACHE_DIR) wins.
+      # back (hflax.platforms.compile_cache.use_compile_cache). "" turns it off; a
+      # directory JAX already has (JAX_COMPILATION_CACHE_DIR) wins.
       compile_cache_dir=default_compile_cache_dir())
   # Where the roles run: "local" (this process's devices) or "ray" (each placement pool is
   # a group of Ray actor processes forming one jax.distributed job; see

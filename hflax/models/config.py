@@ -4,6 +4,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# The mesh axes that split a batch's rows: the model pins its activations to them between
+# layers (transformer.rows_split); hflax.sharding lays the weights out around them.
+ROW_AXES = ("data", "fsdp")
+
 # HF architecture name -> the family switches it implies.
 _FAMILIES = {"Llama": dict(family="llama"), "Qwen2": dict(family="qwen2", qkv_bias=True),
              "Qwen3": dict(family="qwen3", qk_norm=True)}

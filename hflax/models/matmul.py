@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from hflax.models import cpu_matmul
+from hflax.platforms.cpu import matmul as cpu_matmul
 from hflax.models.tracing import traced_once
 
 

@@ -15,16 +15,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models import cpu_attention, cpu_matmul
+from hflax.platforms.cpu import attention as cpu_attention
+from hflax.platforms.cpu import matmul as cpu_matmul
 from hflax.models.attention import attention, visible
-from hflax.models.config import ModelConfig
+from hflax.models.config import ROW_AXES, ModelConfig
 from hflax.models.matmul import (compute_copy, dense_dot, head_on_left, kernel_on_left,
                                  row_major_transpose, step_logits, tied_head, tied_logits,
                                  widens_on_cpu)
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.models.tracing import one_trace_per_call
-from hflax.sharding.layouts import ROW_AXES
 
 _INIT = jax.nn.initializers.normal(0.02)
 
@@ -40,7 +40,8 @@ class Dense(nnx.Module):
     self.dtype = jnp.dtype(cfg.dtype)
     self.lora_a, self.lora_b = _lora_pair(din, dout, axes, cfg, rngs) if lora else (None, None)
     self.lora_scale = cfg.lora_scale if lora else 0.0
-    # True in a decoding copy whose kernel is stored [dout, din] (hflax.models.decode_layout).
+    # True in a decoding copy whose kernel is stored [dout, din]
+    # (hflax.platforms.cpu.decoding_copy).
     self.out_in = False
     # Such a kernel goes on the left for a few rows (matmul.rows_by_kernel): for a product
     # that feeds an addition (the residual), which reads it transposed at no cost; q/k/v's
@@ -93,7 +94,7 @@ class Attention(nnx.Module):
                    **on("o_proj"))
     self.q_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
     self.k_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
-    # A decoding copy's q, k and v kernels in one (decode_layout), in place of q, k and v.
+    # A decoding copy's q, k and v kernels in one (decoding_copy), in place of q, k and v.
     self.qkv, self.qkv_bias = nnx.data(None), nnx.data(None)
     self.packed = False  # qkv in cpu_matmul's packed layout
     # Decode steps attend through cpu_attention's kernel (where cfg.attention is "auto").
@@ -257,7 +258,7 @@ class MLP(nnx.Module):
     self.gate = Dense(d, f, ("embed", "mlp"), bias=b, **on("gate_proj"))
     self.up = Dense(d, f, ("embed", "mlp"), bias=b, **on("up_proj"))
     self.down = Dense(f, d, ("mlp", "embed"), bias=b, kernel_left=True, **on("down_proj"))
-    # A decoding copy's gate and up kernels stacked [mlp, 2, embed] (decode_layout), in
+    # A decoding copy's gate and up kernels stacked [mlp, 2, embed] (decoding_copy), in
     # place of gate and up: one matmul, the product [..., mlp, 2]. Stacked in front, the
     # flattened [2 * mlp, embed] would split a tensor-parallel mlp axis in its minor half,
     # and XLA gathered the whole pair.
@@ -266,7 +267,7 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     if self.pair is not None:
-      # out_in: down is a decoding copy's kernel too (never an adapted one: decode_layout)
+      # out_in: down is a decoding copy's kernel too (never an adapted one: decoding_copy)
       if (kernel_on_left(x.size // x.shape[-1], self.down.dtype) and self.down.out_in
           and not self.packed):
         return self._columns(x)
@@ -362,7 +363,7 @@ class DecoderLM(nnx.Module):
     self.score = (Dense(cfg.hidden_size, 1, ("embed", None), bias=True, cfg=cfg, rngs=rngs)
                   if head == "value" else None)
     # A decoding copy's tied table [V, D] in cpu_matmul's packed layout, for step_logits
-    # (decode_layout); the embedding lookups keep reading embed.
+    # (decoding_copy); the embedding lookups keep reading embed.
     self.packed_head = nnx.data(None)
 
   def __call__(self, tokens_BxT, positions_BxT, kv_valid_BxS, *, cache=None, slot0=0,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from flax import nnx
 
-from hflax.models import cpu_attention
+from hflax.platforms.cpu import attention as cpu_attention
 from hflax.models.transformer import Attention, init_cache, positions_from_mask
 
 

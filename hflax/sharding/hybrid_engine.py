@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.models import cpu_matmul
-from hflax.models.decode_layout import (Recipe, attending_dtypes, build_leaves, copy_leaves,
-                                         decoding_plan, fits_in_memory)
+from hflax.platforms.cpu import matmul as cpu_matmul
+from hflax.platforms.cpu.decoding_copy import (Recipe, attending_dtypes, build_leaves,
+                                               copy_leaves, decoding_plan, fits_in_memory)
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
 
 
@@ -217,8 +217,8 @@ class HybridEngine:
   """Builds the generation copy of the actor's parameters and measures the switch.
 
   Given the model's `graphdef`, where generation runs on this process's CPU devices, the
-  copy is the sampler's decoding copy (hflax.models.decode_layout: dense kernels stored
-  [out, in] in their compute dtype), written by the same program as the cast: the actor
+  copy is the sampler's decoding copy (hflax.platforms.cpu.decoding_copy: dense kernels
+  stored [out, in] in their compute dtype), written by the same program as the cast: the actor
   then holds one generation copy, where the sampler would otherwise write a second one
   from it on every call. Each switch checks that the copy fits (the memory left then,
   the other roles' weights and caches included) and otherwise writes the plain copy.
@@ -241,7 +241,7 @@ class HybridEngine:
     self._use(self._decoding or self._plain)
 
   def _layout(self, graphdef, abstract, train_sources, recipes) -> _Layout:
-    """The copy whose leaves `recipes` make from the training state's (decode_layout's
+    """The copy whose leaves `recipes` make from the training state's (decoding_copy's
     Recipe), every leaf cast to self.dtype where set; a leaf neither cast nor made from
     others passes as it is."""
     recipes = [r._replace(dtype=r.dtype or self.dtype) for r in recipes]

@@ -14,8 +14,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from hflax.models.config import ROW_AXES  # noqa: F401  (the model splits its rows by them)
+
 TRAIN_AXES = ("data", "fsdp", "tensor")
-ROW_AXES = ("data", "fsdp")  # the axes that split a batch's rows
 GENERATE_AXES = ("data", "tensor")
 _MODEL_PARALLEL = ("q_heads", "kv_heads", "mlp", "vocab")
 

@@ -57,7 +57,8 @@ class RayBackend:
                log=print, compile_cache: str = ""):
     require_ray()
     self.cluster, self.layouts, self.keep, self.log = cluster, list(layouts), keep, log
-    self.compile_cache = compile_cache  # each member resolves it (hflax.xla_env)
+    # Each member resolves it (hflax.platforms.compile_cache).
+    self.compile_cache = compile_cache
     self.max_restarts = cluster.max_restarts
     self.devices = sum(p.size for p in self.layouts)
     self.session, self.groups, self.roles = None, [], None

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import socket
 
-from hflax.xla_env import keep_freed_memory, use_compile_cache
+from hflax.platforms.compile_cache import use_compile_cache
+from hflax.platforms.cpu.process import keep_freed_memory
 
 _FORCE_DEVICES = "--xla_force_host_platform_device_count"
 

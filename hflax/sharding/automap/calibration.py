@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from hflax.models.cpu_matmul import cores
+from hflax.platforms.cpu.matmul import cores
 from hflax.sharding.automap.profile import DeviceProfile
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hflax")

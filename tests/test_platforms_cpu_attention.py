@@ -11,9 +11,11 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.models import ModelConfig, cpu_attention, cpu_matmul, create, hf
+from hflax.models import ModelConfig, create, hf
+from hflax.platforms.cpu import attention as cpu_attention
+from hflax.platforms.cpu import matmul as cpu_matmul
 from hflax.models.attention import one_query, visible
-from hflax.models.decode_layout import decoding_plan, for_decoding
+from hflax.platforms.cpu.decoding_copy import decoding_plan, for_decoding
 from hflax.models.tokenizer import load_tokenizer
 from hflax.rollout import SamplingParams, generate, left_pad
 from hflax.rollout.decoding import decode_segments, kernel_attends

@@ -1,5 +1,5 @@
 """One decode step's attention on x86 CPUs with AVX-512, through a kernel of our own
-(cpu_attention.cc, built with cpu_matmul's) that XLA calls as a custom call (jax.ffi).
+(attention.cc, built with matmul.cc) that XLA calls as a custom call (jax.ffi).
 
 Why: attention.one_query, XLA's best decode step, ran as five programs a layer (the keys
 widened to float32 and written out, the scores, a max, a sum, the values' dot), each
@@ -31,14 +31,13 @@ HFLAX_CPU_ATTENTION=0 turns it off; `problem` says why it cannot serve, logged o
 """
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
-from hflax.models import cpu_matmul
+from hflax.platforms.cpu import matmul as cpu_matmul
+from hflax.platforms.cpu import settings
 
-ENV = "HFLAX_CPU_ATTENTION"
+ENV = settings.ATTENTION
 DTYPES = ("bfloat16", "float32")  # of the caches (and queries) it reads
 LANES = 16  # head_dim is taken 16 at a time: a 512-bit register of float32
 _TARGETS = {"bfloat16": ("hflax_cpu_attention_bf16", "HflaxCpuAttentionBf16"),
@@ -49,13 +48,12 @@ _FLAGS = {"avx512f", "avx512bw", "avx512vl"}
 def problem(dtype) -> str | None:
   """Why the kernel cannot serve caches in `dtype` in this process, or None."""
   dtype = jnp.dtype(dtype)
-  if os.environ.get(ENV, "").lower() in ("0", "false", "off"):
-    return f"{ENV}={os.environ[ENV]}"
+  off = settings.turned_off(ENV)
+  if off:
+    return off
   if dtype.name not in DTYPES:
     return f"no kernel for {dtype.name}"
-  if jax.default_backend() != "cpu":
-    return f"the default backend is {jax.default_backend()}, not cpu"
-  return cpu_matmul.machine_problem(_FLAGS)
+  return cpu_matmul.backend_problem() or cpu_matmul.machine_problem(_FLAGS)
 
 
 def usable(dtype) -> bool:

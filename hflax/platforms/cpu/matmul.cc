@@ -1,6 +1,6 @@
 // Rows times a packed kernel on x86 CPUs with AVX-512: C[M, N] = A[M, K] W^T accumulated
 // in float32, W being a decoding copy's kernel [N, K] stored in panels of 16 outputs
-// (bfloat16 with AVX512-BF16, or float32; see hflax/models/cpu_matmul.py for the layout,
+// (bfloat16 with AVX512-BF16, or float32; see hflax/platforms/cpu/matmul.py for the layout,
 // why, and the measurements).
 //
 // Each call computes 8 rows x 48 outputs at a time in 24 vector registers: per step along
@@ -8,7 +8,7 @@
 // one value of each of the 8 rows, so the multiply-adds, not the loads, set the pace. All
 // rows of a group of 48 outputs are done while its slice of W (K x 48) sits in L2, and the
 // next group's slice is prefetched into L2 meanwhile. One thread: a device per core (see
-// cpu_matmul.py for why not more).
+// matmul.py for why not more).
 #include <immintrin.h>
 
 #include <algorithm>

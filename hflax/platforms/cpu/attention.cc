@@ -1,6 +1,6 @@
 // One decode step's attention on x86 CPUs with AVX-512: each row's query heads against
 // its KV cache, read where the cache lies (keys [B, KV, Dh, S] as bfloat16 bits or float32,
-// values [B, KV, S, Dh]); see hflax/models/cpu_attention.py for why and the measurements.
+// values [B, KV, S, Dh]); see hflax/platforms/cpu/attention.py for why and the measurements.
 //
 // Per row and KV head: the scores of its G query heads, 32 slots at a time, multiply-added
 // over head_dim in order (bfloat16 products are exact in float32, so these are

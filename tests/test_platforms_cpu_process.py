@@ -1,4 +1,4 @@
-"""hflax.xla_env: process settings made before JAX starts."""
+"""hflax.platforms.cpu.process: process settings made before JAX starts."""
 import os
 import pathlib
 import platform
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hflax import xla_env
+from hflax.platforms.cpu import process
 
 _GLIBC = platform.libc_ver()[0] == "glibc"
 _THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -16,7 +16,7 @@ _HUGE_PAGES_ALWAYS = _THP.exists() and "[always]" in _THP.read_text()
 _FAULTS = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from hflax.xla_env import keep_freed_memory
+from hflax.platforms.cpu.process import keep_freed_memory
 print(keep_freed_memory())
 import ctypes, threading
 libc = ctypes.CDLL("libc.so.6")
@@ -41,9 +41,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def _faults(env_extra: dict) -> tuple[str, int]:
   """(whether keep_freed_memory applied, page faults of the second churn) in a fresh
   process, since malloc settings are process-wide."""
-  repo = str(pathlib.Path(xla_env.__file__).resolve().parents[1])
+  repo = str(pathlib.Path(process.__file__).resolve().parents[3])
   env = {k: v for k, v in os.environ.items()
-         if k not in xla_env._MALLOC_VARIABLES + ("HFLAX_CPU_MALLOC",)}
+         if k not in process._MALLOC_VARIABLES + ("HFLAX_CPU_MALLOC",)}
   env.update(env_extra)
   out = subprocess.run([sys.executable, "-c", _FAULTS.format(root=repo)],
                        env=env, capture_output=True, text=True, check=True).stdout.split()
@@ -64,25 +64,25 @@ def test_freed_memory_is_reused_without_page_faults():
 
 def test_user_malloc_settings_are_left_alone(monkeypatch):
   monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
-  assert xla_env.keep_freed_memory() is False
+  assert process.keep_freed_memory() is False
   monkeypatch.delenv("MALLOC_ARENA_MAX")
   monkeypatch.setenv("HFLAX_CPU_MALLOC", "0")
-  assert xla_env.keep_freed_memory() is False
+  assert process.keep_freed_memory() is False
 
 
 def test_configure_cpu_keeps_a_device_count_the_user_set(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3 --foo=1")
   monkeypatch.setenv("HFLAX_CPU_MALLOC", "0")
-  assert xla_env.configure_cpu(devices=5) == "--xla_force_host_platform_device_count=3 --foo=1"
+  assert process.configure_cpu(devices=5) == "--xla_force_host_platform_device_count=3 --foo=1"
   monkeypatch.setenv("XLA_FLAGS", "--foo=1")
-  assert xla_env.configure_cpu(devices=5) == "--foo=1 --xla_force_host_platform_device_count=5"
+  assert process.configure_cpu(devices=5) == "--foo=1 --xla_force_host_platform_device_count=5"
 
 
 def test_accelerator_expected_reads_jax_platforms(monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
-  assert xla_env.accelerator_expected()
+  assert process.accelerator_expected()
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  assert not xla_env.accelerator_expected()
+  assert not process.accelerator_expected()
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -96,8 +96,19 @@ def test_accelerator_expected_reads_jax_platforms(monkeypatch):
 def test_cpu_has_bf16_reads_cpuinfo_flags(tmp_path, text, expected):
   info = tmp_path / "cpuinfo"
   info.write_text(text)
-  assert xla_env.cpu_has_bf16(str(info)) is expected
+  assert process.cpu_has_bf16(str(info)) is expected
 
 
 def test_cpu_has_bf16_cannot_tell_without_cpuinfo(tmp_path):
-  assert xla_env.cpu_has_bf16(str(tmp_path / "missing")) is None
+  assert process.cpu_has_bf16(str(tmp_path / "missing")) is None
+
+
+def test_the_process_set_up_imports_no_jax():
+  """It runs before JAX starts: importing it (or its first path, hflax.xla_env) must not
+  start JAX, so hflax.platforms imports jax only inside its functions."""
+  code = ("import sys; import hflax.xla_env, hflax.platforms.cpu.process, hflax.platforms; "
+          "print('jax' in sys.modules)")
+  repo = str(pathlib.Path(process.__file__).resolve().parents[3])
+  out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
+                       check=True).stdout
+  assert out.strip() == "False"

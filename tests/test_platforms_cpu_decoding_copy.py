@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.models import cpu_matmul
+from hflax.platforms.cpu import matmul as cpu_matmul
 from hflax.models import ModelConfig, create
-from hflax.models.decode_layout import (available_memory, build_leaves, decoding_plan,
+from hflax.platforms.cpu.decoding_copy import (available_memory, build_leaves, decoding_plan,
                                          for_decoding)
 from hflax.models.lora import lora_config
 from hflax.models.matmul import LOW_LEFT_MIN_ROWS
@@ -104,7 +104,7 @@ def test_the_last_copy_is_reused_while_its_weights_live(monkeypatch):
   import gc
   import weakref
 
-  import hflax.models.decode_layout as decode_layout
+  import hflax.platforms.cpu.decoding_copy as decode_layout
   graphdef, state = _model()
   copies = []
   monkeypatch.setattr(decode_layout, "_build_leaves",
@@ -303,7 +303,7 @@ def test_the_copy_projects_q_k_v_in_one_matmul(changes):
 
 
 def test_no_copy_where_it_would_not_fit_in_memory(monkeypatch, caplog):
-  import hflax.models.decode_layout as decode_layout
+  import hflax.platforms.cpu.decoding_copy as decode_layout
   graphdef, state = _model("bfloat16")
   kernel_bytes = sum(m.kernel[...].size * 2 for m in _dense(graphdef, state))
   monkeypatch.setattr(decode_layout, "available_memory", lambda: 2 * kernel_bytes + 2)
@@ -317,7 +317,7 @@ def test_no_copy_where_it_would_not_fit_in_memory(monkeypatch, caplog):
 
 
 def test_the_copy_counts_a_replica_on_each_device(monkeypatch):
-  import hflax.models.decode_layout as decode_layout
+  import hflax.platforms.cpu.decoding_copy as decode_layout
   graphdef, state = _model("bfloat16")
   one = sum(m.kernel[...].size * 2 for m in _dense(graphdef, state))
   replicated = jax.device_put(state, NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)),
@@ -415,7 +415,7 @@ def test_each_switch_writes_the_plain_copy_where_the_decoding_one_does_not_fit(m
   """The engine decides at every switch, on the memory left then. Training fsdp=2, one
   generation replica on each device: each holds half of the copy's kernels written in
   the training layout, and the whole kernels, one buffer for both, are written anew."""
-  import hflax.models.decode_layout as decode_layout
+  import hflax.platforms.cpu.decoding_copy as decode_layout
   graphdef, state = _model("bfloat16")
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   mesh = train_mesh(jax.devices()[:2], fsdp=2)

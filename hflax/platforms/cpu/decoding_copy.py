@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models import cpu_attention, cpu_matmul
+from hflax.platforms import all_cpu
+from hflax.platforms.cpu import attention as cpu_attention
+from hflax.platforms.cpu import matmul as cpu_matmul
 from hflax.models.transformer import MLP, Attention, Dense, DecoderLM, kv_grouped
 
 
@@ -339,7 +341,7 @@ def _local_cpu_arrays(state) -> bool:
   leaves = jax.tree.leaves(state)
   return bool(leaves) and all(
       isinstance(x, jax.Array) and x.is_fully_addressable and
-      all(d.platform == "cpu" for d in x.devices()) for x in leaves)
+      all_cpu(x.devices()) for x in leaves)
 
 
 def _local_elements(x) -> int:

@@ -1,5 +1,5 @@
 """Rows times a decoding copy's kernel on x86 CPUs with AVX-512 (bfloat16 with
-AVX512-BF16, and float32), through a kernel of our own (cpu_matmul.cc) that XLA calls as a
+AVX512-BF16, and float32), through a kernel of our own (matmul.cc) that XLA calls as a
 custom call (jax.ffi).
 
 Why: a decode step multiplies a few rows (32 a device for 64 prompts on two cores) by
@@ -24,7 +24,7 @@ HFLAX_CPU_MATMUL=0 turns it off (decoding copies then stay [out, in] for XLA's l
 Otherwise it is used for weights replicated on one device per core (`serves`; on a
 2-core host, generate(devices=jax.devices()) with jax_num_cpu_devices=2, as
 bench/generate.py's fastest row runs), where the CPU has AVX-512 (AVX512-BF16 for
-bfloat16) and a C++ compiler (g++, or $CXX) builds cpu_matmul.cc (with cpu_attention.cc,
+bfloat16) and a C++ compiler (g++, or $CXX) builds matmul.cc (with attention.cc,
 one library), once, into a cache directory ($HFLAX_CACHE_DIR, else $XDG_CACHE_HOME/hflax,
 else ~/.cache/hflax; about 5 s); where it is not, `problem` says why and the reason is
 logged once.
@@ -45,12 +45,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ENV = "HFLAX_CPU_MATMUL"
+from hflax import platforms
+from hflax.platforms.cpu import settings
+
+ENV = settings.MATMUL
 # The dtypes decoding copies are packed in where the kernel can serve them.
 PACKED = ("bfloat16", "float32")
-# Built into one library: this kernel and cpu_attention's.
-SOURCES = tuple(pathlib.Path(__file__).with_name(name)
-                for name in ("cpu_matmul.cc", "cpu_attention.cc"))
+# Built into one library: this kernel and attention.py's.
+SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("matmul.cc", "attention.cc"))
 LANES = 16  # outputs per packed block: a 512-bit register of float32
 # By (operands' dtype, result's dtype): bfloat16 products may be rounded to bfloat16 in the
 # kernel (a separate convert of each decode-step product cost SmolLM2 ~4 ms a step at 32
@@ -65,14 +67,20 @@ _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions", "-w")
 def problem(dtype) -> str | None:
   """Why the kernel cannot serve `dtype` in this process, or None where it can."""
   dtype = jnp.dtype(dtype)
-  if os.environ.get(ENV, "").lower() in ("0", "false", "off"):
-    return f"{ENV}={os.environ[ENV]}"
+  off = settings.turned_off(ENV)
+  if off:
+    return off
   if dtype not in (jnp.bfloat16, jnp.float32):
     return f"no kernel for {dtype.name}"
-  if jax.default_backend() != "cpu":
-    return f"the default backend is {jax.default_backend()}, not cpu"
-  return machine_problem({"avx512f", "avx512bw"} |
-                         ({"avx512_bf16"} if dtype == jnp.bfloat16 else set()))
+  return backend_problem() or machine_problem(
+      {"avx512f", "avx512bw"} | ({"avx512_bf16"} if dtype == jnp.bfloat16 else set()))
+
+
+def backend_problem() -> str | None:
+  """Why this process's default backend cannot run the CPU kernels, or None."""
+  if not platforms.on_cpu():
+    return f"the default backend is {platforms.backend()}, not cpu"
+  return None
 
 
 def machine_problem(flags) -> str | None:

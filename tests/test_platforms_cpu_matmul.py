@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.models import cpu_matmul
+from hflax.platforms.cpu import matmul as cpu_matmul
 from hflax.models import ModelConfig, create, hf
-from hflax.models.decode_layout import decoding_plan, for_decoding
+from hflax.platforms.cpu.decoding_copy import decoding_plan, for_decoding
 from hflax.models.tokenizer import load_tokenizer
 from hflax.rollout import SamplingParams, generate, left_pad
 from hflax.rollout.sampler import _generate
