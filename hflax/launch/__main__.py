@@ -34,8 +34,12 @@ def cli(argv: list[str], stderr=None) -> int:
   logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
   try:
     cfg = load_config(argv)
-    from hflax.launch.trainer import run as run_job
-    run_job(cfg)
+    from hflax.launch.config import validate
+    from hflax.launch.run_lock import lock_run_dir
+    validate(cfg)  # run_dir's own faults are named before it is created and locked
+    with lock_run_dir(cfg.trainer.run_dir):  # one run per run_dir, before any device work
+      from hflax.launch.trainer import run as run_job
+      run_job(cfg)
   except BAD_INPUT as e:
     if os.environ.get("HFLAX_DEBUG") == "1":
       traceback.print_exc(file=stderr)
