@@ -17,6 +17,7 @@ from typing import Callable
 import jax
 
 from hflax.controller.batch import Batch
+from hflax.launch.atomic_export import atomic_directory
 from hflax.metrics import plot_metrics
 from hflax.metrics.generations import generation_rows, write_generations
 from hflax.models import hf
@@ -149,11 +150,14 @@ def export_actor(trainer):
     if cfg.model.lora_rank:
       adapter = os.path.join(cfg.trainer.run_dir, "lora_adapter")
       lora_cfg = actor_config(cfg, trainer.model_cfg)
-      export_adapter(adapter, lora_cfg, params, base_model=trainer.base_path)
+      with atomic_directory(adapter) as partial:
+        export_adapter(partial, lora_cfg, params, base_model=trainer.base_path)
       params = merge_adapters(lora_cfg, params)
       trainer.log(f"exported the LoRA adapters to {adapter}")
-    hf.export_checkpoint(out, trainer.model_cfg, params)
-    save_tokenizer(trainer.tokenizer, out)
+    # Whole or absent: a kill mid-export never leaves an hf_actor that looks like a model.
+    with atomic_directory(out) as partial:
+      hf.export_checkpoint(partial, trainer.model_cfg, params)
+      save_tokenizer(trainer.tokenizer, partial)
     trainer.log(f"exported the actor to {out}")
   return export
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hflax.algorithms.drivers import get_algorithm
 from hflax.controller import build
 from hflax.controller.plan import LoraPlan
+from hflax.launch.atomic_export import refuse_incomplete
 from hflax.models import ModelConfig, create, hf
 from hflax.models.lora import lora_targets, read_adapter_config
 
@@ -51,6 +52,7 @@ def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
   for field, path in fields:
     if path:
       try:
+        refuse_incomplete(path)
         read[field] = hf.read_config(path)
       except (OSError, ValueError) as e:
         raise ValueError(f"config.{field}: {e}") from None
