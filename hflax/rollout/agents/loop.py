@@ -1,0 +1,205 @@
+"""The agent loop: multi-turn trajectories on the rollout engine, token in and token out.
+
+Each trajectory is a chain of engine requests. Its first request is the chat prompt; a
+model turn ends at a stop token, its text goes to the trajectory's environment on a host
+thread (tools run there while the engine decodes other trajectories), and the next turn
+continues the trajectory's kept KV cache with only the ids of the messages that follow
+(MessageDelta), so no turn is tokenized or prefilled twice. The ids the trainer sees are
+the ids sampled, and every model token carries the sampler's log-prob and weight version:
+with the trainer's weights and dtype, the rollout is on-policy across turns.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from hflax.models.tokenizer import Tokenizer
+from hflax.rollout.agents.chat import MessageDelta
+from hflax.rollout.agents.environment import Environment, Observation, Turn
+from hflax.rollout.engine import Completion, Request, RolloutEngine
+
+COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_seconds")
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """token_ids: the prompt, then each model turn and the messages after it, in order;
+  model_mask: True on the model's own tokens (the loss mask); log_probs and versions: the
+  sampler's log-prob and weight version per token (0 and -1 off the model's tokens);
+  rewards: each turn's reward where the environment gave one; stop: "done" (the
+  environment ended it), "max_turns", "max_tokens" or "context" (the engine's cache
+  holds no more)."""
+  index: int
+  token_ids: list[int]
+  model_mask: list[bool]
+  log_probs: list[float]
+  versions: list[int]
+  prompt_len: int
+  turns: list[str] = dataclasses.field(default_factory=list)
+  rewards: list[float] = dataclasses.field(default_factory=list)
+  stop: str = ""
+  metrics: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def reward(self) -> float:
+    return float(sum(self.rewards))
+
+  def append(self, ids: Sequence[int], model: bool, log_probs=None, versions=None):
+    self.token_ids += list(ids)
+    self.model_mask += [model] * len(ids)
+    self.log_probs += list(log_probs) if model else [0.0] * len(ids)
+    self.versions += list(versions) if model else [-1] * len(ids)
+
+
+class AgentLoop:
+  """Runs trajectories of `environments` on `engine` (built with max_turn_len > 0).
+
+  max_turns: model turns per trajectory; max_tokens: a trajectory's tokens (default:
+  as many as the engine's cache holds); threads: environment steps at once.
+  template_vars: the chat template's switches (tools=[schemas] where it renders tools).
+  """
+
+  def __init__(self, engine: RolloutEngine, tokenizer: Tokenizer, *, max_turns: int = 4,
+               max_tokens: int | None = None, threads: int = 16, **template_vars):
+    if not engine.max_turn_len:
+      raise ValueError("AgentLoop: the engine needs max_turn_len > 0 (turns continue its cache)")
+    if max_turns < 1:
+      raise ValueError(f"AgentLoop: max_turns must be >= 1, got {max_turns}")
+    self.engine, self.tokenizer, self.max_turns = engine, tokenizer, max_turns
+    self.max_tokens = max_tokens or engine.context_width
+    self.template_vars = template_vars
+    self.delta = MessageDelta(tokenizer, **template_vars)
+    self.threads = threads
+
+  def run(self, environments: Sequence[Environment], samples: Sequence[Any], *,
+          first_row: int = 0) -> tuple[list[Trajectory], dict]:
+    """The trajectories (in order) and the loop's metrics. Trajectory i's turn t samples
+    as row first_row + i * max_turns + t: reruns with the same key sample the same."""
+    if len(environments) != len(samples):
+      raise ValueError(f"AgentLoop.run: {len(environments)} environments for {len(samples)} samples")
+    self._trajectories, self._envs = [], list(environments)
+    self._first_row, self._pending = first_row, {}
+    self._timing = {"decode_seconds": 0.0, "tool_wait_seconds": 0.0}
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(self.threads, "hflax-env") as pool:
+      self._pool = pool
+      for i, (env, sample) in enumerate(zip(environments, samples)):
+        prompt = self.tokenizer.encode_chat(env.reset(sample), add_generation_prompt=True,
+                                            **self.template_vars)
+        trajectory = Trajectory(i, [], [], [], [], len(prompt))
+        trajectory.append(prompt, model=False)
+        trajectory.metrics = dict.fromkeys(COUNTS, 0) | {"model_tokens": 0, "tool_tokens": 0}
+        self._trajectories.append(trajectory)
+        self.engine.submit(self._request(i, prompt, turn=0))
+      while self._pending or self.engine.busy:
+        self._advance()
+    self._timing["seconds"] = time.perf_counter() - start
+    return self._trajectories, self._summary()
+
+  def _request(self, i: int, ids, turn: int) -> Request:
+    return Request(ids, id=(i, turn), keep=True, continues=None if turn == 0 else (i, turn - 1),
+                   row=self._first_row + i * self.max_turns + turn)
+
+  def _advance(self):
+    """One engine step (or, with nothing to decode, a wait for an environment), then
+    every environment step that is ready."""
+    if self.engine.busy:
+      start = time.perf_counter()
+      finished = self.engine.step()
+      self._timing["decode_seconds"] += time.perf_counter() - start
+      for completion in finished:
+        self._turn_done(completion)
+    else:
+      start = time.perf_counter()
+      concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
+      self._timing["tool_wait_seconds"] += time.perf_counter() - start
+    for future in [f for f in self._pending if f.done()]:
+      i, turn = self._pending.pop(future)
+      self._observed(i, turn, future.result())
+
+  def _turn_done(self, c: Completion):
+    i, turn = c.id
+    trajectory = self._trajectories[i]
+    trajectory.append(c.token_ids, model=True, log_probs=c.log_probs, versions=c.versions)
+    trajectory.metrics["model_tokens"] += len(c.token_ids)
+    text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    trajectory.turns.append(text)
+    future = self._pool.submit(self._envs[i].step, Turn(text, tuple(c.token_ids), turn))
+    self._pending[future] = (i, turn)
+
+  def _observed(self, i: int, turn: int, obs: Observation):
+    trajectory = self._trajectories[i]
+    if obs.reward is not None:
+      trajectory.rewards.append(float(obs.reward))
+    for key, value in obs.counts.items():
+      trajectory.metrics[key] = trajectory.metrics.get(key, 0) + value
+    stop = self._stop(trajectory, turn, obs)
+    if stop:
+      trajectory.stop = stop
+      self.engine.release((i, turn))
+      return
+    ids = self.delta.ids(obs.messages)
+    trajectory.append(ids, model=False)
+    trajectory.metrics["tool_tokens"] += len(ids)
+    self.engine.submit(self._request(i, ids, turn + 1))
+
+  def _stop(self, trajectory: Trajectory, turn: int, obs: Observation) -> str:
+    if obs.done:
+      return "done"
+    if turn + 1 >= self.max_turns:
+      return "max_turns"
+    ids = len(self.delta.ids(obs.messages))
+    if len(trajectory.token_ids) + ids >= self.max_tokens:
+      return "max_tokens"
+    # The engine's columns: the prompt's padded width, then every later token.
+    used = self.engine.prompt_width + len(trajectory.token_ids) - trajectory.prompt_len
+    if ids > self.engine.max_turn_len or used + ids >= self.engine.context_width:
+      return "context"
+    return ""
+
+  def _summary(self) -> dict:
+    ts = self._trajectories
+    mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
+    out = {f"agent/{k}/mean": mean([t.metrics.get(k, 0) for t in ts])
+           for k in COUNTS + ("model_tokens", "tool_tokens")}
+    out["agent/turns/mean"] = mean([len(t.turns) for t in ts])
+    for reason in ("done", "max_turns", "max_tokens", "context"):
+      out[f"agent/stop/{reason}"] = mean([t.stop == reason for t in ts])
+    out.update({f"timing_s/agent_{k}": v for k, v in self._timing.items()})
+    return out
+
+
+def to_batch_fields(trajectories: Sequence[Trajectory], pad_id: int, prompt_width: int | None = None,
+                    response_width: int | None = None) -> dict:
+  """The sampler's fields for trajectories, one row each, so the trainer takes them as it
+  takes single-turn rollouts: "prompts" the first prompt (left-padded), "responses" every
+  later token (model turns and observations), "response_mask" the model's tokens only (the
+  loss mask), "attention_mask" every real token, "rollout_log_probs" the sampler's."""
+  P = prompt_width or max(t.prompt_len for t in trajectories)
+  R = response_width or max(len(t.token_ids) - t.prompt_len for t in trajectories)
+  B = len(trajectories)
+  prompts, prompt_mask = np.full((B, P), pad_id, np.int32), np.zeros((B, P), bool)
+  responses, real = np.full((B, R), pad_id, np.int32), np.zeros((B, R), bool)
+  loss_mask, log_probs = np.zeros((B, R), bool), np.zeros((B, R), np.float32)
+  versions = np.full((B, R), -1, np.int32)
+  for b, t in enumerate(trajectories):
+    n, rest = t.prompt_len, len(t.token_ids) - t.prompt_len
+    if n > P or rest > R:
+      raise ValueError(f"trajectory {t.index}: {n} prompt and {rest} later tokens do not fit "
+                       f"[{P}, {R}]")
+    prompts[b, P - n:], prompt_mask[b, P - n:] = t.token_ids[:n], True
+    responses[b, :rest], real[b, :rest] = t.token_ids[n:], True
+    loss_mask[b, :rest] = t.model_mask[n:]
+    log_probs[b, :rest] = t.log_probs[n:]
+    versions[b, :rest] = t.versions[n:]
+  attention_mask = np.concatenate([prompt_mask, real], axis=1)
+  positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
+  return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
+          "response_mask": loss_mask, "input_ids": np.concatenate([prompts, responses], axis=1),
+          "attention_mask": attention_mask, "position_ids": positions,
+          "rollout_log_probs": log_probs, "rollout_versions": versions,
+          "response_length": real.sum(axis=1).astype(np.int32)}

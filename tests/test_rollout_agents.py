@@ -1,0 +1,218 @@
+"""Multi-turn agents on the rollout engine: token in and token out, exactly on-policy."""
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hflax.models import ModelConfig, create
+from hflax.models.logprobs import sequence_log_probs
+from hflax.models.tokenizer import ByteTokenizer, load_tokenizer
+from hflax.rollout import Request, RolloutEngine, SamplingParams
+from hflax.rollout.agents import (AgentLoop, FunctionTool, HermesParser, MessageDelta,
+                                  Observation, ToolCall, ToolEnvironment, Turn, Trajectory,
+                                  to_batch_fields)
+
+TOKENIZER = ByteTokenizer()
+CFG = ModelConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return create(CFG, seed=5)
+
+
+class Scripted:
+  """Answers every turn with a tool message; done (reward 1) after `turns` turns."""
+
+  def __init__(self, turns: int):
+    self.turns = turns
+
+  def reset(self, sample):
+    return [{"role": "user", "content": sample}]
+
+  def step(self, turn: Turn) -> Observation:
+    if turn.index + 1 == self.turns:
+      return Observation([], reward=1.0, done=True)
+    return Observation([{"role": "tool", "content": f"result {turn.index}: {len(turn.text)}"}],
+                       counts={"tool_calls": 1})
+
+
+def engine_for(model, params, **kw):
+  return RolloutEngine(*model, params, slots=4, steps_per_call=4, max_prompt_len=64,
+                       max_turn_len=40, max_context_len=200, key=jax.random.key(1), **kw)
+
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0, eos_ids=TOKENIZER.eos_ids,
+                        pad_id=TOKENIZER.pad_id)
+SAMPLED = SamplingParams(max_new_tokens=10, temperature=1.0, eos_ids=TOKENIZER.eos_ids,
+                         pad_id=TOKENIZER.pad_id)
+
+
+def run_loop(model, params, samples, turns=3, **kw):
+  loop = AgentLoop(engine_for(model, params), TOKENIZER, max_turns=4, **kw)
+  return loop.run([Scripted(turns) for _ in samples], samples)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_every_turn_samples_what_a_fresh_request_for_its_context_does(model, params):
+  """Token exactness: each model turn's ids are those a fresh request for the whole
+  context before it samples (same key and row), and the ids between turns are the
+  template's rendering of the messages alone."""
+  samples = ["What is 2+2?", "Name a colour.", "Count to three, slowly please."]
+  trajectories, metrics = run_loop(model, params, samples)
+  delta = MessageDelta(TOKENIZER)
+  fresh = RolloutEngine(*model, params, slots=1, max_prompt_len=200, key=jax.random.key(1))
+  for t in trajectories:
+    assert t.stop == "done" and len(t.turns) == 3 and t.rewards == [1.0]
+    mask = np.asarray(t.model_mask)
+    starts = np.flatnonzero(mask & ~np.concatenate([[False], mask[:-1]]))
+    ends = np.flatnonzero(mask & ~np.concatenate([mask[1:], [False]])) + 1
+    assert len(starts) == 3
+    for turn, (a, b) in enumerate(zip(starts, ends)):
+      (want,) = fresh.run([Request(t.token_ids[:a], row=t.index * 4 + turn)])
+      assert t.token_ids[a:b] == want.token_ids
+      np.testing.assert_allclose(t.log_probs[a:b], want.log_probs, atol=1e-5)
+      if turn < 2:  # the tool message follows, as the template renders it
+        message = {"role": "tool", "content": f"result {turn}: {len(t.turns[turn])}"}
+        nxt = starts[turn + 1]
+        assert t.token_ids[b:nxt] == delta.ids([message])
+        assert TOKENIZER.decode(t.token_ids[b:nxt], skip_special_tokens=False) == (
+            "\n<|im_start|>tool\n" + message["content"] + "<|im_end|>\n<|im_start|>assistant\n")
+  assert metrics["agent/turns/mean"] == 3 and metrics["agent/stop/done"] == 1
+  assert metrics["agent/tool_calls/mean"] == 2
+
+
+def test_trajectory_log_probs_are_the_trainers_in_float32(model):
+  """The trainer's teacher-forced log-probs of whole trajectories (one row each, the
+  observations masked out of the loss) equal the sampler's: on-policy across turns."""
+  samples = ["a", "bb", "What is 17 times 3?", "Tell me a story about a cat."]
+  trajectories, _ = run_loop(model, SAMPLED, samples)
+  fields = to_batch_fields(trajectories, TOKENIZER.pad_id)
+  logp, _ = sequence_log_probs(*model, jnp.asarray(fields["input_ids"]),
+                               jnp.asarray(fields["attention_mask"]))
+  P = fields["prompts"].shape[1]
+  mask = fields["response_mask"]
+  trainer = np.asarray(logp[:, P:])[mask]
+  sampler = fields["rollout_log_probs"][mask]
+  assert mask.sum() == sum(sum(t.model_mask) for t in trajectories)
+  # Float32 rounding only: the decode step and the teacher-forced pass sum attention over
+  # differently shaped caches. Within 4 ulps of the largest log-prob (this random model's
+  # are near -log(264), where an ulp is 4.8e-7); 0 where the sums happen to agree.
+  diff = np.abs(trainer - sampler)
+  assert diff.max() <= 4 * np.spacing(np.abs(sampler).max()), diff.max()
+  assert np.mean(diff == 0) > 0.3
+  assert abs(float(np.mean(sampler - trainer))) <= 1e-7  # the mismatch ppo_kl would report
+
+
+def test_loss_mask_covers_exactly_the_models_tokens():
+  t = Trajectory(0, [], [], [], [], prompt_len=3)
+  t.append([1, 2, 3], model=False)
+  t.append([10, 11], model=True, log_probs=[-0.5, -0.25], versions=[2, 2])
+  t.append([20, 21, 22], model=False)
+  t.append([12], model=True, log_probs=[-1.0], versions=[3])
+  fields = to_batch_fields([t], pad_id=0, prompt_width=4, response_width=8)
+  np.testing.assert_array_equal(fields["prompts"], [[0, 1, 2, 3]])
+  np.testing.assert_array_equal(fields["responses"], [[10, 11, 20, 21, 22, 12, 0, 0]])
+  np.testing.assert_array_equal(fields["response_mask"], [[1, 1, 0, 0, 0, 1, 0, 0]])
+  np.testing.assert_array_equal(fields["attention_mask"], [[0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])
+  np.testing.assert_array_equal(fields["rollout_log_probs"], [[-0.5, -0.25, 0, 0, 0, -1, 0, 0]])
+  np.testing.assert_array_equal(fields["rollout_versions"], [[2, 2, -1, -1, -1, 3, -1, -1]])
+  np.testing.assert_array_equal(fields["position_ids"][0, 1:10], np.arange(9))
+
+
+def test_limits_say_which_stopped_a_trajectory(model):
+  trajectories, metrics = run_loop(model, GREEDY, ["x", "y"], turns=9)
+  assert [t.stop for t in trajectories] == ["max_turns"] * 2
+  assert all(len(t.turns) == 4 for t in trajectories)
+  trajectories, metrics = run_loop(model, GREEDY, ["x"], turns=9, max_tokens=100)
+  assert trajectories[0].stop == "max_tokens" and len(trajectories[0].token_ids) < 100
+  assert metrics["agent/stop/max_tokens"] == 1
+
+
+def test_tools_run_while_other_trajectories_decode(model):
+  """A slow environment step does not hold up the engine: another trajectory's turns
+  decode while it runs."""
+  release = threading.Event()
+  decoded_meanwhile = []
+
+  class Slow(Scripted):
+    def step(self, turn):
+      if turn.index == 0:
+        release.wait(timeout=60)
+      return super().step(turn)
+
+  class Fast(Scripted):
+    def step(self, turn):
+      decoded_meanwhile.append(turn.index)
+      if turn.index == 2:
+        release.set()
+      return super().step(turn)
+
+  loop = AgentLoop(engine_for(model, GREEDY), TOKENIZER, max_turns=4)
+  trajectories, metrics = loop.run([Slow(2), Fast(3)], ["slow one", "fast one"])
+  assert decoded_meanwhile == [0, 1, 2]  # all three fast turns ran while the slow tool waited
+  assert [t.stop for t in trajectories] == ["done", "done"]
+  assert metrics["timing_s/agent_decode_seconds"] > 0
+
+
+def test_hermes_parser():
+  parse = HermesParser().parse
+  got = parse('I will add. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+              '<tool_call>\n{"name": "mul", "arguments": "{\\"a\\": 3}"}\n</tool_call>')
+  assert got.calls == (ToolCall("add", {"a": 1, "b": 2}), ToolCall("mul", {"a": 3}))
+  assert got.errors == ()
+  bad = parse('<tool_call>{"name": add}</tool_call><tool_call>{"arguments": {}}</tool_call>'
+              '<tool_call>{"name": "f", "arguments": [1]}</tool_call>')
+  assert bad.calls == () and len(bad.errors) == 3
+  assert "not valid JSON" in bad.errors[0] and "needs a string" in bad.errors[1]
+  assert "must be a JSON object" in bad.errors[2]
+  assert parse("The answer is 4.").calls == ()
+
+
+def test_tool_environment_reports_every_failure_as_the_tools_text():
+  def divide(a, b):
+    return a / b
+
+  def slow():
+    time.sleep(5)
+
+  tools = [FunctionTool(divide, "divide", "a / b", {"type": "object", "properties": {
+      "a": {"type": "number"}, "b": {"type": "number"}}}),
+           FunctionTool(slow, "slow", "sleeps", {"type": "object", "properties": {}})]
+  env = ToolEnvironment(tools, reward_fn=lambda text, sample: float("4" in text),
+                        tool_timeout_s=0.2)
+  messages = env.reset({"prompt": [{"role": "user", "content": "What is 8/2?"}]})
+  assert messages[0]["role"] == "system" and '"name": "divide"' in messages[0]["content"]
+  call = '<tool_call>{"name": "%s", "arguments": %s}</tool_call>'
+  obs = env.step(Turn(call % ("divide", '{"a": 8, "b": 2}') + call % ("divide", '{"a": 1, "b": 0}')
+                      + call % ("nope", "{}") + call % ("divide", '{"x": 1}')
+                      + call % ("slow", "{}") + "<tool_call>{oops</tool_call>", (), 0))
+  contents = [m["content"] for m in obs.messages]
+  assert contents[0].startswith("Error: tool call is not valid JSON")  # parse errors first
+  assert contents[1] == "4.0"
+  assert contents[2] == "Error: ZeroDivisionError: division by zero"
+  assert contents[3].startswith("Error: unknown tool 'nope'")
+  assert contents[4].startswith("Error: TypeError")
+  assert contents[5] == "Error: tool 'slow' timed out after 0.2 s"
+  assert obs.counts["tool_calls"] == 6 and obs.counts["tool_errors"] == 5
+  assert obs.counts["tool_timeouts"] == 1 and not obs.done
+  final = env.step(Turn("It is 4.", (), 1))
+  assert final.done and final.reward == 1.0 and final.messages == []
+
+
+def test_message_delta_on_smollm2s_template():
+  tokenizer = load_tokenizer("smollm2-135m-instruct")
+  delta = MessageDelta(tokenizer)
+  message = {"role": "tool", "content": "42"}
+  text = delta.text([message])
+  history = [{"role": "user", "content": "What is 6*7?"},
+             {"role": "assistant", "content": '<tool_call>{"name": "calc"}</tool_call>'}]
+  rendered = tokenizer.apply_chat_template(history + [message], add_generation_prompt=True)
+  before = tokenizer.apply_chat_template(history, add_generation_prompt=False)
+  end = "<|im_end|>"
+  assert rendered == before[:before.rindex(end) + len(end)] + text
+  assert delta.ids([message]) == tokenizer.encode(text)
