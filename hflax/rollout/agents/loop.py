@@ -80,7 +80,8 @@ class AgentLoop:
     """The trajectories (in order) and the loop's metrics. Trajectory i's turn t samples
     as row first_row + i * max_turns + t: reruns with the same key sample the same."""
     if len(environments) != len(samples):
-      raise ValueError(f"AgentLoop.run: {len(environments)} environments for {len(samples)} samples")
+      raise ValueError(f"AgentLoop.run: {len(environments)} environments for {len(samples)} "
+                       "samples")
     self._trajectories, self._envs = [], list(environments)
     self._first_row, self._pending = first_row, {}
     self._timing = {"decode_seconds": 0.0, "tool_wait_seconds": 0.0}
@@ -173,8 +174,8 @@ class AgentLoop:
     return out
 
 
-def to_batch_fields(trajectories: Sequence[Trajectory], pad_id: int, prompt_width: int | None = None,
-                    response_width: int | None = None) -> dict:
+def to_batch_fields(trajectories: Sequence[Trajectory], pad_id: int,
+                    prompt_width: int | None = None, response_width: int | None = None) -> dict:
   """The sampler's fields for trajectories, one row each, so the trainer takes them as it
   takes single-turn rollouts: "prompts" the first prompt (left-padded), "responses" every
   later token (model turns and observations), "response_mask" the model's tokens only (the
