@@ -23,7 +23,8 @@ from hflax.models.forwards import (base_log_probs_fn, base_packed_log_probs_fn, 
 from hflax.models.logprobs import sequence_log_probs
 from hflax.models.lora import base_config, merged_kernels, split_adapters, split_for_merge
 from hflax.models.transformer import compute_kernels, create_abstract
-from hflax.rollout.sampler import SamplingParams, generate_over_rows
+from hflax.rollout.engine import RolloutEngine
+from hflax.rollout.sampler import SamplingParams
 from hflax.rollout.waves import generation_slots, generation_waves
 from hflax.sharding.hybrid_engine import HybridEngine
 from hflax.sharding.layouts import TRAIN_RULES, state_shardings
@@ -75,6 +76,10 @@ class ActorRolloutWorker(RoleWorker):
       shardings = state_shardings(abstract, self.mesh, TRAIN_RULES)
     self.engine = HybridEngine(self.mesh, abstract, shardings, placement.generate_tensor,
                                generate_dtype, placement.generate_strided, self.base_graphdef)
+    # The hybrid engine reshards the weights; the rollout engine samples with them, each
+    # token tagged with the version of the weights (the actor's update count).
+    self.rollout = RolloutEngine(self.engine.graphdef, None, sampling, mesh=self.engine.mesh,
+                                 slots=self.engine.mesh.shape["data"])
     self.temperature = sampling.temperature or 1.0
     self._rng = jax.random.key(self.seed)
 
@@ -98,16 +103,18 @@ class ActorRolloutWorker(RoleWorker):
       wave = replicas * generation_waves(count, replicas, params.n, self.max_num_seqs)[1]
       slots = 0
     gen_state, metrics = self.engine.to_generate(self._generation_weights())
+    self.rollout.update_weights(gen_state, version=self.updates)
+    del gen_state
     if self.optimizer_offload:
       metrics.update(self._offload_optimizer())
     if rng is None:
       rng = jax.random.fold_in(self._rng, self.calls)
       self.calls += 1
-    out = generate_over_rows(self.engine.graphdef, gen_state, prompts["prompts"],
-                             prompts["prompt_mask"], rng, params, self.engine.mesh,
-                             wave_rows=wave, slots=slots,
-                             collect=lambda x: jax.device_put(x, self.home))
-    del gen_state  # the generation copy is freed once the programs have consumed it
+    out = self.rollout.generate((prompts["prompts"], prompts["prompt_mask"]), params, rng=rng,
+                                wave_rows=wave, slots=slots,
+                                collect=lambda x: jax.device_put(x, self.home))
+    # The generation copy is freed once the programs have consumed it.
+    self.rollout.release_weights()
     metrics["rollout/waves"] = float(-(-count // wave)) if wave else 1.0
     # samples of prompt i are rows i*n .. i*n + n - 1
     out["group_ids"] = jax.device_put(
