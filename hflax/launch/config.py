@@ -101,9 +101,10 @@ def base_config() -> ml_collections.ConfigDict:
                   lora_rank=0, lora_alpha=16.0, target_modules="all-linear",
                   use_dynamic_bsz=False, ppo_max_token_len_per_gpu=16384)
   # custom_fn: a Python file and a function in it (name "" is verl's default,
-  # compute_score); timeout_s: the most seconds one batch's scoring may take (0: no limit).
-  c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=0.0)
-  c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=0.0)
+  # compute_score), run in a worker process (hflax.sandbox); timeout_s: the most seconds
+  # one batch's scoring may take, then the worker is killed (0: no limit).
+  c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=600.0)
+  c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=600.0)
   # kind: "colocated" (every role on all devices), "standalone" (a pool per role), "auto"
   # (the auto-mapper's best plan, meshes and generation width t_g included: it overrides
   # rollout.generate_tensor) or "custom" (pools and roles as in hflax.sharding.placement).

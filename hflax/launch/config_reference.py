@@ -135,12 +135,14 @@ MEANINGS = {
     "reward.model_path": "the reward model's checkpoint",
     "reward.custom_fn.path": "a Python file with the reward function",
     "reward.custom_fn.name": "its name ('': compute_score)",
-    "reward.timeout_s": "most seconds one batch's scoring may take (0: no limit)",
+    "reward.timeout_s": "most seconds one batch's scoring may take; a custom_fn's worker "
+                      "process is then killed (0: no limit)",
     "cost.kind": "Safe-RLHF's cost: rule or model",
     "cost.model_path": "the cost model's checkpoint",
     "cost.custom_fn.path": "a Python file with the cost function",
     "cost.custom_fn.name": "its name",
-    "cost.timeout_s": "most seconds one batch's scoring may take (0: no limit)",
+    "cost.timeout_s": "most seconds one batch's scoring may take; a custom_fn's worker "
+                      "process is then killed (0: no limit)",
     "cluster.backend": "local (this process) or ray",
     "cluster.address": "a Ray cluster to join ('': start a local one)",
     "cluster.processes_per_pool": "processes per placement pool (0: derived)",

@@ -8,8 +8,9 @@ from hflax.algorithms.drivers import get_algorithm
 from hflax.controller.batch import Batch
 from hflax.data import PromptLoader, arithmetic_task, load_prompts
 from hflax.launch.config import tokenizer_spec
-from hflax.rewards import RuleRewardScorer, load_reward_function
+from hflax.rewards import RuleRewardScorer
 from hflax.rewards.registry import check_rule_rows as check_rows
+from hflax.sandbox.reward_calls import PooledRewardFn
 
 
 def data_paths(spec: str) -> list[str]:
@@ -65,11 +66,10 @@ def make_reward_fn(section, tokenizer, field: str = "reward"):
   if section.custom_fn.path:
     where = f"config.{field}.custom_fn ({section.custom_fn.path})"
     try:
-      custom = load_reward_function(section.custom_fn.path, name)
-    except (FileNotFoundError, ValueError, TypeError) as e:
+      # In a worker process: nothing the user's code does can end the trainer.
+      custom = PooledRewardFn(section.custom_fn.path, name, timeout_s=section.timeout_s)
+    except (FileNotFoundError, ValueError) as e:
       raise ValueError(f"{where}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - the user's file failed while importing
-      raise ValueError(f"{where}: importing it raised {type(e).__name__}: {e}") from None
   scorer = RuleRewardScorer(tokenizer, custom, timeout_s=section.timeout_s or None)
 
   def score(batch: Batch, details: bool = False):

@@ -11,6 +11,10 @@ where one row is at fault):
 - SystemExit, KeyboardInterrupt and any other BaseException that is not an Exception
   (a `sys.exit(0)` in a reward file must not end the run with status 0). Ordinary
   exceptions propagate unchanged, for the caller to report;
+- a PooledRewardFn (a user's file, as the launcher loads it) is scored in its worker
+  process: its os._exit, segfault, hang or signal is such a ValueError too, and its
+  timeout_s (the pool's) kills the worker. The rest of this list is about in-process
+  functions (the built-in rules, or a function passed in):
 - with timeout_s, a batch that takes longer: the batch is then scored in a worker
   thread that the scorer waits on for at most timeout_s seconds. Python cannot stop a
   thread, so a function that hangs keeps running in the background (a daemon thread,
@@ -29,6 +33,7 @@ import numpy as np
 from hflax.models.tokenizer import Tokenizer
 from hflax.rewards.registry import (RewardFn, default_reward_fn, describe_reward_fn,
                                     prediction_fn, reward_caller)
+from hflax.sandbox.reward_calls import PooledRewardFn
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -113,7 +118,7 @@ class RuleRewardScorer:
     self.tokenizer, self.reward_fn = tokenizer, reward_fn
     self.timeout_s = float(timeout_s) if timeout_s else None
     self._callers = {}
-    if reward_fn is not None:
+    if reward_fn is not None and not isinstance(reward_fn, PooledRewardFn):
       self._caller(reward_fn)
 
   def _caller(self, fn):
@@ -158,6 +163,8 @@ class RuleRewardScorer:
     return results
 
   def _run(self, fns, texts, truths, sources, infos) -> list:
+    if isinstance(self.reward_fn, PooledRewardFn):  # its worker process keeps the limit
+      return self.reward_fn.score_rows(texts, truths, infos, sources)
     if self.timeout_s is None:
       return self._score_rows(fns, texts, truths, sources, infos)
     outcome = {}

@@ -1,0 +1,80 @@
+"""Reward code from a user's file runs in a worker process: its os._exit (at once, after
+N calls, at import), segfault, hang or KeyboardInterrupt at import ends the worker, never
+the trainer, which reports one line naming the function, file and row and exits 2; the
+checkpoints before it are intact and a rerun with a fixed reward resumes from them."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hflax.launch.__main__ import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "tests", "tiny_config.py")
+HEAD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+CALLS = "import os\nCALLS = [0]\n"  # rows a tiny step scores: 4 prompts x 2 samples
+
+BODIES = {
+    "exit_at_once": (HEAD + "  import os\n  os._exit(0)\n",
+                     "reward function compute_score (exit_at_once.py) ended its worker "
+                     "process (exit status 0, as os._exit(0) gives) on row 0"),
+    "exit_after_calls": (CALLS + HEAD + "  CALLS[0] += 1\n  if CALLS[0] > 26:\n    os._exit(0)\n"
+                         "  return 1.0\n",
+                         "reward function compute_score (exit_after_calls.py) ended its "
+                         "worker process (exit status 0, as os._exit(0) gives) on row 2"),
+    "exit_at_import": ("import os\nos._exit(0)\n" + HEAD + "  return 1.0\n",
+                       "exit_at_import.py): importing it ended its worker process (exit "
+                       "status 0, as os._exit(0) gives)"),
+    "segfault": (HEAD + "  import ctypes\n  ctypes.string_at(0)\n",
+                 "reward function compute_score (segfault.py) ended its worker process "
+                 "(killed by SIGSEGV) on row 0"),
+    "interrupt_at_import": ("raise KeyboardInterrupt\n" + HEAD + "  return 1.0\n",
+                            "interrupt_at_import.py): importing it raised KeyboardInterrupt() "
+                            "(interrupt_at_import.py:1)"),
+    "hang": (HEAD + "  import time\n  time.sleep(600)\n",
+             "reward function compute_score (hang.py) took longer than timeout_s=3 s on a "
+             "batch of 8 responses (at row 0; its worker process was killed)"),
+    "raises": (HEAD + "  return 1 / 0\n",
+               "reward function compute_score (raises.py) raised ZeroDivisionError: division "
+               "by zero (raises.py:2) on row 0"),
+}
+
+
+def _args(tmp_path, name, *more):
+  return ["--config", TINY, f"--config.trainer.run_dir={tmp_path}/run",
+          f"--config.reward.custom_fn.path={tmp_path}/{name}.py", "--config.reward.timeout_s=3",
+          "--config.trainer.total_steps=4", *more]
+
+
+@pytest.mark.parametrize("name", list(BODIES))
+def test_user_reward_faults_are_one_line_and_exit_2(name, tmp_path, capsys):
+  body, message = BODIES[name]
+  (tmp_path / f"{name}.py").write_text(body)
+  code = cli(_args(tmp_path, name))
+  err = capsys.readouterr().err.strip()
+  assert code == 2, err
+  assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_checkpoints_before_a_dying_reward_are_kept_and_a_fixed_reward_resumes(tmp_path,
+                                                                             capsys):
+  body, _ = BODIES["exit_after_calls"]
+  (tmp_path / "exit_after_calls.py").write_text(body)
+  assert cli(_args(tmp_path, "exit_after_calls")) == 2  # dies in step 4's scoring
+  capsys.readouterr()
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]
+  (tmp_path / "exit_after_calls.py").write_text(HEAD + "  return 1.0\n")
+  assert cli(_args(tmp_path, "exit_after_calls")) == 0
+  assert "resumed from step 2" in capsys.readouterr().out
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints"))[-1] == "4"
+
+
+def test_through_python_m_hflax_launch_the_status_is_2_not_0(tmp_path):
+  body, message = BODIES["exit_after_calls"]
+  (tmp_path / "exit_after_calls.py").write_text(body)
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  done = subprocess.run([sys.executable, "-m", "hflax.launch", *_args(tmp_path, "exit_after_calls")],
+                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.strip().splitlines()[-1] == f"error: {message}"
