@@ -15,8 +15,9 @@ from hflax.algorithms.kl import (KL_ESTIMATORS, KL_KINDS, KLControlState, adapti
                                  update_kl_controller)
 from hflax.algorithms.masked import (group_mean_std, masked_mean, masked_sum, masked_var,
                                      masked_whiten)
-from hflax.algorithms.losses import (entropy_from_logits, entropy_loss, explained_variance,
-                                     gspo_loss, ppo_clip_loss, value_loss)
+from hflax.algorithms.losses import (cispo_loss, entropy_from_logits, entropy_loss,
+                                     explained_variance, gmpo_loss, gspo_loss, ppo_clip_loss,
+                                     sapo_loss, value_loss)
 from hflax.algorithms.registry import (advantage_estimator_names, advantage_fn,
                                        get_advantage_estimator,
                                        get_policy_loss, policy_loss_names,
@@ -30,7 +31,8 @@ __all__ = [
     "reinforce_plus_plus_baseline_advantage", "remax_advantage", "discounted_returns",
     "sequence_scores",
     # losses
-    "ppo_clip_loss", "gspo_loss", "value_loss", "explained_variance", "entropy_from_logits",
+    "ppo_clip_loss", "gspo_loss", "cispo_loss", "sapo_loss", "gmpo_loss", "value_loss",
+    "explained_variance", "entropy_from_logits",
     "entropy_loss", "aggregate_loss", "aggregation_weight", "LOSS_AGG_MODES",
     # KL
     "kl_penalty", "kl_loss", "apply_kl_penalty", "KL_ESTIMATORS", "KL_KINDS", "KLControlState",

@@ -15,8 +15,9 @@ Registered functions share one signature so a trainer can pick them from a confi
   log_probs, old_log_probs, advantages  [B, T]  (policy losses)
 cfg keys: gamma, lam (1.0), norm_adv_by_std_in_grpo (True), num_groups (static; default
 the batch size), clip_ratio (0.2), clip_ratio_low / clip_ratio_high (default clip_ratio;
-"clip_higher" defaults high to 0.28, "gspo" to the paper's 3e-4 / 4e-4), clip_ratio_c
-(3.0; None turns dual-clip off).
+"clip_higher" defaults high to 0.28, "gspo" to the paper's 3e-4 / 4e-4, "cispo" low to 1,
+no lower bound, "gmpo" / "geo_mean" both to the paper's 0.4 in log space), clip_ratio_c
+(3.0; None turns dual-clip off), tau_pos / tau_neg ("sapo": 1.0 / 1.05).
 
 A user registers their own from any module, and selects it by name:
 
@@ -35,7 +36,7 @@ from typing import Any, Callable, Mapping
 import jax
 
 from hflax.algorithms import advantages as adv
-from hflax.algorithms.losses import gspo_loss, ppo_clip_loss
+from hflax.algorithms.losses import cispo_loss, gmpo_loss, gspo_loss, ppo_clip_loss, sapo_loss
 
 _ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 _POLICY_LOSSES: dict[str, Callable] = {}
@@ -202,3 +203,24 @@ def _gspo(batch, cfg):
   return gspo_loss(*_policy_inputs(batch, "gspo"),
                    clip_ratio_low=_unset_to(cfg, "clip_ratio_low", 3e-4),
                    clip_ratio_high=_unset_to(cfg, "clip_ratio_high", 4e-4))
+
+
+@register_policy_loss("cispo")
+def _cispo(batch, cfg):
+  # The paper sets no lower bound on the weight (low 1); the upper one is clip_ratio's.
+  return cispo_loss(*_policy_inputs(batch, "cispo"),
+                    clip_ratio_low=_unset_to(cfg, "clip_ratio_low", 1.0),
+                    clip_ratio_high=_unset_to(cfg, "clip_ratio_high", cfg.get("clip_ratio", 0.2)))
+
+
+@register_policy_loss("sapo")
+def _sapo(batch, cfg):
+  return sapo_loss(*_policy_inputs(batch, "sapo"), tau_pos=cfg.get("tau_pos", 1.0),
+                   tau_neg=cfg.get("tau_neg", 1.05))
+
+
+@register_policy_loss("gmpo", "geo_mean")  # geo_mean: verl's name
+def _gmpo(batch, cfg):
+  return gmpo_loss(*_policy_inputs(batch, "gmpo"),
+                   clip_ratio_low=_unset_to(cfg, "clip_ratio_low", 0.4),
+                   clip_ratio_high=_unset_to(cfg, "clip_ratio_high", 0.4))

@@ -78,6 +78,8 @@ def base_config() -> ml_collections.ConfigDict:
       clip_ratio_low=config_dict.placeholder(float), clip_ratio_high=config_dict.placeholder(float),
       clip_ratio_c=3.0, loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False,
       kl_loss_coef=0.001, kl_loss_type="low_var_kl", recompute_log_prob=False,
+      # SAPO's gate temperatures for positive and negative advantages (verl's names).
+      tau_pos=1.0, tau_neg=1.05,
       # Optimizer state in host memory from generation until the next update (verl's
       # optimizer_offload, for the KV cache's sake on accelerators).
       optimizer_offload=False,
@@ -270,6 +272,23 @@ def _check_settings(c, fail) -> None:
     fail("actor.clip_ratio_c", f"dual-clip's bound must be > 1, got {c.actor.clip_ratio_c!r}")
 
 
+# Losses defined per sequence: only averaging each sequence's tokens, then the sequences,
+# gives their papers' objective.
+SEQUENCE_LOSSES = {"gspo": "GSPO", "gmpo": "GMPO", "geo_mean": "GMPO"}
+
+
+def _check_policy_loss(c, fail) -> None:
+  """The chosen policy loss's own parameters (tau_pos / tau_neg > 0 are in ranges)."""
+  a = c.actor
+  if a.policy_loss in SEQUENCE_LOSSES and a.loss_agg_mode != "seq-mean-token-mean":
+    fail("actor.loss_agg_mode", f"{a.loss_agg_mode!r} with policy_loss={a.policy_loss!r}: "
+         f"{SEQUENCE_LOSSES[a.policy_loss]}'s objective averages each sequence's tokens, then "
+         "the sequences; set 'seq-mean-token-mean' (as the paper and verl do)")
+  if a.policy_loss == "cispo" and a.clip_ratio_low is not None and not a.clip_ratio_low <= 1:
+    fail("actor.clip_ratio_low", f"CISPO clips its weight below at 1 - clip_ratio_low, so "
+         f"more than 1 means nothing (1: no lower bound, as the paper), got {a.clip_ratio_low!r}")
+
+
 def _check_directories(c, fail) -> None:
   """Directories the run writes: none may be an existing file (found before any work)."""
   t = c.trainer
@@ -364,10 +383,7 @@ def validate(c) -> None:
          f"{advantage_estimator_names()}")
   if c.actor.policy_loss not in policy_loss_names():
     fail("actor.policy_loss", f"{c.actor.policy_loss!r} is not one of {policy_loss_names()}")
-  if c.actor.policy_loss == "gspo" and c.actor.loss_agg_mode != "seq-mean-token-mean":
-    fail("actor.loss_agg_mode", f"{c.actor.loss_agg_mode!r} with policy_loss='gspo': GSPO's "
-         "objective averages each sequence's tokens, then the sequences; set "
-         "'seq-mean-token-mean' (as the paper and verl do)")
+  _check_policy_loss(c, fail)
   for role in ("actor", "critic"):
     if c[role].loss_agg_mode not in LOSS_AGG_MODES:
       fail(f"{role}.loss_agg_mode", f"{c[role].loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")

@@ -183,6 +183,8 @@ MEANINGS.update({
     "actor.clip_ratio_low": "lower clip range (None: clip_ratio)",
     "actor.clip_ratio_high": "upper clip range (None: clip_ratio)",
     "actor.clip_ratio_c": "dual-clip's bound",
+    "actor.tau_pos": "SAPO's gate temperature, advantage > 0",
+    "actor.tau_neg": "SAPO's gate temperature, advantage <= 0",
     "actor.entropy_coeff": "entropy bonus coefficient",
     "actor.use_kl_loss": "add a KL loss to the reference policy",
     "actor.kl_loss_coef": "its coefficient",
@@ -218,8 +220,9 @@ naming the field and exit status 2. Besides these:
 - `rollout.max_num_seqs` must hold one prompt's samples (`rollout.n`, `val_n`) unless
   `rollout.continuous_batching` is on; `val_n > 1` needs `val_temperature > 0`;
 - a cosine schedule needs `optim.total_steps > optim.warmup_steps`;
-- `policy_loss="gspo"` needs `loss_agg_mode="seq-mean-token-mean"`; `adv_estimator="gae"`
-  needs an algorithm with a critic;
+- `policy_loss="gspo"` and `"gmpo"` (`"geo_mean"`) need
+  `loss_agg_mode="seq-mean-token-mean"`; `"cispo"` needs `clip_ratio_low <= 1`;
+  `adv_estimator="gae"` needs an algorithm with a critic;
 - `data.truncate_prompts` and `data.filter_overlong_prompts` exclude each other;
 - `reward.kind="model"` needs `reward.model_path`; `custom_fn.name` needs `custom_fn.path`;
 - `model.lora_adapter_path` needs `model.lora_rank`;

@@ -103,6 +103,8 @@ RANGES: dict[str, Range] = {
     "algorithm.lambda_lr": non_negative("(safe_rlhf's Lagrange multiplier step size)"),
     "actor.entropy_coeff": non_negative(),
     "actor.kl_loss_coef": non_negative(),
+    "actor.tau_pos": positive(),  # SAPO's gate temperatures: the gate divides by them
+    "actor.tau_neg": positive(),
     "trainer.sft_warmup.lr": positive(),
     "trainer.profile_steps": non_negative("(steps to trace)", integer=True, each=True),
 }

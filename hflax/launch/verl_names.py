@@ -14,7 +14,7 @@ _ARR = "actor_rollout_ref."
 _ACTOR_FIELDS = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs", "shuffle",
                  "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c",
                  "loss_agg_mode", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
-                 "optim.lr", "optim.weight_decay")
+                 "tau_pos", "tau_neg", "optim.lr", "optim.weight_decay")
 _CRITIC_FIELDS = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs", "shuffle",
                   "cliprange_value", "loss_agg_mode", "optim.lr", "optim.weight_decay")
 _ROLLOUT_FIELDS = ("n", "temperature", "top_k", "top_p", "max_num_seqs")
