@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from hflax import kernels  # noqa: E402
+from hflax.models.logprobs import model_log_probs  # noqa: E402
 from hflax.algorithms.losses import ppo_clip_loss  # noqa: E402
 from hflax.controller.training import make_train_step  # noqa: E402
 from hflax.models import ModelConfig, create  # noqa: E402
@@ -143,7 +143,7 @@ def kernel_row(dtype, smoke: bool) -> dict:
     model = nnx.merge(graphdef, state)
     hidden = jax.random.normal(jax.random.key(2), (2, 19, TINY.hidden_size))
     targets = jax.random.randint(jax.random.key(3), (2, 19), 0, TINY.vocab_size)
-    fused = kernels.model_log_probs(model, hidden, targets, 1.0, block_rows=16,
+    fused = model_log_probs(model, hidden, targets, 1.0, block_rows=16,
                                     block_vocab=16, block_d=16, interpret=True)
     ref = hidden_log_probs(model, hidden, targets)
     diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(fused, ref))
@@ -157,7 +157,7 @@ def kernel_row(dtype, smoke: bool) -> dict:
   targets = jax.random.randint(jax.random.key(3), (8, tokens // 8), 0, cfg.vocab_size)
   run = lambda f: jax.jit(lambda s, h: f(nnx.merge(graphdef, s), h, targets))  # noqa: E731
   fallback_s, ref = timed(run(hidden_log_probs), state, hidden, reps=5)
-  kernel_s, got = timed(run(lambda m, h, t: kernels.model_log_probs(m, h, t)), state, hidden,
+  kernel_s, got = timed(run(lambda m, h, t: model_log_probs(m, h, t)), state, hidden,
                         reps=5)
   diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(got, ref))
   return {"status": "measured", "tokens": tokens, "vocab": cfg.vocab_size,

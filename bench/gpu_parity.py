@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from hflax import kernels  # noqa: E402
+from hflax.models.logprobs import model_log_probs  # noqa: E402
 from hflax.models import hf, logits_fn  # noqa: E402
 from hflax.models.logprobs import hidden_log_probs  # noqa: E402
 from hflax.models.transformer import forward  # noqa: E402
@@ -116,7 +116,7 @@ def main(argv=None):
     _, hidden = jax.jit(forward, static_argnums=0)(graphdef, state, jnp.asarray(ids),
                                                    jnp.asarray(mask))
     targets = jnp.asarray(np.roll(ids, -1, axis=1))
-    fused = kernels.model_log_probs(model, hidden, targets)
+    fused = model_log_probs(model, hidden, targets)
     plain = hidden_log_probs(model, hidden, targets)
     checks["fused log-probs vs chunked"] = (
         max(max_diff(a, b, mask) for a, b in zip(fused, plain)), KERNEL_TOL)

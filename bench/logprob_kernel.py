@@ -33,7 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from hflax import kernels  # noqa: E402
+from hflax.models.logprobs import model_log_probs  # noqa: E402
 from hflax.models import ModelConfig, create  # noqa: E402
 from hflax.models.logprobs import hidden_log_probs  # noqa: E402
 
@@ -53,7 +53,7 @@ def programs(graphdef, targets, temperature, **kernel_cfg):
                             temperature=temperature)
 
   def kernel(state, hidden):
-    return kernels.model_log_probs(nnx.merge(graphdef, state), hidden, targets, temperature,
+    return model_log_probs(nnx.merge(graphdef, state), hidden, targets, temperature,
                                    **kernel_cfg)
 
   def train(fn):

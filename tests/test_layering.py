@@ -9,7 +9,8 @@ import shutil
 HFLAX = pathlib.Path(__file__).resolve().parents[1] / "hflax"
 
 # Bottom up: each layer may import the layers below it, never one above.
-#   platforms    the hardware: kernels, compiler options, process set-up (no model code)
+#   platforms    the hardware: kernels (CPU, GPU, TPU), the attention choice, compiler
+#                options, process set-up; no model code
 #   models       weights and math, backend-neutral (they ask platforms)
 #   platform model families: platform code over the model's modules (the CPU decoding copy)
 #   rollout < sharding < controller < algorithms drivers < launch
@@ -26,8 +27,7 @@ ALLOWED = {
     "hflax.xla_env": {"hflax.platforms"},  # the CPU set-up's first import path
     "hflax.checkpoint": set(),
     "hflax.algorithms": set(),
-    "hflax.models": PLATFORMS | {"hflax.kernels"},
-    "hflax.kernels": MODELS,
+    "hflax.models": PLATFORMS,
     "hflax.platforms.cpu.decoding_copy": MODELS,
     "hflax.rollout": FAMILIES,
     "hflax.sharding": ROLLOUT,

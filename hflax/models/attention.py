@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from hflax.models.tracing import traced_once
+from hflax.platforms.attention import choose
+from hflax.platforms.gpu import attention as gpu_attention
+from hflax.platforms.tpu.attention import splash  # noqa: F401  (an implementation here)
 
 MASKED = -1e30  # finite, so rows with no visible key (pad queries) stay NaN-free
 
@@ -368,65 +371,12 @@ _flash.defvjp(lambda bq, bk, q, k, v, masks: _flash_forward(bq, bk, q, k, v, mas
 
 
 def cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, *, implementation="cudnn"):
-  """Teacher-forced attention (query t in slot t, S == T) by jax.nn.dot_product_attention.
-
-  cuDNN's flash attention takes causal masking and right padding (sequence lengths) but
-  no mask array short of a quadratic bias, so each row is rotated to start at its first
-  valid slot; a row whose valid slots are not one contiguous run (or are none) sends the
-  whole call to `blockwise` instead. `implementation="xla"` runs the same arguments on
-  any backend (the tests check the rotation that way).
-  """
-  B, T, H, Dh = q_BxTxHxDh.shape
-  start_B = jnp.argmax(kv_valid_BxS, axis=1).astype(jnp.int32)
-  length_B = jnp.sum(kv_valid_BxS, axis=1, dtype=jnp.int32)
-  t = jnp.arange(T)
-  run_BxS = (t >= start_B[:, None]) & (t < (start_B + length_B)[:, None])
-  contiguous = jnp.all(run_BxS == kv_valid_BxS) & jnp.all(length_B > 0)
-
-  def rotate(x_BxTx___, sign):
-    return jax.vmap(lambda row, s: jnp.roll(row, sign * s, axis=0))(x_BxTx___, start_B)
-
-  def flash(q, k, v):
-    out = jax.nn.dot_product_attention(
-        rotate(q, -1), rotate(k.transpose(0, 3, 1, 2), -1), rotate(v.transpose(0, 2, 1, 3), -1),
-        is_causal=True, query_seq_lengths=length_B, key_value_seq_lengths=length_B,
-        implementation=implementation)
-    return jnp.where(kv_valid_BxS[:, :, None, None], rotate(out, 1), 0).astype(q.dtype)
-
-  def fallback(q, k, v):
-    return blockwise(q, k, v, kv_valid_BxS, t[None])
-
-  return jax.lax.cond(contiguous, flash, fallback, q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh)
-
-
-def splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_seg_BxT=None, *,
-           interpret: bool = False):
-  """Teacher-forced attention (query t in slot t, S == T, T a multiple of 128) by the TPU
-  Pallas splash kernel: causal, with segment ids for packing and padding (a pad, id 0,
-  sees only pads, so it stays finite). One multi-query kernel per KV head serves its
-  group of query heads. `interpret=True` runs the kernel on any backend (the tests)."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import (
-      splash_attention_kernel as kernels, splash_attention_mask as masks)
-  B, T, H, Dh = q_BxTxHxDh.shape
-  KV = k_BxKxDhxS.shape[1]
-  G = H // KV
-  block = 512 if T % 512 == 0 else 128
-  sizes = kernels.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                             block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                             block_q_dq=block, block_kv_dq=block)
-  kernel = kernels.make_splash_mqa(masks.MultiHeadMask([masks.CausalMask((T, T))] * G),
-                                   block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                   interpret=interpret)
-  seg_BxT = kv_valid_BxS.astype(jnp.int32) if q_seg_BxT is None else q_seg_BxT
-  q_BxKxGxTxDh = (q_BxTxHxDh * Dh ** -0.5).reshape(B, T, KV, G, Dh).transpose(0, 2, 3, 1, 4)
-
-  def one_head(q_GxTxDh, k_DhxS, v_SxDh, seg_T):
-    return kernel(q_GxTxDh, k_DhxS.T, v_SxDh, segment_ids=kernels.SegmentIds(q=seg_T, kv=seg_T))
-
-  out = jax.vmap(jax.vmap(one_head, (0, 0, 0, None)))(
-      q_BxKxGxTxDh, k_BxKxDhxS.astype(q_BxTxHxDh.dtype), v_BxKxSxDh.astype(q_BxTxHxDh.dtype),
-      seg_BxT)
-  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(q_BxTxHxDh.dtype)
+  """Teacher-forced attention (query t in slot t, S == T) by cuDNN's flash attention
+  (hflax.platforms.gpu.attention), rows it cannot take by `blockwise`."""
+  t = jnp.arange(q_BxTxHxDh.shape[1])
+  fallback = lambda q, k, v: blockwise(q, k, v, kv_valid_BxS, t[None])  # noqa: E731
+  return gpu_attention.cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, fallback,
+                             implementation=implementation)
 
 
 # Up to this many key slots "auto" keeps the dense reference: its scores are small there.
@@ -457,34 +407,15 @@ def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   args = (q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT, q_seg_BxT, k_seg_BxS,
           q_prefix_BxT)
   T, S = q_BxTxHxDh.shape[1], k_BxKxDhxS.shape[-1]
-  if impl == "reference":
-    return reference(*args)
-  if impl == "blockwise":
-    return blockwise(*args, short_k_block=SHORT_K_BLOCK)
-  cudnn_fits = (teacher_forced and q_seg_BxT is None and
-                q_BxTxHxDh.dtype in (jnp.bfloat16, jnp.float16) and
-                q_BxTxHxDh.shape[-1] % 8 == 0 and q_BxTxHxDh.shape[-1] <= 128)
-  splash_fits = (teacher_forced and q_prefix_BxT is None and T % 128 == 0 and
-                 _splash_importable())
-  if impl == "cudnn" and cudnn_fits:
-    return cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS)
-  if impl == "splash" and splash_fits:
-    return splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_seg_BxT)
-  if T == 1 and jax.default_backend() == "cpu":
+  chosen = choose(impl, queries=T, short=S <= REFERENCE_MAX_KEYS, q_dtype=q_BxTxHxDh.dtype,
+                  head_dim=q_BxTxHxDh.shape[-1], teacher_forced=teacher_forced,
+                  packed=q_seg_BxT is not None, prefix=q_prefix_BxT is not None)
+  if chosen == "one_query":
     return one_query(*args)
-  if T == 1 or S <= REFERENCE_MAX_KEYS:
+  if chosen == "reference":
     return reference(*args)
-  if cudnn_fits and jax.default_backend() == "gpu":
+  if chosen == "cudnn":
     return cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS)
-  if splash_fits and jax.default_backend() == "tpu":
+  if chosen == "splash":
     return splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_seg_BxT)
   return blockwise(*args, short_k_block=SHORT_K_BLOCK)
-
-
-@functools.cache
-def _splash_importable():
-  try:
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel  # noqa: F401
-  except ImportError:
-    return False
-  return True

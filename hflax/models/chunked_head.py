@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hflax.platforms.xla import logits_cotangent
+
 # Tokens per logits block (rows x columns of a chunk). The head's backward matmuls contract
 # over these tokens: on a 2-core Xeon (fp32, SmolLM2's 49152 x 576 head) the input and
 # weight gradients ran at 184 and 156 GFLOP/s over 128 tokens, 249 and 247 over 512, and a
@@ -62,14 +64,6 @@ def softmax_stats(logits_BxCxV, targets_BxC, temperature):
   mean = weighted / total
   picked = jnp.take_along_axis(z, targets_BxC[..., None], axis=-1)[..., 0]
   return picked - lse, lse - mean, lse, mean
-
-
-def logits_cotangent(z, hit, lse, mean, d_logp, d_ent):
-  """d/dz of d_logp * log p[target] + d_ent * entropy, z = logits / temperature, from the
-  forward's statistics: d_logp ([j = t] - p_j) - d_ent p_j (z_j - mean z), p = exp(z - lse).
-  hit marks the target; the rest broadcast against z [..., V]."""
-  p = jnp.exp(z - lse)
-  return d_logp * (hit - p) - d_ent * p * (z - mean)
 
 
 def chunked_log_probs(head, hidden_NxBxCxD, targets_NxBxC, live, temperature: float,

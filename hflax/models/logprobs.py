@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from hflax import kernels
 from hflax.models.chunked_head import chunk_columns, chunked_log_probs
-from hflax.models.transformer import forward
+from hflax.models.transformer import DecoderLM, forward
+from hflax.platforms.gpu import logprob_kernel
 
 # Pieces a chunk is cut into past the whole chunks a count fills (chunked_log_probs): a
 # packed micro-batch scores a data-dependent number of tokens, and its last chunk of 512
@@ -32,8 +32,8 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
   packed pass sizes its positions for the most response tokens a micro-batch could hold,
   and usually holds far fewer: the LM head over 49k ids is most of the cost of a
   position."""
-  fused = kernels.maybe_hidden_log_probs(model, hidden_BxTxD, targets_BxT, temperature)
-  if fused is not None:  # the fused GPU kernel (hflax.kernels); never on CPU unless forced
+  fused = maybe_hidden_log_probs(model, hidden_BxTxD, targets_BxT, temperature)
+  if fused is not None:  # the fused GPU kernel (hflax.platforms.gpu); never on CPU unless forced
     return fused
   B, T, D = hidden_BxTxD.shape
   chunk = chunk_columns(B, T, chunk)
@@ -111,3 +111,41 @@ def packed_log_probs(graphdef, state, tokens_RxL, segment_ids_RxL, response_inde
       temperature=temperature, chunk=chunk, count=jnp.count_nonzero(response_valid_BxW))
   scatter = lambda x: jnp.zeros(B * W, x.dtype).at[scored].set(x[0], mode="drop").reshape(B, W)  # noqa: E731
   return scatter(logp), scatter(ent)
+
+
+def _kernel_projection(model):
+  """(W, transposed, compute dtype, logits dtype) exactly as DecoderLM.logits uses them."""
+  if not isinstance(model, DecoderLM) or model.head != "lm":
+    return None
+  if model.lm_head is None:  # tied: embed [V, D] in hidden's dtype, f32 logits
+    return model.embed[...], True, None, "float32"
+  if model.lm_head.bias is not None or model.lm_head.packed:
+    return None  # a packed decoding copy's head: Dense computes it (the CPU kernel)
+  dtype = model.lm_head.dtype  # Dense computes and returns its dtype; logits() upcasts
+  # A decoding copy stores the head [V, D], as the tied table is.
+  return model.lm_head.kernel[...], model.lm_head.out_in, dtype, dtype
+
+
+def model_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0, **config):
+  """hidden_log_probs through the fused kernel, or None where it does not apply."""
+  head = _kernel_projection(model)
+  if head is None or not isinstance(temperature, (int, float)):
+    return None  # a traced temperature stays on the fallback: the kernel bakes it in
+  # Late: the kernel's module imports Pallas' Triton lowering, wanted on GPUs only.
+  from hflax.platforms.gpu.logprobs import fused_log_probs
+  w, transposed, dtype, logits_dtype = head
+  B, T, D = hidden_BxTxD.shape
+  dtype = dtype or hidden_BxTxD.dtype
+  logp, ent = fused_log_probs(hidden_BxTxD.reshape(B * T, D).astype(dtype), w.astype(dtype),
+                              targets_BxT.reshape(B * T), temperature=temperature,
+                              transposed=transposed, logits_dtype=logits_dtype, **config)
+  return logp.reshape(B, T), ent.reshape(B, T)
+
+
+def maybe_hidden_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0):
+  """The kernel's (log-probs, entropy) when HFLAX_LOGPROB_KERNEL's mode selects it, else None."""
+  mode = logprob_kernel.logprob_kernel_mode()
+  if mode is None:
+    return None
+  return model_log_probs(model, hidden_BxTxD, targets_BxT, temperature,
+                         interpret=mode == "interpret")

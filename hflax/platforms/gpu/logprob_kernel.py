@@ -1,4 +1,4 @@
-"""GPU kernels, kept beside the pure-JAX implementations they replace where asked for.
+"""When the fused Pallas log-prob kernel (logprobs.py) serves, read from HFLAX_LOGPROB_KERNEL.
 
 HFLAX_LOGPROB_KERNEL picks how `hflax.models.logprobs.hidden_log_probs` runs:
   unset, "auto", "0"  the chunked pure-JAX path, on every backend
@@ -20,6 +20,8 @@ import os
 import re
 
 import jax
+
+from hflax import platforms
 
 ENV = "HFLAX_LOGPROB_KERNEL"
 _OFF, _AUTO, _ON = ("0", "false", "off"), ("", "auto"), ("1", "true", "on")
@@ -60,48 +62,10 @@ def logprob_kernel_mode() -> str | None:
     return None
   if flag == "interpret":
     return "interpret"
-  if jax.default_backend() != "gpu":
+  if platforms.backend() != "gpu":
     raise ValueError(f"{ENV}={flag} asks for the fused GPU kernel, but JAX's backend is "
-                     f"{jax.default_backend()}: unset it (or set auto) for the pure-JAX path")
+                     f"{platforms.backend()}: unset it (or set auto) for the pure-JAX path")
   problem = _gpu_problem()
   if problem:
     raise ValueError(f"{ENV}={flag}: {problem}")
   return "gpu"
-
-
-def _projection(model):
-  """(W, transposed, compute dtype, logits dtype) exactly as DecoderLM.logits uses them."""
-  from hflax.models.transformer import DecoderLM  # late: hflax.models imports this package
-  if not isinstance(model, DecoderLM) or model.head != "lm":
-    return None
-  if model.lm_head is None:  # tied: embed [V, D] in hidden's dtype, f32 logits
-    return model.embed[...], True, None, "float32"
-  if model.lm_head.bias is not None or model.lm_head.packed:
-    return None  # a packed decoding copy's head: Dense computes it (cpu_matmul)
-  dtype = model.lm_head.dtype  # Dense computes and returns its dtype; logits() upcasts
-  # A decoding copy stores the head [V, D], as the tied table is.
-  return model.lm_head.kernel[...], model.lm_head.out_in, dtype, dtype
-
-
-def model_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0, **config):
-  """hidden_log_probs through the fused kernel, or None where it does not apply."""
-  head = _projection(model)
-  if head is None or not isinstance(temperature, (int, float)):
-    return None  # a traced temperature stays on the fallback: the kernel bakes it in
-  from hflax.kernels.logprobs import fused_log_probs
-  w, transposed, dtype, logits_dtype = head
-  B, T, D = hidden_BxTxD.shape
-  dtype = dtype or hidden_BxTxD.dtype
-  logp, ent = fused_log_probs(hidden_BxTxD.reshape(B * T, D).astype(dtype), w.astype(dtype),
-                              targets_BxT.reshape(B * T), temperature=temperature,
-                              transposed=transposed, logits_dtype=logits_dtype, **config)
-  return logp.reshape(B, T), ent.reshape(B, T)
-
-
-def maybe_hidden_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0):
-  """The kernel's (log-probs, entropy) when HFLAX_LOGPROB_KERNEL's mode selects it, else None."""
-  mode = logprob_kernel_mode()
-  if mode is None:
-    return None
-  return model_log_probs(model, hidden_BxTxD, targets_BxT, temperature,
-                         interpret=mode == "interpret")

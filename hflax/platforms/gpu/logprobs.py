@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from hflax.models.chunked_head import logits_cotangent
+from hflax.platforms.xla import logits_cotangent
 
 # Finite mask for logits past V: exp() of it underflows to 0 and 0 * _NEG is 0, not NaN.
 _NEG = -1e30

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hflax import kernels
-from hflax.kernels.logprobs import fused_log_probs
+from hflax.platforms.gpu import logprob_kernel
+from hflax.platforms.gpu.logprobs import fused_log_probs
 from hflax.models import ModelConfig, create
 from hflax.models.logprobs import hidden_log_probs, sequence_log_probs
 from softmax_reference import log_probs_from_logits
@@ -91,7 +91,7 @@ def test_dispatch_through_model_matches_fallback(monkeypatch, tied, dtype):
   g_logp, g_ent = jax.random.normal(k[2], (2, 19)), jax.random.normal(k[3], (2, 19))
 
   def run(mode):
-    monkeypatch.setenv(kernels.ENV, mode)
+    monkeypatch.setenv(logprob_kernel.ENV, mode)
 
     def loss(state, hidden):  # a fresh function per mode, so jit retraces
       lp, ent = hidden_log_probs(nnx.merge(graphdef, state), hidden, targets,
@@ -110,8 +110,8 @@ def test_dispatch_through_model_matches_fallback(monkeypatch, tied, dtype):
 
 def test_cpu_path_is_unchanged(monkeypatch):
   """On CPU "auto" traces the very program of the pure-JAX path: same numbers, bit for bit."""
-  monkeypatch.delenv(kernels.ENV, raising=False)
-  assert jax.default_backend() == "cpu" and kernels.logprob_kernel_mode() is None
+  monkeypatch.delenv(logprob_kernel.ENV, raising=False)
+  assert jax.default_backend() == "cpu" and logprob_kernel.logprob_kernel_mode() is None
   cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=1,
                     num_heads=4, num_kv_heads=2)
   graphdef, state = create(cfg)
@@ -119,7 +119,7 @@ def test_cpu_path_is_unchanged(monkeypatch):
   mask = jnp.ones_like(ids).at[0, :3].set(0)
 
   def traced(mode):
-    monkeypatch.setenv(kernels.ENV, mode)
+    monkeypatch.setenv(logprob_kernel.ENV, mode)
     fn = lambda s: sequence_log_probs(graphdef, s, ids, mask, chunk=4)  # noqa: E731
     return str(jax.make_jaxpr(fn)(state)), jax.jit(fn)(state)
 
@@ -143,22 +143,22 @@ class _FakeGpu:
 def test_mode_on_gpus(monkeypatch, flag, capability, count, mode):
   """"auto" keeps the chunked path on GPUs too (measured faster on an H100); "1" runs the
   kernel, multi-device processes included."""
-  monkeypatch.setenv(kernels.ENV, flag)
+  monkeypatch.setenv(logprob_kernel.ENV, flag)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(jax, "local_devices", lambda: [_FakeGpu(capability)] * count)
   monkeypatch.setattr(jax, "device_count", lambda: count)
-  assert kernels.logprob_kernel_mode() == mode
+  assert logprob_kernel.logprob_kernel_mode() == mode
 
 
 @pytest.mark.parametrize("capability,error", [
     ("7.0", "compute capability 7.0"), (None, "not a CUDA device"), ("gfx90a", "not a CUDA")])
 def test_asking_for_the_kernel_where_it_cannot_compile_is_an_error(monkeypatch, capability,
                                                                      error):
-  monkeypatch.setenv(kernels.ENV, "1")
+  monkeypatch.setenv(logprob_kernel.ENV, "1")
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(jax, "local_devices", lambda: [_FakeGpu(capability)])
   with pytest.raises(ValueError, match=error):
-    kernels.logprob_kernel_mode()
+    logprob_kernel.logprob_kernel_mode()
 
 
 def test_tiles_are_checked():
@@ -171,12 +171,12 @@ def test_tiles_are_checked():
 
 def test_mode_flag(monkeypatch):
   for flag, mode in [("0", None), ("auto", None), ("interpret", "interpret")]:
-    monkeypatch.setenv(kernels.ENV, flag)
-    assert kernels.logprob_kernel_mode() == mode
+    monkeypatch.setenv(logprob_kernel.ENV, flag)
+    assert logprob_kernel.logprob_kernel_mode() == mode
   for flag, error in [("yes please", "expected auto"), ("1", "backend is cpu")]:
-    monkeypatch.setenv(kernels.ENV, flag)  # "1" asks for a GPU kernel: not a silent fallback
+    monkeypatch.setenv(logprob_kernel.ENV, flag)  # "1" asks for a GPU kernel: not a silent fallback
     with pytest.raises(ValueError, match=error):
-      kernels.logprob_kernel_mode()
+      logprob_kernel.logprob_kernel_mode()
 
 
 @pytest.mark.parametrize("transposed", [False, True])
