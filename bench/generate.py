@@ -64,7 +64,8 @@ from hflax.models.hf import export_checkpoint  # noqa: E402
 from hflax.models.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer  # noqa: E402
 import common  # noqa: E402
 from hflax.rollout import decoding, sampler  # noqa: E402
-from hflax.rollout.sampler import SamplingParams, generate, left_pad, replicate  # noqa: E402
+from hflax.rollout.engine import RolloutEngine  # noqa: E402
+from hflax.rollout.sampler import SamplingParams, left_pad, replicate  # noqa: E402
 
 TARGET_RATIO = {64: 3.0}  # hflax tokens/s over transformers tokens/s, by batch size
 TARGET_PEAK_FRACTION = 0.40
@@ -338,9 +339,12 @@ def main(argv=None) -> int:
   for precision in precisions:
     cfg, graphdef, state, hf_model = load_models(args, precision)
     common.reset_peak_rss()
-    variants = {"hflax": (None, state)}  # name -> (devices to split rows over, placed state)
-    if len(split_devices) > 1:  # weights placed once, as a serving process would
-      variants[f"hflax x{len(split_devices)}"] = (split_devices, replicate(state, split_devices))
+    # name -> (devices the rows split over, the rollout engine holding the weights there);
+    # the weights are placed once, as a serving process would.
+    variants = {"hflax": (None, RolloutEngine(graphdef, state, params, slots=1))}
+    if len(split_devices) > 1:
+      variants[f"hflax x{len(split_devices)}"] = (split_devices, RolloutEngine(
+          graphdef, state, params, devices=split_devices, slots=len(split_devices)))
     body_params, head_params = matmul_params(cfg)
     print(f"[{precision}] model: {cfg.family}, {cfg.num_layers} layers, hidden "
           f"{cfg.hidden_size}, heads {cfg.num_heads}/{cfg.num_kv_heads} kv, head_dim "
@@ -361,10 +365,9 @@ def main(argv=None) -> int:
       attn_t = torch.tensor(np.asarray(mask), dtype=torch.long)
 
       def run_hflax(name):
-        devices, placed = variants[name]
+        engine = variants[name][1]
         t0 = time.perf_counter()
-        out = jax.block_until_ready(generate(graphdef, placed, (tokens, mask), params,
-                                             rng=jax.random.key(0), devices=devices))
+        out = jax.block_until_ready(engine.generate((tokens, mask), rng=jax.random.key(0)))
         return time.perf_counter() - t0, out
 
       def run_hf():
@@ -430,9 +433,9 @@ def main(argv=None) -> int:
                           step_ms=dec_t / (new_tokens - 1) * 1e3,
                           dec_gflops=flops["decode"] / dec_t / 1e9,
                           step_mflop=flops["per_step"] / 1e6))
-        for name, (devices, placed) in variants.items():
+        for name, (devices, engine) in variants.items():
           rows_each = -(-B // len(devices)) if devices else B  # the sampler pads to a multiple
-          step_s, pre_s = time_weight_matmuls(cfg, graphdef, placed, devices, rows_each, width,
+          step_s, pre_s = time_weight_matmuls(cfg, *engine.weights, devices, rows_each, width,
                                               shared, max(3, repeats))
           floors.append(dict(B=B, precision=precision, name=name, rows=rows_each,
                              step_ms=step_s * 1e3, pre_ms=pre_s * 1e3,

@@ -175,10 +175,16 @@ class RolloutEngine:
       raise RuntimeError(f"RolloutEngine: {self.busy} requests still in; abort them first")
     self._state, self._carry = None, None
 
-  def _weights(self):
+  @property
+  def weights(self):
+    """(graphdef, state) the engine samples with: the platform's decoding copy where it
+    makes one, on the engine's devices."""
     if self._state is None:
       raise RuntimeError("RolloutEngine has no weights: call update_weights(state, version)")
     return self._graphdef, self._state
+
+  def _weights(self):
+    return self.weights
 
   # -- the batch path -------------------------------------------------------------------
   def generate(self, prompts, params: SamplingParams | None = None, *, rng=None,
