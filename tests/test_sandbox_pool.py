@@ -136,3 +136,16 @@ def test_calls_from_threads_use_separate_workers():
 def sleepy_pid():
   time.sleep(1)
   return os.getpid()
+
+
+def test_a_script_without_a_main_guard_is_not_rerun_in_the_worker(tmp_path):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = tmp_path / "train.py"  # no `if __name__ == "__main__"`, as notebooks and scripts
+  script.write_text("from hflax.sandbox import ProcessPool\n"
+                    "print('script ran', flush=True)\n"
+                    "print(ProcessPool().call('operator:mul', 6, 7).value)\n")
+  done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        env={**os.environ, "PYTHONPATH": root}, timeout=120)
+  assert done.stdout.split("\n") == ["script ran", "42", ""], done.stderr

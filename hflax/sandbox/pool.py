@@ -4,36 +4,44 @@
     outcome = pool.call("my_pkg.module:function", arg, timeout_s=30)   # or a picklable fn
     outcome.value if outcome.ok else outcome.describe()
 
-Workers are started with multiprocessing's 'spawn' context (no copy of the caller's
-threads, locks or JAX state) and reused call after call, so an import is paid once per
-worker. Each call's Outcome is one of:
+Workers are spawned, fresh interpreters (no copy of the caller's threads, locks or JAX
+state; see _Worker for why not through multiprocessing) reused call after call, so an
+import is paid once per worker. Each call's Outcome is one of:
 - returned: `value` holds what the target returned;
 - raised: the target raised (SystemExit and KeyboardInterrupt included): `error_type`,
   `message` and `where`, the file:line in user code it came from. The worker lives on;
 - died: the worker process ended mid-call (os._exit, a segfault, a signal, the kernel's
-  OOM killer): `exitcode`, negative for a signal, as multiprocessing reports it;
+  OOM killer): `exitcode`, negative for a signal (as subprocess reports it);
 - timed_out: the call took longer than timeout_s; the worker is killed.
 A dead or killed worker is replaced by a fresh one at the next call. A target may call
-report_progress(x) as it goes (e.g. the row it is on): `progress` holds the last value
-reported, which names the row at fault when a worker dies or hangs.
+report_progress(n) as it goes (n an int >= 0, e.g. the row it is on): `progress` holds
+the last one, which names the row at fault even when a worker dies or hangs. It is a
+store into memory shared with the caller (no message, no wake-up), so reporting every
+row costs nothing measurable.
 
-Workers ignore SIGINT: Ctrl-C is the caller's to handle (KeyboardInterrupt while waiting
-kills the busy worker and propagates), never a failure of the user's code.
+Workers run in a session of their own and ignore SIGINT: Ctrl-C is the caller's to
+handle (KeyboardInterrupt while waiting kills the busy worker and propagates), never a
+failure of the user's code. They end with the caller: at its exit (the pipe closes) or
+its death (on Linux, the kernel's parent-death signal, even mid-call).
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import multiprocessing
-import multiprocessing.connection
+import mmap
 import os
 import queue
 import signal
+import struct
+import subprocess
+import sys
 import threading
 import time
 import traceback
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+_PROGRESS = struct.Struct("q")  # a call's last report_progress(n); -1: none yet
 _HFLAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -45,7 +53,7 @@ class Outcome:
   message: str = ""
   where: str = ""  # "reward.py:12": the innermost frame of user code
   exitcode: int | None = None  # died: the exit status, or -signal number
-  progress: Any = None  # the last report_progress() value of the call
+  progress: int | None = None  # the last report_progress() value of the call
   seconds: float = 0.0
 
   @property
@@ -78,14 +86,29 @@ def exit_status(code: int | None) -> str:
 
 
 # -- the worker side ------------------------------------------------------------------------
-_channel = None  # the worker's end of its pipe, for report_progress
+_progress = None  # the worker's view of its shared progress word
 
 
-def report_progress(value) -> None:
-  """From inside a target: records `value` as the call's progress (no-op in the caller's
-  own process, so a target also runs unpooled)."""
-  if _channel is not None:
-    _channel.send(("progress", value))
+def report_progress(n: int) -> None:
+  """From inside a target: records n (an int >= 0) as the call's progress (a no-op
+  outside a worker, so a target also runs unpooled)."""
+  if _progress is not None:
+    _PROGRESS.pack_into(_progress, 0, n)
+
+
+def _shared_word():
+  """(fd, mmap) of 8 bytes the caller and its worker both map."""
+  fd = os.memfd_create("hflax-sandbox-progress") if hasattr(os, "memfd_create") \
+      else _unlinked_tempfile()
+  os.ftruncate(fd, _PROGRESS.size)
+  return fd, mmap.mmap(fd, _PROGRESS.size)
+
+
+def _unlinked_tempfile() -> int:
+  import tempfile
+  fd, path = tempfile.mkstemp(prefix="hflax-sandbox-")
+  os.unlink(path)
+  return fd
 
 
 def _resolve(target):
@@ -108,16 +131,31 @@ def _where(tb) -> str:
   return f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame else ""
 
 
-def _serve(conn, memory_limit_bytes: int | None):
-  global _channel
+def _die_with_parent():
+  """Linux: SIGKILL this worker when its caller dies, even one stuck in user code (a closed
+  pipe is only noticed between calls)."""
+  try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+  except (OSError, AttributeError):  # not Linux: the closed pipe still ends an idle worker
+    pass
+
+
+def serve(read_fd: int, write_fd: int, progress_fd: int, memory_limit_bytes: int) -> None:
+  """A worker's loop (what `python -c` runs in it): one request, one reply, until the
+  caller closes its end or dies."""
+  global _progress
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller
+  _die_with_parent()
   if memory_limit_bytes:
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
-  _channel = conn
+  requests = Connection(read_fd, writable=False)
+  replies = Connection(write_fd, readable=False)
+  _progress = mmap.mmap(progress_fd, _PROGRESS.size)
   while True:
     try:
-      target, args, kwargs = conn.recv()
+      target, args, kwargs = requests.recv()
     except (EOFError, OSError):  # the caller closed the pool or died: nothing left to do
       return
     try:
@@ -125,27 +163,54 @@ def _serve(conn, memory_limit_bytes: int | None):
     except BaseException as e:  # noqa: BLE001 - SystemExit too: the caller decides
       reply = ("raised", type(e).__name__, " ".join(str(e).split()), _where(e.__traceback__))
     try:
-      conn.send(reply)
+      replies.send(reply)
     except Exception as e:  # noqa: BLE001 - a result pickle cannot carry
-      conn.send(("raised", type(e).__name__, f"its result cannot be sent back: {e}", ""))
+      replies.send(("raised", type(e).__name__, f"its result cannot be sent back: {e}", ""))
 
 
 # -- the caller's side ----------------------------------------------------------------------
 class _Worker:
-  def __init__(self, ctx, memory_limit_bytes):
-    self.conn, child = ctx.Pipe()
-    # daemon: multiprocessing ends it at the caller's exit; a caller killed with -9 closes
-    # the pipe, and the worker's recv() ends it.
-    self.process = ctx.Process(target=_serve, args=(child, memory_limit_bytes), daemon=True,
-                               name="hflax-sandbox")
-    self.process.start()
-    child.close()
+  """A fresh interpreter (`python -c`, in a session of its own, so a terminal's Ctrl-C
+  reaches only the caller) talking over two pipes. Not multiprocessing's spawn: that
+  re-runs the caller's main script in the worker, which a training script without an
+  `if __name__ == "__main__"` guard cannot survive."""
+
+  def __init__(self, memory_limit_bytes: int | None):
+    from_caller, to_worker = os.pipe()  # (read end, write end)
+    from_worker, to_caller = os.pipe()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+    progress_fd, self._progress = _shared_word()
+    code = (f"import hflax.sandbox.pool as p; p.serve({from_caller}, {to_caller}, "
+            f"{progress_fd}, {int(memory_limit_bytes or 0)})")
+    self.process = subprocess.Popen([sys.executable, "-c", code], env=env,
+                                     pass_fds=(from_caller, to_caller, progress_fd),
+                                     start_new_session=True)
+    for fd in (from_caller, to_caller, progress_fd):
+      os.close(fd)
+    self.requests = Connection(to_worker, readable=False)
+    self.replies = Connection(from_worker, writable=False)
+
+  def reset_progress(self):
+    _PROGRESS.pack_into(self._progress, 0, -1)
+
+  def progress(self) -> int | None:
+    n = _PROGRESS.unpack_from(self._progress, 0)[0]
+    return None if n < 0 else n
+
+  def exitcode(self) -> int | None:
+    """The worker's exit status once it has ended (negative: the signal)."""
+    try:
+      return self.process.wait(5)
+    except subprocess.TimeoutExpired:
+      return None
 
   def kill(self):
-    if self.process.is_alive():
+    if self.process.poll() is None:
       self.process.kill()
-    self.process.join(5)
-    self.conn.close()
+    self.process.wait()
+    self.requests.close()
+    self.replies.close()
+    self._progress.close()
 
 
 class ProcessPool:
@@ -155,7 +220,6 @@ class ProcessPool:
   def __init__(self, workers: int = 1, memory_limit_bytes: int | None = None):
     if workers < 1:
       raise ValueError(f"a process pool needs workers >= 1, got {workers}")
-    self._ctx = multiprocessing.get_context("spawn")
     self._memory = memory_limit_bytes
     self._idle: queue.Queue = queue.Queue()
     self._all: list[_Worker] = []
@@ -165,7 +229,7 @@ class ProcessPool:
       self._idle.put(self._start())
 
   def _start(self) -> _Worker:
-    worker = _Worker(self._ctx, self._memory)
+    worker = _Worker(self._memory)
     with self._lock:
       self._all.append(worker)
     return worker
@@ -196,36 +260,28 @@ class ProcessPool:
     return outcome
 
   def _run(self, worker: _Worker, request, timeout_s, began) -> Outcome:
+    worker.reset_progress()
     try:
-      worker.conn.send(request)
-    except (BrokenPipeError, EOFError, OSError):  # died between calls
-      worker.process.join(5)
-      return Outcome("died", exitcode=worker.process.exitcode)
-    progress = None
+      worker.requests.send(request)
+    except OSError:  # died between calls (a broken pipe)
+      return Outcome("died", exitcode=worker.exitcode())
     deadline = began + timeout_s if timeout_s else None
     while True:
       left = None if deadline is None else max(0.0, deadline - time.monotonic())
-      ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel], left)
+      if not wait([worker.replies], left):
+        return Outcome("timed_out", progress=worker.progress(), seconds=timeout_s)
       seconds = time.monotonic() - began
-      if worker.conn in ready:
-        try:
-          message = worker.conn.recv()
-        except (EOFError, OSError):
-          ready = [worker.process.sentinel]
-        else:
-          if message[0] == "progress":
-            progress = message[1]
-            continue
-          if message[0] == "returned":
-            return Outcome("returned", value=message[1], progress=progress, seconds=seconds)
-          _, error_type, text, where = message
-          return Outcome("raised", error_type=error_type, message=text, where=where,
-                         progress=progress, seconds=seconds)
-      if ready:  # the sentinel alone: the process ended without answering
-        worker.process.join(5)
-        return Outcome("died", exitcode=worker.process.exitcode, progress=progress,
+      try:
+        message = worker.replies.recv()
+      except (EOFError, OSError):  # the pipe closed: the process ended without answering
+        return Outcome("died", exitcode=worker.exitcode(), progress=worker.progress(),
                        seconds=seconds)
-      return Outcome("timed_out", progress=progress, seconds=timeout_s)
+      if message[0] == "returned":
+        return Outcome("returned", value=message[1], progress=worker.progress(),
+                       seconds=seconds)
+      _, error_type, text, where = message
+      return Outcome("raised", error_type=error_type, message=text, where=where,
+                     progress=worker.progress(), seconds=seconds)
 
   def close(self):
     """Ends every worker (idempotent)."""
