@@ -19,7 +19,8 @@ def env():
 
 def call(env, code=None, arguments=None, name="python") -> str:
   args = json.dumps({"code": code} if arguments is None else arguments)
-  obs = env.step(Turn(f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>', (), 0))
+  text = f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+  obs = env.step(Turn(text, (), 0))
   assert len(obs.messages) == 1 and not obs.done
   return obs.messages[0]["content"]
 
@@ -34,7 +35,8 @@ def test_a_program_prints_its_result(env):
     ("import time\ntime.sleep(60)", "ran past its time limit"),
     ("x = bytearray(4 << 30)", "MemoryError"),
     ("import os\nwhile True: os.fork()", "new processes refused"),
-    ("import subprocess\nsubprocess.Popen(['sh', '-c', ':(){ :|:& };:'])", "new processes refused"),
+    ("import subprocess\nsubprocess.Popen(['sh', '-c', ':(){ :|:& };:'])",
+     "new processes refused"),
     ("import sys\nwhile True: sys.stdout.write('x' * 100000)", "passed its size limit"),
     ("import socket\nsocket.create_connection(('192.0.2.1', 80), timeout=1)", "network access refused"),
     ("import ctypes\nctypes.CDLL(None).system(b'touch /tmp/hflax-escaped')", "ctypes refused"),
