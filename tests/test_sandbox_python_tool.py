@@ -27,7 +27,8 @@ def call(env, code=None, arguments=None, name="python") -> str:
 
 def test_a_program_prints_its_result(env):
   assert call(env, "import math\nprint(math.factorial(12))") == "479001600"
-  assert call(env, "open('notes.txt', 'w').write('kept')\nprint(open('notes.txt').read())") == "kept"
+  assert call(env, "open('notes.txt', 'w').write('kept')\nprint(open('notes.txt').read())") \
+      == "kept"
 
 
 @pytest.mark.parametrize("code, expected", [
@@ -38,7 +39,8 @@ def test_a_program_prints_its_result(env):
     ("import subprocess\nsubprocess.Popen(['sh', '-c', ':(){ :|:& };:'])",
      "new processes refused"),
     ("import sys\nwhile True: sys.stdout.write('x' * 100000)", "passed its size limit"),
-    ("import socket\nsocket.create_connection(('192.0.2.1', 80), timeout=1)", "network access refused"),
+    ("import socket\nsocket.create_connection(('192.0.2.1', 80), timeout=1)",
+     "network access refused"),
     ("import ctypes\nctypes.CDLL(None).system(b'touch /tmp/hflax-escaped')", "ctypes refused"),
     ("import os\nos._exit(0)", "(no output)"),
     ("import os\nos._exit(7)", "exit status 7"),

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,7 @@ class RunResult:
   def text(self) -> str:
     """What the model reads."""
     notes = []
-    if self.timed_out:
+    if self.timed_out or self.exitcode == -signal.SIGXCPU:  # wall clock or CPU seconds
       notes.append("Error: the code ran past its time limit and was stopped")
     elif self.truncated:
       notes.append("Error: the output passed its size limit; the process was stopped")
