@@ -70,7 +70,8 @@ limits = json.loads(sys.argv[1])
 for name, value in (("RLIMIT_CPU", limits["cpu_s"]), ("RLIMIT_AS", limits["memory_bytes"]),
                     ("RLIMIT_FSIZE", limits["file_bytes"]), ("RLIMIT_CORE", 0),
                     ("RLIMIT_NPROC", 64)):
-  resource.setrlimit(getattr(resource, name), (value, value))
+  # CPU: SIGXCPU at the soft limit (read back as a time limit), SIGKILL a second later.
+  resource.setrlimit(getattr(resource, name), (value, value + (name == "RLIMIT_CPU")))
 try:  # a network namespace of its own: no interface but a loopback that is down
   import ctypes
   if ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0:  # CLONE_NEWNET
