@@ -216,3 +216,69 @@ def test_message_delta_on_smollm2s_template():
   end = "<|im_end|>"
   assert rendered == before[:before.rindex(end) + len(end)] + text
   assert delta.ids([message]) == tokenizer.encode(text)
+
+
+VERL_TOOL_CONFIG = """
+tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k"
+        parameters:
+          type: "object"
+          properties:
+            expression:
+              type: "string"
+          required: ["expression"]
+  - class_name: "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
+    config:
+      sandbox_fusion_url: "https://example.invalid/run_code"
+      num_workers: 10
+    tool_schema:
+      type: "function"
+      function:
+        name: "code_interpreter"
+        description: "A tool for executing code."
+        parameters:
+          type: "object"
+          properties:
+            code:
+              type: "string"
+          required: ["code"]
+  - class_name: "hflax.rollout.agents.tool_config.Calculator"
+"""
+
+
+def test_a_verl_tool_config_file_loads_unchanged(tmp_path):
+  from hflax.rollout.agents.tool_config import load_tools
+  path = tmp_path / "tools.yaml"
+  path.write_text(VERL_TOOL_CONFIG)
+  tools = load_tools(str(path))
+  names = [t.schema["function"]["name"] for t in tools]
+  assert names == ["calc_gsm8k_reward", "code_interpreter", "calculator"]
+  env = ToolEnvironment(tools)
+  obs = env.step(Turn('<tool_call>{"name": "code_interpreter", "arguments": {"code": '
+                      '"print(6 * 7)"}}</tool_call><tool_call>{"name": "calculator", '
+                      '"arguments": {"expression": "347*29"}}</tool_call>', (), 0))
+  assert [m["content"] for m in obs.messages] == ["42", "10063"]
+  for text, message in (("tools: []", "non-empty 'tools:' list"),
+                        ("tools: [{class_name: no.such.Tool}]", "cannot import class_name"),
+                        ("tools: [{config: {}}]", "needs a class_name"),
+                        ("tools: [", "not valid YAML")):
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+      load_tools(str(path))
+
+
+def test_calculator_evaluates_arithmetic_only():
+  from hflax.rollout.agents.tool_config import Calculator
+  calc = Calculator()
+  assert calc.execute({"expression": "347 * 29"}) == "10063"
+  assert calc.execute({"expression": "(2 + 3) / 4 - -1"}) == "2.25"
+  for bad in ("__import__('os').system('true')", "2 ** 100", "10 ** 13", "x + 1"):
+    with pytest.raises(ValueError):
+      calc.execute({"expression": bad})
