@@ -79,3 +79,13 @@ def test_generate_samples_with_filters_on_both_sides():
        "--top-p", "0.9"], capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert greedy_filter.returncode != 0
   assert "--top-k/--top-p: sampling only, set --temperature > 0" in greedy_filter.stderr
+
+
+def test_agents_quick_prints_every_run(tmp_path):
+  saved = tmp_path / "agents.json"
+  out = run("agents.py", "--toy", "--quick", "--json", str(saved))
+  for name in ("instant", "slow tools", "re-prefill"):
+    line = next(x for x in out.splitlines() if x.strip().startswith(name))
+    assert re.search(r"\d+\.\d+ s +\d+\.\d+x instant", line), line
+  figures = __import__("json").loads(saved.read_text())["figures"]
+  assert figures["instant"]["vs_instant"] == 1.0 and figures["slow tools"]["same_tokens"]

@@ -60,11 +60,14 @@ class AgentLoop:
 
   max_turns: model turns per trajectory; max_tokens: a trajectory's tokens (default:
   as many as the engine's cache holds); threads: environment steps at once.
+  reuse_cache=False prefills each turn's whole context afresh (the same ids, for
+  comparison: what a loop without a kept cache pays).
   template_vars: the chat template's switches (tools=[schemas] where it renders tools).
   """
 
   def __init__(self, engine: RolloutEngine, tokenizer: Tokenizer, *, max_turns: int = 4,
-               max_tokens: int | None = None, threads: int = 16, **template_vars):
+               max_tokens: int | None = None, threads: int = 16, reuse_cache: bool = True,
+               **template_vars):
     if not engine.max_turn_len:
       raise ValueError("AgentLoop: the engine needs max_turn_len > 0 (turns continue its cache)")
     if max_turns < 1:
@@ -73,7 +76,7 @@ class AgentLoop:
     self.max_tokens = max_tokens or engine.context_width
     self.template_vars = template_vars
     self.delta = MessageDelta(tokenizer, **template_vars)
-    self.threads = threads
+    self.threads, self.reuse_cache = threads, reuse_cache
 
   def run(self, environments: Sequence[Environment], samples: Sequence[Any], *,
           first_row: int = 0) -> tuple[list[Trajectory], dict]:
@@ -102,8 +105,12 @@ class AgentLoop:
     return self._trajectories, self._summary()
 
   def _request(self, i: int, ids, turn: int) -> Request:
+    row = self._first_row + i * self.max_turns + turn
+    if turn and not self.reuse_cache:  # the whole context again, in a fresh slot
+      self.engine.release((i, turn - 1))
+      return Request(self._trajectories[i].token_ids, id=(i, turn), keep=True, row=row)
     return Request(ids, id=(i, turn), keep=True, continues=None if turn == 0 else (i, turn - 1),
-                   row=self._first_row + i * self.max_turns + turn)
+                   row=row)
 
   def _advance(self):
     """One engine step (or, with nothing to decode, a wait for an environment), then
@@ -159,6 +166,8 @@ class AgentLoop:
     # The engine's columns: the prompt's padded width, then every later token.
     used = self.engine.prompt_width + len(trajectory.token_ids) - trajectory.prompt_len
     if ids > self.engine.max_turn_len or used + ids >= self.engine.context_width:
+      return "context"
+    if not self.reuse_cache and len(trajectory.token_ids) + ids > self.engine.prompt_width:
       return "context"
     return ""
 
