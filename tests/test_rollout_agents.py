@@ -282,3 +282,30 @@ def test_calculator_evaluates_arithmetic_only():
   for bad in ("__import__('os').system('true')", "2 ** 100", "10 ** 13", "x + 1"):
     with pytest.raises(ValueError):
       calc.execute({"expression": bad})
+
+
+def test_multi_turn_rollout_gives_the_trainer_one_row_a_trajectory(model):
+  from hflax.rewards.rules import arithmetic_tool_answer
+  from hflax.rollout.agents.rollout import MultiTurn, multi_turn_rollout
+  raw = [[{"role": "user", "content": f"What is {a}*{b}? Use the calculator tool."}]
+         for a, b in ((12, 34), (56, 78), (9, 10))]
+  params = SamplingParams(max_new_tokens=99, temperature=1.0, n=2, eos_ids=TOKENIZER.eos_ids,
+                          pad_id=TOKENIZER.pad_id)
+  fields, infos, metrics = multi_turn_rollout(
+      *model, version=3, mesh=None, sampling=params, settings=MultiTurn(max_turns=2),
+      tokenizer=TOKENIZER, raw_prompts=raw, data_sources=["arithmetic_tools"] * 3,
+      extra_info=[{"index": i} for i in range(3)], rng=jax.random.key(0), response_width=24)
+  assert fields["responses"].shape == (6, 24) and fields["prompts"].shape[0] == 6
+  assert [i["index"] for i in infos] == [0, 0, 1, 1, 2, 2]  # prompt-major, n each
+  for info in infos:  # a random model calls no tool: its answer earns nothing
+    assert info["agent"]["turns"] >= 1 and info["agent"]["stop"] in ("done", "context")
+    assert arithmetic_tool_answer("", "408", info) == 0.0
+  versions = fields["rollout_versions"][fields["response_mask"]]
+  assert (versions == 3).all() and fields["response_mask"].any()
+  prompt = TOKENIZER.decode(fields["prompts"][0], skip_special_tokens=False)
+  assert '"name": "calculator"' in prompt  # the tools in the system message
+  assert metrics["agent/turns/mean"] >= 1
+  with pytest.raises(ValueError, match="data source 'gsm8k' has no built-in tools"):
+    multi_turn_rollout(*model, version=0, mesh=None, sampling=params, settings=MultiTurn(),
+                       tokenizer=TOKENIZER, raw_prompts=raw[:1], data_sources=["gsm8k"],
+                       extra_info=[None], rng=jax.random.key(0), response_width=24)

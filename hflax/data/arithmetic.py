@@ -21,7 +21,10 @@ DATA_SOURCE = "arithmetic"
 # data_source -> its default question. "arithmetic_chat" is the form a pretrained instruct
 # model is asked in (judged by the last integer of its answer, see hflax.rewards.rules).
 TEMPLATES = {"arithmetic": "What is {a}{op}{b}?",
-             "arithmetic_chat": "What is {a}{op}{b}? Answer with just the number."}
+             "arithmetic_chat": "What is {a}{op}{b}? Answer with just the number.",
+             # multi-turn: the calculator's result, then the answer (rollout.multi_turn)
+             "arithmetic_tools": "What is {a}{op}{b}? Use the calculator tool, then answer "
+                                 "with just the number."}
 
 
 def _digit_range(digits: int | tuple[int, int]) -> tuple[int, int]:

@@ -25,7 +25,8 @@ from hflax.rewards.competition_math import boxed_answer, math_boxed, math_ground
 from hflax.rewards.math_dapo import math_dapo
 from hflax.rewards.qa import qa_exact_match, qa_targets, tagged_answer
 from hflax.rewards.rules import (arithmetic_exact_match, arithmetic_ground_truth,
-                                 arithmetic_last_integer, extract_gsm8k_answer, gsm8k,
+                                 arithmetic_last_integer, arithmetic_tool_answer,
+                                 extract_gsm8k_answer, gsm8k,
                                  gsm8k_ground_truth, last_integer, leading_integer)
 from hflax.sandbox.reward_calls import (VERL_ARGUMENTS, describe_reward_fn,  # noqa: F401
                                          load_reward_function, reward_caller,
@@ -81,6 +82,7 @@ _SEARCH_R1_SOURCES = tuple(f"searchR1_{name}" for name in (
 _BY_DATA_SOURCE: dict[str, RewardFn] = {
     "arithmetic": arithmetic_exact_match,
     "arithmetic_chat": arithmetic_last_integer,  # the task's chat form, for instruct models
+    "arithmetic_tools": arithmetic_tool_answer,  # with a calculator, over several turns
     "openai/gsm8k": gsm8k,  # the data_source verl's GSM8K preprocessing writes
     "gsm8k": gsm8k,
     # The data_source names verl's MATH preprocessing and MATH-500 evaluation write.

@@ -62,6 +62,19 @@ def arithmetic_last_integer(response_text: str, ground_truth: str,
   return 1.0 if last_integer(response_text) == arithmetic_ground_truth(ground_truth) else 0.0
 
 
+def arithmetic_tool_answer(response_text: str, ground_truth: str,
+                           extra_info: dict | None = None) -> float:
+  """The tool task's reward: 1.0 when a multi-turn trajectory called a tool at least once,
+  then ended with an answer (a turn without calls) whose last integer is the ground truth.
+  Reads the agent loop's record in extra_info["agent"] (hflax.rollout.agents.rollout);
+  the response text, which holds the tool messages too, is not searched."""
+  agent = (extra_info or {}).get("agent") or {}
+  if agent.get("tool_calls", 0) < 1 or agent.get("stop") != "done":
+    return 0.0
+  answer = last_integer(agent.get("final_turn", ""))
+  return 1.0 if answer == arithmetic_ground_truth(ground_truth) else 0.0
+
+
 def _clean_number(text: str) -> str:
   return text.replace(",", "").rstrip(".")
 

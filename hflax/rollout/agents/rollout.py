@@ -1,0 +1,88 @@
+"""Multi-turn rollouts of a batch of prompts, for the trainer: the agent loop on a rollout
+engine over the generation weights, its trajectories as the batch sampler's fields.
+
+The actor calls `multi_turn_rollout` in place of the batch sampler when the run's
+`rollout.multi_turn.enable` is set. Each of a prompt's n samples is a trajectory of its
+own (GRPO's group is the prompt's n trajectories). A trajectory's row: "prompts" its
+first prompt (the chat messages with the tools rendered), "responses" every later token
+(the model's turns and the messages between them) up to the response width,
+"response_mask" the model's tokens only. Each row's extra_info gains the trajectory's
+turns, tool calls, errors, stop reason and final turn's text, for reward functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from hflax.models.tokenizer import Tokenizer
+from hflax.rollout.agents.environment import ToolEnvironment
+from hflax.rollout.agents.loop import AgentLoop, to_batch_fields
+from hflax.rollout.agents.tool_config import Calculator, load_tools
+from hflax.rollout.decoding import SamplingParams
+from hflax.rollout.engine import RolloutEngine
+from hflax.rollout.sampler import length_bucket
+
+# data sources whose tools are built in (used when no tool config file is given)
+BUILTIN_TOOLS = {"arithmetic_tools": lambda: [Calculator()]}
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurn:
+  """rollout.multi_turn: max_turns model turns a trajectory; max_turn_len the most tokens
+  the messages after one turn may add; tool_config_path a verl-format tool file (empty:
+  the data source's built-in tools); format the tool-call parser; tool_timeout_s a call's
+  limit; slots the engine's decode slots (0: every trajectory at once)."""
+  max_turns: int = 4
+  max_turn_len: int = 256
+  tool_config_path: str = ""
+  format: str = "hermes"
+  tool_timeout_s: float = 30.0
+  slots: int = 0
+
+
+def environments(settings: MultiTurn, data_sources: Sequence[str]) -> list[ToolEnvironment]:
+  """One tool environment per trajectory, with the config file's tools or the data
+  source's built-in ones."""
+  shared = load_tools(settings.tool_config_path) if settings.tool_config_path else None
+  out = []
+  for source in data_sources:
+    if shared is None and source not in BUILTIN_TOOLS:
+      raise ValueError(f"rollout.multi_turn: data source {source!r} has no built-in tools; set "
+                       f"rollout.multi_turn.tool_config_path (built in: {sorted(BUILTIN_TOOLS)})")
+    tools = shared if shared is not None else BUILTIN_TOOLS[source]()
+    out.append(ToolEnvironment(tools, parser=settings.format,
+                               tool_timeout_s=settings.tool_timeout_s))
+  return out
+
+
+def multi_turn_rollout(graphdef, state, *, version: int, mesh, sampling: SamplingParams,
+                       settings: MultiTurn, tokenizer: Tokenizer, raw_prompts: Sequence,
+                       data_sources: Sequence[str], extra_info: Sequence, rng,
+                       response_width: int) -> tuple[dict, list[dict], dict]:
+  """Trajectories for every prompt x sampling.n on (graphdef, state), the generation
+  weights of `version` on `mesh`. Returns (the sampler's fields as numpy arrays, one row
+  per trajectory in prompt-major order, each row's extra_info, the loop's metrics)."""
+  n = sampling.n
+  rows = len(raw_prompts) * n
+  envs = environments(settings, [s for s in data_sources for _ in range(n)])
+  samples = [{"prompt": list(p)} for p in raw_prompts for _ in range(n)]
+  prompts = [tokenizer.encode_chat(env.reset(sample), add_generation_prompt=True)
+             for env, sample in zip(envs, samples)]
+  width = length_bucket(max(len(p) for p in prompts))
+  replicas = mesh.shape.get("data", 1) if mesh is not None else 1
+  slots = settings.slots or rows
+  slots += -slots % replicas
+  engine = RolloutEngine(graphdef, state, dataclasses.replace(
+      sampling, n=1, max_new_tokens=response_width), slots=slots, max_prompt_len=width,
+      max_turn_len=settings.max_turn_len, max_context_len=width + response_width, mesh=mesh,
+      version=version, key=rng)
+  loop = AgentLoop(engine, tokenizer, max_turns=settings.max_turns)
+  trajectories, metrics = loop.run(envs, samples)
+  fields = to_batch_fields(trajectories, tokenizer.pad_id, prompt_width=width,
+                           response_width=response_width)
+  infos = []
+  for t, info in zip(trajectories, [x for x in extra_info for _ in range(n)]):
+    agent = {"turns": len(t.turns), "stop": t.stop, "final_turn": t.turns[-1] if t.turns else "",
+             **{k: t.metrics.get(k, 0) for k in ("tool_calls", "tool_errors", "tool_timeouts")}}
+    infos.append({**(info or {}), "agent": agent})
+  return fields, infos, metrics
