@@ -32,6 +32,7 @@ def cli(argv: list[str], stderr=None) -> int:
     return 0
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax reports every file it writes at INFO
+  cfg = None
   try:
     cfg = load_config(argv)
     from hflax.launch.config import validate
@@ -45,11 +46,23 @@ def cli(argv: list[str], stderr=None) -> int:
       traceback.print_exc(file=stderr)
     print(f"error: {one_line(e)}", file=stderr)
     return 2
+  except KeyboardInterrupt:  # Ctrl-C: the user's choice, not a fault; 130 as shells report it
+    from hflax.launch.run_lock import resume_hint
+    print(f"interrupted: {resume_hint(cfg)}", file=stderr)
+    return 130
   return 0
 
 
 def main():
-  sys.exit(cli(sys.argv[1:]))
+  code = cli(sys.argv[1:])
+  if code == 130:
+    # Leave now: a checkpoint write still running on orbax's threads would print their
+    # tracebacks as the interpreter shuts them down. The write is discarded (its temporary
+    # directory is never a checkpoint; the next run removes it).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,17 @@ def lock_run_dir(run_dir: str):
 def _read_holder(fd: int) -> str:
   text = os.pread(fd, 200, 0).decode(errors="replace").strip()
   return text or "pid unknown: it has not written its pid yet"
+
+
+def resume_hint(cfg) -> str:
+  """What an interrupted run left: the checkpoint the same command resumes from."""
+  if cfg is None:
+    return "before the config was read; nothing ran"
+  run_dir = cfg.trainer.run_dir
+  checkpoints = os.path.join(run_dir, "checkpoints")
+  steps = sorted(int(n) for n in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else ())
+                 if n.isdigit() and os.path.isdir(os.path.join(checkpoints, n)))
+  if not steps:
+    return f"no checkpoint saved in {run_dir} yet; the same command starts afresh"
+  return (f"the same command resumes from the checkpoint of step {steps[-1]} in "
+          f"{checkpoints}")

@@ -121,6 +121,27 @@ def translate_overrides(argv: list[str], log=None) -> list[str]:
       if log is not None:
         log(f"{name}: ignored ({IGNORED[name]})")
       continue
+    if name not in VERL_NAMES and name.split(".")[0] in _verl_only_roots():
+      raise ValueError(_unknown_verl_name(name))
     field = VERL_NAMES.get(name, name)
     out.append(f"--config.{field}={_translate_value(name, value)}")
   return out
+
+
+def _verl_only_roots() -> set[str]:
+  """First parts of verl names that no hflax field starts with (actor_rollout_ref, ...):
+  a name under one is verl's, so hflax's own did-you-mean cannot help."""
+  hflax_roots = {n.split(".")[0] for n in (*VERL_NAMES.values(), *SAME_NAMES)}
+  return {k.split(".")[0] for k in (*VERL_NAMES, *IGNORED)} - hflax_roots
+
+
+def _unknown_verl_name(name: str) -> str:
+  import difflib
+  close = difflib.get_close_matches(name, [*VERL_NAMES, *IGNORED], n=1, cutoff=0.75)
+  hint = ""
+  if close:
+    known = close[0]
+    hint = (f"; did you mean {known}" + (f" (hflax's {VERL_NAMES[known]})" if known in VERL_NAMES
+                                         else f" (ignored: {IGNORED[known]})") + "?")
+  return (f"{name}: not a verl name hflax knows{hint} (the README's table lists verl's names "
+          "and hflax's)")
