@@ -5,17 +5,24 @@ Sections are read with .get, so any mapping works:
   actor:  policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
           loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type
   critic: cliprange_value, loss_agg_mode
+The actor's rollout correction (hflax.algorithms.correction) comes apart from its section:
+it is verl's algorithm.rollout_correction.
 """
 from __future__ import annotations
 
 from hflax.algorithms.aggregation import aggregate_loss, aggregation_weight
+from hflax.algorithms.correction import RolloutCorrection, apply_correction
 from hflax.algorithms.kl import kl_loss
 from hflax.algorithms.losses import entropy_loss, value_loss
 from hflax.algorithms.registry import get_policy_loss
 
 
-def actor_loss(cfg):
-  """loss(log_probs, entropy, fields) -> (scalar, metrics) for ActorRolloutWorker."""
+def actor_loss(cfg, correction: RolloutCorrection | None = None):
+  """loss(log_probs, entropy, fields) -> (scalar, metrics) for ActorRolloutWorker.
+
+  With `correction`, fields also hold "rollout_log_probs" and the policy loss per token is
+  corrected from them against fields["old_log_probs"] (the behaviour policy's: in the
+  update's first mini-batch its own forward, see update_engine.FRESH)."""
   policy_loss = get_policy_loss(cfg.get("policy_loss", "vanilla"))
   mode = cfg.get("loss_agg_mode", "token-mean")
   entropy_coeff = cfg.get("entropy_coeff", 0.0)
@@ -27,6 +34,10 @@ def actor_loss(cfg):
     per_token, metrics = policy_loss(
         {"log_probs": log_probs, "old_log_probs": f["old_log_probs"],
          "advantages": f["advantages"], "response_mask": mask}, cfg)
+    if correction is not None:
+      per_token, corrected = apply_correction(per_token, f["old_log_probs"],
+                                              f["rollout_log_probs"], mask, correction)
+      metrics = {**metrics, **corrected}
     pg_loss = aggregate_loss(per_token, mask, mode)
     # The entropy bonus is aggregated like the policy loss (verl's agg_loss on both).
     metrics = {**metrics, "pg_loss": pg_loss, "entropy": entropy_loss(entropy, mask, mode)}

@@ -12,10 +12,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from hflax.algorithms.correction import staleness_histogram
+
 from hflax.controller.batch import Batch
-from hflax.controller.protocol import Protocol, transfer
+from hflax.controller.protocol import LIVE_ROWS, Protocol, transfer
 from hflax.controller.update_engine import FRESH, response_width
 from hflax.controller.workers import RoleWorker, packs_forward, packs_update
 from hflax.models.forwards import (base_log_probs_fn, base_packed_log_probs_fn, log_probs_fn,
@@ -122,10 +125,19 @@ class ActorRolloutWorker(RoleWorker):
     return Batch(out, prompts.repeat(params.n).objects, {"metrics": metrics})
 
   def old_log_probs(self, batch: Batch) -> Batch:
-    """The behaviour policy's log-probs: the rollout's own, or recomputed when they differ."""
-    if self.recompute_log_prob and not self._update_reads_only_its_own(len(batch)):
+    """The behaviour policy's log-probs: the rollout's own, or recomputed when they differ,
+    as they do for rows sampled by older weights (one-step-off, async): those rows' PPO
+    ratio and rollout correction are taken against the weights about to train."""
+    differ = self.recompute_log_prob or self._stale(batch)
+    if differ and not self._update_reads_only_its_own(len(batch)):
       return self.compute_log_prob(batch)
     return Batch({"old_log_probs": batch["rollout_log_probs"]})
+
+  def _stale(self, batch: Batch) -> bool:
+    """Whether any row was sampled by weights older than the current ones (reads the small
+    version array back: the log-prob pass waits for the generation anyway)."""
+    return ("rollout_version" in batch and
+            int(np.min(np.asarray(batch["rollout_version"]))) < self.updates)
 
   def _update_reads_only_its_own(self, rows: int) -> bool:
     """Whether nothing but the update's first (FRESH) mini-batch would read recomputed
@@ -190,6 +202,15 @@ class ActorRolloutWorker(RoleWorker):
     if self.loss_fn is None:
       raise ValueError("actor has no loss_fn; pass one (e.g. from hflax.algorithms)")
     self._reload_optimizer()
+    # How many weight versions behind the rows were sampled, before this update counts.
+    live = batch.meta.get(LIVE_ROWS, len(batch))  # not the rows padding it to the data width
+    staleness = (staleness_histogram(batch["rollout_version"][:live], self.updates)
+                 if "rollout_version" in batch else {})
+    out = self._update_actor(rows, batch)
+    out.meta["metrics"] = {**out.meta.get("metrics", {}), **staleness}
+    return out
+
+  def _update_actor(self, rows, batch):
     for k in self.loss_fields:  # e.g. ref_log_prob for a KL loss
       rows[k] = jax.device_put(batch[k], self.rows_sharding)
     width, temperature, graphdef, loss = response_width(batch), self.temperature, self.graphdef, self.loss_fn

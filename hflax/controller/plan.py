@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hflax.algorithms.correction import RolloutCorrection
 from hflax.controller.roles import Role
 from hflax.controller.training import OptimConfig, UpdateConfig
 from hflax.rollout import SamplingParams
@@ -39,6 +40,8 @@ class ActorPlan:
   continuous_batching: bool = False  # max_num_seqs decode slots, refilled as rows end
   old_log_probs_in_reward: bool = False  # a KL penalty in the reward reads them
   use_kl_loss: bool = False  # the loss reads the reference's log-probs
+  # The loss corrects for the rollout's recorded log-probs (hflax.algorithms.correction).
+  rollout_correction: RolloutCorrection | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from hflax.algorithms import LOSS_AGG_MODES, advantage_estimator_names, policy_loss_names
+from hflax.algorithms.correction import correction_problem
 from hflax.algorithms.drivers import algorithm_names, get_algorithm
 from hflax.launch.ranges import check_numbers
 from hflax.models.lora import lora_targets
@@ -35,7 +36,16 @@ def base_config() -> ml_collections.ConfigDict:
       max_num_gen_batches=8, overlong_buffer_len=0, overlong_penalty_factor=1.0,
       # lambda_max: lambda multiplies its own log-step, so a cost held above the limit grows
       # it faster than exponentially (to inf within ~25 steps at these defaults).
-      cost_limit=0.0, lambda_lr=0.05, lambda_init=1.0, lambda_max=100.0)
+      cost_limit=0.0, lambda_lr=0.05, lambda_init=1.0, lambda_max=100.0,
+      # verl's rollout correction (hflax.algorithms.correction, docs/async.md): rollout_is
+      # None | "token" | "sequence" (truncated IS, capped at rollout_is_threshold);
+      # rollout_rs None | "token" | "sequence" | "geometric" (masked IS / IcePop: out of
+      # the loss where the ratio leaves [rollout_rs_threshold_lower (None: 1 / upper),
+      # rollout_rs_threshold]).
+      rollout_correction=dict(
+          rollout_is=config_dict.placeholder(str), rollout_is_threshold=2.0,
+          rollout_rs=config_dict.placeholder(str), rollout_rs_threshold=2.0,
+          rollout_rs_threshold_lower=config_dict.placeholder(float)))
   c.data = dict(
       train_files="builtin:arithmetic", val_files="builtin:arithmetic",
       train_batch_size=16, val_batch_size=64, max_prompt_length=48, max_response_length=8,
@@ -127,6 +137,11 @@ def base_config() -> ml_collections.ConfigDict:
       # run_dir/val_generations.jsonl, TensorBoard's text tab and a wandb table.
       log_val_generations=0,
       sft_warmup=dict(steps=0, lr=1e-3, batch_size=64, cache_dir="", target_loss=0.0),
+      # mode: "sync" (a step trains on the batch it generated) or "one_step_off" (step
+      # k + 1's batch is generated while step k trains; hflax.launch.modes, docs/async.md).
+      # max_staleness: the most weight versions a trained sample lags; one_step_off takes
+      # 1, or 0 (the next batch generated after the update: sync's schedule).
+      mode="sync", max_staleness=1,
       # JAX's persistent compilation cache: a rerun or resume reads its compiled programs
       # back (hflax.platforms.compile_cache.use_compile_cache). "" turns it off; a
       # directory JAX already has (JAX_COMPILATION_CACHE_DIR) wins.
@@ -289,6 +304,22 @@ def _check_policy_loss(c, fail) -> None:
          f"more than 1 means nothing (1: no lower bound, as the paper), got {a.clip_ratio_low!r}")
 
 
+def _check_mode(c, fail, algorithm) -> None:
+  """trainer.mode and its staleness bound."""
+  from hflax.launch.modes import MODES
+  t = c.trainer
+  if t.get("mode", "sync") not in MODES:
+    fail("trainer.mode", f"{t.mode!r} is not one of {MODES}")
+  _check_int(c, "trainer.max_staleness", 0, fail, "(weight versions a sample may lag)")
+  if t.mode == "one_step_off":
+    if t.max_staleness > 1:
+      fail("trainer.max_staleness", f"one_step_off lags 1 version (0: sync's schedule), "
+           f"got {t.max_staleness}")
+    if algorithm.takes_prompt_iterator:
+      fail("trainer.mode", f"one_step_off pre-generates one batch per step; "
+           f"{algorithm.name} draws as many as it needs within a step")
+
+
 def _check_directories(c, fail) -> None:
   """Directories the run writes: none may be an existing file (found before any work)."""
   t = c.trainer
@@ -384,6 +415,10 @@ def validate(c) -> None:
   if c.actor.policy_loss not in policy_loss_names():
     fail("actor.policy_loss", f"{c.actor.policy_loss!r} is not one of {policy_loss_names()}")
   _check_policy_loss(c, fail)
+  _check_mode(c, fail, algorithm)
+  problem = correction_problem(c.algorithm.get("rollout_correction", {}))
+  if problem:
+    fail(f"algorithm.rollout_correction.{problem[0]}", problem[1])
   for role in ("actor", "critic"):
     if c[role].loss_agg_mode not in LOSS_AGG_MODES:
       fail(f"{role}.loss_agg_mode", f"{c[role].loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")

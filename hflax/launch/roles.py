@@ -7,6 +7,7 @@ from typing import Callable
 
 from ml_collections import FrozenConfigDict
 
+from hflax.algorithms.correction import RolloutCorrection
 from hflax.algorithms.drivers import StepConfig, get_algorithm
 from hflax.controller import build
 from hflax.controller.plan import (ActorPlan, CriticPlan, RunPlan, ScorerPlan,
@@ -140,7 +141,8 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
                     optimizer_offload=cfg.actor.optimizer_offload, max_num_seqs=r.max_num_seqs,
                     continuous_batching=bool(r.get("continuous_batching", False)),
                     old_log_probs_in_reward=bool(cfg.algorithm.use_kl_in_reward),
-                    use_kl_loss=bool(cfg.actor.use_kl_loss))
+                    use_kl_loss=bool(cfg.actor.use_kl_loss),
+                    rollout_correction=rollout_correction(cfg))
   critic = CriticPlan(train=_train(cfg.critic, n, cfg.model), model_path=cfg.critic.model_path,
                       lora=lora_plan(cfg.critic)) if algorithm.uses_critic else None
   cost = ScorerPlan(kind=cfg.cost.kind, model_path=cfg.cost.model_path,
@@ -155,6 +157,13 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
       ref_remove_padding=remove_padding(cfg.model),
       ref_share_prompts=bool(cfg.model.get("share_prompts", True)),
       ref_log_prob_max_token_len=token_budgets(cfg.actor)[1])
+
+
+def rollout_correction(cfg) -> RolloutCorrection | None:
+  """algorithm.rollout_correction as the loss reads it; None when it corrects nothing."""
+  section = dict(cfg.algorithm.get("rollout_correction", {}))
+  correction = RolloutCorrection(**section)
+  return correction if correction.enabled else None
 
 
 def step_config(cfg) -> StepConfig:

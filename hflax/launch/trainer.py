@@ -8,6 +8,7 @@ adds one.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -23,6 +24,7 @@ from hflax.launch import hooks as side_jobs
 from hflax.launch.backends import make_backend
 from hflax.launch.config import tokenizer_spec, validate, wandb_project
 from hflax.launch.hooks import Hooks, StepInfo
+from hflax.launch.modes import OneStepOff
 from hflax.launch.inputs import (check_rule_rows, check_vocab, cost_function, load_datasets,
                                  make_loaders, make_reward_fn)
 from hflax.launch.roles import (make_plan, needed_roles, placement_spec, policy_model,
@@ -103,11 +105,19 @@ class Trainer:
                                     cost_fn=self.cost_fn)
     self.devices = self.backend.devices
     self.state = init_state(cfg.algorithm)
+    self.schedule = self._schedule()
     self._initial_loader = self.loader.state_dict()
     self.val_generations: list[dict] = []  # trainer.log_val_generations of the last validation
     self.hooks = Hooks()
     self.logger: MetricsLogger | None = None
     self.first_val = self.last_val = None
+
+  def _schedule(self) -> OneStepOff | None:
+    """trainer.mode's pending-batch schedule (hflax.launch.modes); None for sync."""
+    t = self.cfg.trainer
+    if t.get("mode", "sync") == "sync":
+      return None
+    return OneStepOff(t.get("max_staleness", 1))
 
   def add_hook(self, fn, every: int = 1, **kw):
     """fn(StepInfo) after every `every`-th step (see hflax.launch.hooks)."""
@@ -125,6 +135,8 @@ class Trainer:
       return
     host = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.state.kl_ctrl,
             "lagrange_lambda": self.state.lagrange_lambda}
+    if self.schedule is not None:  # one_step_off: the next step's batch, already sampled
+      host["pending"] = self.schedule.state_dict()
     self.backend.save(self.ckpt, step, host)
 
   def _latest_checkpoint(self):
@@ -174,6 +186,8 @@ class Trainer:
     self.loader.load_state_dict(host["loader"])
     self.state.step, self.state.kl_ctrl = host["step"], host["kl_ctrl"]
     self.state.lagrange_lambda = host["lagrange_lambda"]
+    if self.schedule is not None:
+      self.schedule.load_state_dict(host.get("pending"), self.loader.collate)
     self.log(f"resumed from step {step} ({self.ckpt.directory})")
     return step
 
@@ -264,11 +278,17 @@ class Trainer:
   def run_step(self, prompts) -> tuple[Batch, dict]:
     """One step of the algorithm's driver: its rollouts and metrics (per-stage times,
     verl's batch statistics, throughput)."""
-    cfg, metrics = self.cfg, {}
-    roles = timed_roles(self.roles, metrics, block=cfg.trainer.stage_timing)
+    cfg, metrics, roles = self.cfg, {}, self.roles
     began = time.perf_counter()
-    feed = prompts if self.algorithm.takes_prompt_iterator else next(prompts)
+    if self.schedule is None:
+      feed = prompts if self.algorithm.takes_prompt_iterator else next(prompts)
+    else:
+      feed = self.schedule.step_prompts(prompts)
+      roles = dataclasses.replace(roles, actor=self.schedule.actor(roles.actor, prompts))
+    roles = timed_roles(roles, metrics, block=cfg.trainer.stage_timing)
     batch = self.algorithm.step(roles, feed, step_config(cfg), self.state)
+    if self.schedule is not None:
+      self.schedule.after_update(self.roles.actor, prompts)
     metrics.update(batch.meta.get("metrics", {}))
     metrics.update(step_metrics(batch, cfg.data.max_response_length,
                                 cfg.data.max_prompt_length))
@@ -297,6 +317,7 @@ class Trainer:
         self.roles = self.backend.restart()
         self.loader.load_state_dict(self._initial_loader)
         self.state = init_state(self.cfg.algorithm)
+        self.schedule = self._schedule()
 
   def _fit(self) -> dict:
     t = self.cfg.trainer
