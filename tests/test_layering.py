@@ -17,19 +17,21 @@ HFLAX = pathlib.Path(__file__).resolve().parents[1] / "hflax"
 PLATFORMS = {"hflax.platforms", "hflax.xla_env"}
 MODELS = PLATFORMS | {"hflax.models"}
 FAMILIES = MODELS | {"hflax.platforms.cpu.decoding_copy"}
-ROLLOUT = FAMILIES | {"hflax.rollout"}
+# hflax.sandbox (worker processes for user code and tools) imports no other hflax package.
+ROLLOUT = FAMILIES | {"hflax.rollout", "hflax.sandbox"}
 SHARDING = ROLLOUT | {"hflax.sharding"}
-SIDE = {"hflax.algorithms", "hflax.checkpoint", "hflax.rewards"}
+SIDE = {"hflax.algorithms", "hflax.checkpoint", "hflax.rewards", "hflax.sandbox"}
 CONTROLLER = SHARDING | SIDE | {"hflax.controller"}
 # Which packages each package may import (besides itself); algorithms import nothing.
 ALLOWED = {
     "hflax.platforms": set(),
     "hflax.xla_env": {"hflax.platforms"},  # the CPU set-up's first import path
     "hflax.checkpoint": set(),
+    "hflax.sandbox": set(),
     "hflax.algorithms": set(),
     "hflax.models": PLATFORMS,
     "hflax.platforms.cpu.decoding_copy": MODELS,
-    "hflax.rollout": FAMILIES,
+    "hflax.rollout": ROLLOUT - {"hflax.rollout"},
     "hflax.sharding": ROLLOUT,
     "hflax.data": SHARDING,
     "hflax.rewards": SHARDING,

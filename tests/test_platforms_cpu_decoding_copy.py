@@ -31,7 +31,7 @@ CFG = dict(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=2, nu
 @pytest.fixture
 def xla_matmuls(monkeypatch):
   """The [out, in] copy XLA's library multiplies, where a bfloat16 copy would otherwise
-  be packed for cpu_matmul (tests/test_cpu_matmul.py)."""
+  be packed for cpu_matmul (tests/test_platforms_cpu_matmul.py)."""
   monkeypatch.setenv(cpu_matmul.ENV, "0")
 
 

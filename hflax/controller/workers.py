@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
+from hflax import platforms
 from hflax.controller.batch import Batch
 from hflax.controller.protocol import Protocol, replicated, transfer
 from hflax.controller.training import (OptimConfig, UpdateConfig, learning_rate, make_optimizer,
@@ -170,7 +171,7 @@ class RoleWorker:
   def _min_split_tokens(self) -> float:
     """Tokens a packed row must hold on average for fill_fewest to cut finer."""
     bf16_on_cpu = (jnp.dtype(self.cfg.dtype) == jnp.bfloat16 and
-                   all(d.platform == "cpu" for d in self.mesh.devices.flat))
+                   platforms.all_cpu(self.mesh.devices.flat))
     factor = BF16_CPU_SPLIT_FACTOR if bf16_on_cpu else 1
     return factor * MIN_SPLIT_FLOPS / (6 * self.cfg.num_params)
 

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hflax import platforms
 from hflax.models.tracing import traced_once
 from hflax.platforms.attention import choose
 from hflax.platforms.gpu import attention as gpu_attention
@@ -388,10 +389,10 @@ REFERENCE_MAX_KEYS = 512
 IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "splash")
 
 
-@traced_once(static_argnames=("impl", "teacher_forced"))
+@traced_once(static_argnames=("impl", "teacher_forced", "decode_kernel"))
 def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
               q_seg_BxT=None, k_seg_BxS=None, q_prefix_BxT=None, *, impl: str = "auto",
-              teacher_forced: bool = False):
+              teacher_forced: bool = False, decode_kernel: bool = False):
   """Attention output [B, T, H, Dh], by the implementation `impl` names or picks.
 
   teacher_forced (static) says query t sits in slot t of S == T slots, which the kernels
@@ -401,6 +402,9 @@ def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   forced); the splash kernel on TPU (teacher forced, T % 128 == 0, no prefix ids: it
   takes no such mask); blockwise everywhere else. "cudnn" and "splash" force their
   kernel where it applies and leave the other calls (decoding, ...) to "auto"'s choice.
+  decode_kernel (static): a decoding copy asked for the CPU decode-attention kernel, which
+  "auto" then takes for one query a row where it reads this cache
+  (hflax.platforms.attention.choose).
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention={impl!r} is not one of {IMPLEMENTATIONS}")
@@ -409,7 +413,14 @@ def attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   T, S = q_BxTxHxDh.shape[1], k_BxKxDhxS.shape[-1]
   chosen = choose(impl, queries=T, short=S <= REFERENCE_MAX_KEYS, q_dtype=q_BxTxHxDh.dtype,
                   head_dim=q_BxTxHxDh.shape[-1], teacher_forced=teacher_forced,
-                  packed=q_seg_BxT is not None, prefix=q_prefix_BxT is not None)
+                  packed=q_seg_BxT is not None, prefix=q_prefix_BxT is not None,
+                  decode_kernel=decode_kernel, kv_dtypes=(k_BxKxDhxS.dtype, v_BxKxSxDh.dtype))
+  if chosen == "decode_kernel":
+    B = q_BxTxHxDh.shape[0]
+    seen_BxS = visible(kv_valid_BxS, q_slot_BxT, q_seg_BxT, k_seg_BxS,
+                       q_prefix_BxT=q_prefix_BxT)[:, 0]
+    return platforms.decode_attention(q_BxTxHxDh[:, 0], k_BxKxDhxS, v_BxKxSxDh,
+                                      jnp.broadcast_to(seen_BxS, (B, S)))[:, None]
   if chosen == "one_query":
     return one_query(*args)
   if chosen == "reference":

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from hflax import platforms
 from hflax.platforms.xla import logits_cotangent
 
 # Tokens per logits block (rows x columns of a chunk). The head's backward matmuls contract
@@ -106,7 +107,7 @@ def _over_live_spans(pieces, C, live, project, carry):
 def _forward(heads, temperature, pieces, hidden, targets, live, *consts):
   zeros = jnp.zeros(targets.shape, jnp.float32)
   logits = jax.eval_shape(heads[0], hidden[0], *consts)
-  keep = (jax.default_backend() == "cpu" and jnp.dtype(hidden.dtype).itemsize < 4 and
+  keep = (platforms.recompute_is_dear() and jnp.dtype(hidden.dtype).itemsize < 4 and
           hidden.shape[0] * logits.size * logits.dtype.itemsize <= KEPT_LOGITS_BYTES)
   # Chunks past `live` are never written: the backward does not read them either. Not
   # keeping: no chunk (the backward tells by the shape).

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from hflax.platforms.cpu import matmul as cpu_matmul
+from hflax import platforms
 from hflax.models.tracing import traced_once
 
 
@@ -36,13 +36,13 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False, l
   result [..., *w.shape[1:]] in `dtype`; with out_in, w is [..., K] (its last axis) and
   the result [..., *w.shape[:-1]]: a decoding copy's kernel, never differentiated, put on
   the left for a few rows with kernel_left (rows_by_kernel: where the result's consumer
-  reads it transposed at no cost), or with packed, one in cpu_matmul's packed layout
+  reads it transposed at no cost), or with packed, one in the CPU kernel's packed layout
   (bfloat16 or float32), multiplied by that kernel. `low`: w already cast to `dtype` (compute_copy), read
   in its place on CPU; the gradient still goes to w, in w's dtype."""
   dtype = jnp.dtype(dtype)
   x = x.astype(dtype)
   if packed:
-    y = cpu_matmul.matmul(x.reshape(-1, x.shape[-1]), w.reshape(-1, w.shape[-1]), dtype)
+    y = platforms.packed_matmul(x.reshape(-1, x.shape[-1]), w.reshape(-1, w.shape[-1]), dtype)
     return y.reshape(x.shape[:-1] + w.shape[:-1])
   if out_in:
     # As 2-D operands: with x's leading axes kept (a decode step's [B, 1, D]), XLA:CPU
@@ -51,7 +51,7 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False, l
     x_RxK, w_NxK = x.reshape(-1, x.shape[-1]), w.astype(dtype).reshape(-1, w.shape[-1])
     y = rows_by_kernel(x_RxK, w_NxK, wide, left=kernel_left)
     return y.reshape(x.shape[:-1] + w.shape[:-1]).astype(dtype)
-  if jax.default_backend() != "cpu":
+  if not platforms.dots_want_library_forms():
     # GPUs and TPUs accumulate low-precision dots in float32 on their own; their path stays
     # the one measured there (bench/accelerator.py).
     return jnp.tensordot(x, w.astype(dtype), axes=1)
@@ -63,7 +63,7 @@ def compute_copy(w, dtype):
   another dtype), else None: made once for the micro-batches of an update
   (transformer.compute_kernels)."""
   dtype = jnp.dtype(dtype)
-  if jax.default_backend() != "cpu" or jnp.dtype(w.dtype) == dtype:
+  if not platforms.dots_want_library_forms() or jnp.dtype(w.dtype) == dtype:
     return None
   return w.astype(dtype)
 
@@ -108,7 +108,7 @@ def kernel_on_left(rows: int, dtype, max_rows: int | None = None) -> bool:
   on CPU, up to max_rows (default KERNEL_LEFT_ROWS; see rows_by_kernel), 16-bit dtypes
   from LOW_LEFT_MIN_ROWS rows."""
   limit = KERNEL_LEFT_ROWS if max_rows is None else max_rows
-  if jax.default_backend() != "cpu" or rows > limit:
+  if not platforms.dots_want_library_forms() or rows > limit:
     return False
   return jnp.dtype(dtype) == jnp.float32 or rows >= LOW_LEFT_MIN_ROWS
 
@@ -182,7 +182,7 @@ def row_major_transpose(x):
 def widens_on_cpu(dtype) -> bool:
   """Whether XLA would widen dots in `dtype` to float32 unless they are laid out for its
   fast library (low precisions on CPU; GPUs and TPUs take them as they are)."""
-  return jnp.dtype(dtype) != jnp.float32 and jax.default_backend() == "cpu"
+  return jnp.dtype(dtype) != jnp.float32 and platforms.widens_16_bit()
 
 
 def _weight_gradient(x, g, w_shape, w_dtype):
@@ -205,7 +205,7 @@ def tied_head(embed_VxD, dtype):
   otherwise cast all V x D entries again in every chunk, where XLA cannot hoist it (7.5 ms
   per 128-token chunk of SmolLM2 on a 2-core Xeon)."""
   low = embed_VxD.astype(dtype)
-  if jax.default_backend() != "cpu":
+  if not platforms.dots_want_library_forms():
     return lambda hidden: jnp.einsum("...d,vd->...v", hidden.astype(dtype), low,
                                      preferred_element_type=jnp.float32)
   return lambda hidden: _cast_logits(hidden.astype(dtype), embed_VxD, low)

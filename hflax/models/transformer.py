@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.platforms.cpu import attention as cpu_attention
-from hflax.platforms.cpu import matmul as cpu_matmul
-from hflax.models.attention import attention, visible
+from hflax import platforms
+from hflax.models.attention import attention
 from hflax.models.config import ROW_AXES, ModelConfig
 from hflax.models.matmul import (compute_copy, dense_dot, head_on_left, kernel_on_left,
                                  row_major_transpose, step_logits, tied_head, tied_logits,
@@ -48,7 +47,7 @@ class Dense(nnx.Module):
     # and gate/up's consumers did not (their gain went into a transposing copy). The head
     # is DecoderLM.step_logits' choice (a limit of its own).
     self.kernel_left = kernel_left
-    # True where that [dout, din] kernel is also in cpu_matmul's packed layout.
+    # True where that [dout, din] kernel is also in the CPU kernel's packed layout.
     self.packed = False
     # The kernel already cast to the compute dtype, for the model of one update's
     # micro-batches only (compute_kernels); never part of the state.
@@ -96,13 +95,14 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
     # A decoding copy's q, k and v kernels in one (decoding_copy), in place of q, k and v.
     self.qkv, self.qkv_bias = nnx.data(None), nnx.data(None)
-    self.packed = False  # qkv in cpu_matmul's packed layout
-    # Decode steps attend through cpu_attention's kernel (where cfg.attention is "auto").
+    self.packed = False  # qkv in the CPU kernel's packed layout
+    # Decode steps attend through the CPU decode-attention kernel (where cfg.attention is
+    # "auto"; hflax.platforms.attention.choose).
     self.cpu_attention = False
 
   @property
   def kernel_decodes(self) -> bool:
-    """Whether decode steps attend through cpu_attention's kernel where it takes the cache:
+    """Whether decode steps attend through the CPU kernel where it takes the cache:
     the decoding copy asked for it and no other attention implementation is configured."""
     return self.cpu_attention and self.cfg.attention == "auto"
 
@@ -138,17 +138,10 @@ class Attention(nnx.Module):
       k_BxKxDhxS, v_BxKxSxDh = stored_keys(cache["k"]), cache["v"]
     # The slot each query was written to: [1, T] for a shared slot0, [B, T] per row.
     q_slot_BxT = jnp.reshape(slot0, (-1, 1)) + jnp.arange(T)
-    if (self.kernel_decodes and T == 1 and cache is not None
-        and cpu_attention.serves(q_BxTxHxDh.dtype, cache["k"], cache["v"])):
-      seen_BxS = visible(kv_valid_BxS, q_slot_BxT, segment_ids_BxT, segment_ids_BxT,
-                         q_prefix_BxT=prefix_ids_BxT)[:, 0]
-      out_BxTxHxDh = cpu_attention.decode(q_BxTxHxDh[:, 0], cache["k"], cache["v"],
-                                          jnp.broadcast_to(seen_BxS, (B, seen_BxS.shape[-1])))
-      out_BxTxHxDh = out_BxTxHxDh[:, None]
-    else:
-      out_BxTxHxDh = attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
-                               segment_ids_BxT, segment_ids_BxT, prefix_ids_BxT,
-                               impl=cfg.attention, teacher_forced=teacher_forced)
+    out_BxTxHxDh = attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
+                             segment_ids_BxT, segment_ids_BxT, prefix_ids_BxT,
+                             impl=cfg.attention, teacher_forced=teacher_forced,
+                             decode_kernel=self.kernel_decodes and cache is not None)
     return self.o(out_BxTxHxDh.reshape(B, T, H * Dh)), cache
 
   def _grouped_projections(self, x_BxTxD, kernel, bias, packed=False):
@@ -206,7 +199,7 @@ def _widened_on_cpu(cache) -> bool:
 
 
 def _bfloat16_on_cpu(dtype) -> bool:
-  return jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu"
+  return jnp.dtype(dtype) == jnp.bfloat16 and platforms.widens_16_bit()
 
 
 KEY_BITS = jnp.uint16
@@ -263,7 +256,7 @@ class MLP(nnx.Module):
     # flattened [2 * mlp, embed] would split a tensor-parallel mlp axis in its minor half,
     # and XLA gathered the whole pair.
     self.pair = nnx.data(None)
-    self.packed = False  # pair in cpu_matmul's packed layout
+    self.packed = False  # pair in the CPU kernel's packed layout
 
   def __call__(self, x):
     if self.pair is not None:
@@ -362,7 +355,7 @@ class DecoderLM(nnx.Module):
                           cfg=cfg, rngs=rngs) if untied_lm else None)
     self.score = (Dense(cfg.hidden_size, 1, ("embed", None), bias=True, cfg=cfg, rngs=rngs)
                   if head == "value" else None)
-    # A decoding copy's tied table [V, D] in cpu_matmul's packed layout, for step_logits
+    # A decoding copy's tied table [V, D] in the CPU kernel's packed layout, for step_logits
     # (decoding_copy); the embedding lookups keep reading embed.
     self.packed_head = nnx.data(None)
 
@@ -409,11 +402,11 @@ class DecoderLM(nnx.Module):
   def step_logits(self, hidden_BxD):
     """`logits` of a generation step's rows [B, D], through matmul.step_logits where the
     head's table is stored [V, D] (tied, or a decoding copy's untied head), or through
-    cpu_matmul where the copy packed it."""
+    the CPU kernel where the copy packed it (platforms.packed_matmul)."""
     if self.packed_head is not None:
-      return cpu_matmul.matmul(hidden_BxD, self.packed_head[...])
+      return platforms.packed_matmul(hidden_BxD, self.packed_head[...])
     if self.lm_head is not None and self.lm_head.packed:
-      return cpu_matmul.matmul(hidden_BxD, self.lm_head.kernel[...])
+      return platforms.packed_matmul(hidden_BxD, self.lm_head.kernel[...])
     if self.head == "lm" and self.lm_head is None:
       return step_logits(hidden_BxD, self.embed[...], hidden_BxD.dtype)
     head = self.lm_head

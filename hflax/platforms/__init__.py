@@ -5,6 +5,7 @@ here; model, rollout, sharding and controller code asks this package instead of 
 `jax.default_backend()` or a device's `platform` itself.
 
   xla.py            the plain path GPUs and TPUs take
+  attention.py      the one choice of attention implementation per backend
   cpu/              XLA:CPU: the decoding copy, its kernels and their build, process
                     set-up and compiler options; every HFLAX_CPU_* setting in settings.py
   gpu/, tpu/        cuDNN attention and the Pallas log-prob kernel; splash attention
@@ -29,6 +30,72 @@ def on_cpu() -> bool:
   return backend() == "cpu"
 
 
+# What differs by backend, asked by name. Each is a property of XLA:CPU today (the CPU is
+# where hflax measured these forms faster); GPUs and TPUs keep the plain forms.
+
+
+def sort_is_slow() -> bool:
+  """Whether a full sort of the vocabulary costs more than bisecting for a threshold
+  (top-p sampling): XLA:CPU sorts a row with scalar code."""
+  return on_cpu()
+
+
+def argmax_is_slow() -> bool:
+  """Whether argmax's (value, index) reduction runs as scalar code, so a max and a min
+  over the indices where it is reached serve better (token picks): XLA:CPU's does."""
+  return on_cpu()
+
+
+def step_time_follows_rows() -> bool:
+  """Whether a decode step's time grows with its rows, so a batch decodes its last rows
+  with fewer slots: on CPU it does; an accelerator's small steps cost about the same
+  whatever their rows."""
+  return on_cpu()
+
+
+def dots_want_library_forms() -> bool:
+  """Whether dots are laid out for XLA:CPU's matmul library: low-precision operands with
+  float32 results, gradients written out in the layouts it takes, a decoding copy's few
+  rows with the kernel on the left, kernels cast once for many micro-batches
+  (models/matmul.py). GPUs and TPUs take their dots as they are."""
+  return on_cpu()
+
+
+def widens_16_bit() -> bool:
+  """Whether XLA widens 16-bit data movement and dots to float32 unless they are laid out
+  for its library (XLA:CPU does: the model then writes bfloat16 caches through their bits
+  and rounds a 16-bit dot's float32 result once)."""
+  return on_cpu()
+
+
+def recompute_is_dear() -> bool:
+  """Whether a backward pass should read a forward's results kept in memory rather than
+  recompute them (a bfloat16 head's logits, within a bound): on CPU recomputing costs
+  more; on accelerators it is cheap and memory is not."""
+  return on_cpu()
+
+
+def decode_attention_kernel_usable(dtype) -> bool:
+  """Whether a decode step in `dtype` may attend through a platform kernel here (the CPU
+  one, cpu/attention.py, which says why not, once); no other platform has one."""
+  from hflax.platforms.cpu import attention
+  return attention.usable(dtype)
+
+
+def packed_matmul(x_RxK, packed_NxK, out_dtype="float32"):
+  """[R, N] in out_dtype: rows times a kernel [N, K] that a decoding copy stored in the CPU
+  kernel's packed layout (cpu/matmul.py)."""
+  from hflax.platforms.cpu import matmul
+  return matmul.matmul(x_RxK, packed_NxK, out_dtype)
+
+
+def decode_attention(q_BxHxDh, k_BxKxDhxS, v_BxKxSxDh, visible_BxS):
+  """One decode step's attention [B, H, Dh] through the CPU kernel (cpu/attention.py), for
+  a step attention.choose sent there."""
+  from hflax.platforms.cpu import attention
+  return attention.decode(q_BxHxDh, k_BxKxDhxS, v_BxKxSxDh, visible_BxS)
+
+
 def all_cpu(devices: Iterable) -> bool:
   """Whether every one of `devices` (jax devices) is a CPU device."""
   return all(d.platform == "cpu" for d in devices)
@@ -41,3 +108,24 @@ def train_compiler_options(devices, compute_dtype="float32") -> dict | None:
     return None
   from hflax.platforms.cpu.options import train_options
   return train_options(compute_dtype)
+
+
+def prepare_process(platform: str) -> None:
+  """Set-up a process that will run JAX on `platform` (a cluster's "cpu", "gpu" or "tpu")
+  needs before JAX starts (cpu/process.py); nothing elsewhere."""
+  if platform == "cpu":
+    from hflax.platforms.cpu.process import prepare_cpu_process
+    prepare_cpu_process()
+
+
+def set_local_devices(platform: str, devices: int) -> None:
+  """Gives this process `devices` local devices where JAX lets it choose (simulated CPU
+  devices); an accelerator's devices are what the machine has."""
+  if platform == "cpu":
+    import jax
+    jax.config.update("jax_num_cpu_devices", devices)
+
+
+def gpus_to_reserve(platform: str, devices: int) -> int:
+  """GPUs a process holding `devices` devices of `platform` reserves from its scheduler."""
+  return devices if platform == "gpu" else 0

@@ -7,11 +7,12 @@ from hflax import platforms
 
 # What `choose` may name: the model's own implementations (models/attention.py) and the
 # platforms' kernels.
-CHOICES = ("one_query", "reference", "blockwise", "cudnn", "splash")
+CHOICES = ("decode_kernel", "one_query", "reference", "blockwise", "cudnn", "splash")
 
 
 def choose(impl: str, *, queries: int, short: bool, q_dtype, head_dim: int,
-           teacher_forced: bool, packed: bool, prefix: bool) -> str:
+           teacher_forced: bool, packed: bool, prefix: bool, decode_kernel: bool = False,
+           kv_dtypes: tuple = ()) -> str:
   """The implementation that computes an attention call configured as `impl`.
 
   "reference" and "blockwise" are taken as named. "cudnn" and "splash" force their kernel
@@ -21,9 +22,16 @@ def choose(impl: str, *, queries: int, short: bool, q_dtype, head_dim: int,
   take the reference too; then cuDNN on GPUs and splash on TPUs where they fit; blockwise
   everywhere else.
   queries: T; short: few enough keys for the dense reference; packed: segment ids;
-  prefix: prefix ids (hflax.controller.packing)."""
+  prefix: prefix ids (hflax.controller.packing). decode_kernel: a decoding copy asked for
+  the CPU decode-attention kernel (cpu/attention.py), taken for one query a row under "auto"
+  where it reads caches of `kv_dtypes` (keys', values') and nothing turned it off since."""
   if impl in ("reference", "blockwise"):
     return impl
+  if decode_kernel and impl == "auto" and queries == 1:
+    import jax
+    from hflax.platforms.cpu import attention as cpu
+    if cpu.serves(q_dtype, *(jax.ShapeDtypeStruct((), d) for d in kv_dtypes)):
+      return "decode_kernel"
   from hflax.platforms.gpu import attention as gpu
   from hflax.platforms.tpu import attention as tpu
   cudnn_fits = lambda: gpu.fits(q_dtype, head_dim, teacher_forced=teacher_forced,  # noqa: E731

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hflax import platforms
 from hflax.models.transformer import (cache_columns, cache_where, init_cache,
                                       positions_from_mask)
 from hflax.rollout.decoding import (SamplingParams, grow, outputs, pick, pick_with_keys,
@@ -36,7 +37,7 @@ def tail_slots(slots: int) -> tuple[int, ...]:
   """The slot counts a call decodes with as its rows run out: halving, down to
   TAIL_MIN_SLOTS, on CPU; just `slots` elsewhere."""
   sizes = [slots]
-  while jax.default_backend() == "cpu" and sizes[-1] // 2 >= TAIL_MIN_SLOTS:
+  while platforms.step_time_follows_rows() and sizes[-1] // 2 >= TAIL_MIN_SLOTS:
     sizes.append(sizes[-1] // 2)
   return tuple(sizes)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from flax import nnx
 
-from hflax.platforms.cpu import attention as cpu_attention
+from hflax import platforms
 from hflax.models.transformer import Attention, init_cache, positions_from_mask
 
 
@@ -97,7 +97,7 @@ def filter_logits(logits_BxV, top_k: int = 0, top_p: float = 1.0):
       threshold = nucleus_in_top(top_BxK, logits_BxV, top_p)
       logits_BxV = jnp.where(logits_BxV < threshold, -jnp.inf, logits_BxV)
   elif top_p < 1.0:
-    nucleus = nucleus_by_bisection if jax.default_backend() == "cpu" else nucleus_by_sort
+    nucleus = nucleus_by_bisection if platforms.sort_is_slow() else nucleus_by_sort
     logits_BxV = jnp.where(logits_BxV < nucleus(logits_BxV, top_p), -jnp.inf, logits_BxV)
   return logits_BxV
 
@@ -191,7 +191,7 @@ def greedy_pick(logits_BxV):
   top_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
   diff_BxV = logits_BxV - top_Bx1
   log_prob_B = -jnp.log(jnp.sum(jnp.exp(diff_BxV), axis=-1))
-  if jax.default_backend() != "cpu":
+  if not platforms.argmax_is_slow():
     return argmax_rows(logits_BxV).astype(jnp.int32), log_prob_B
   first_B = _first_true(diff_BxV == 0)
   # A NaN logit: XLA:CPU's max may skip it, but the sum does not.
@@ -236,7 +236,7 @@ def _first_true(mask_BxV):
 def argmax_rows(logits_BxV):
   """jnp.argmax(logits_BxV, axis=-1); on CPU as _first_maxima (argmax's (value, index)
   reduction runs there as scalar code)."""
-  if jax.default_backend() != "cpu":
+  if not platforms.argmax_is_slow():
     return jnp.argmax(logits_BxV, axis=-1)
   return _first_maxima(logits_BxV)
 
@@ -256,7 +256,7 @@ def gumbel_max(keys_B, logits_BxV):
     key, logits_V = key_and_logits
     return first_max(logits_V + jax.random.gumbel(key, logits_V.shape, logits_V.dtype))
 
-  if jax.default_backend() != "cpu":
+  if not platforms.argmax_is_slow():
     return jax.vmap(row)((keys_B, logits_BxV))
   return jax.lax.map(row, (keys_B, logits_BxV), batch_size=8)
 
@@ -274,14 +274,14 @@ def decode_segments(max_new_tokens: int) -> int:
 
 
 def kernel_attends(model) -> bool:
-  """Whether every layer's decode step attends through cpu_attention's kernel, which reads
-  each row only up to its last visible slot: a cache grown once to its full width then
-  costs it no reads, and one loop saves the copies of the whole cache that growing it
+  """Whether every layer's decode step attends through the CPU decode-attention kernel
+  (hflax.platforms.cpu.attention), which reads each row only up to its last visible slot:
+  a cache grown once to its full width then costs it no reads, and one loop saves the copies of the whole cache that growing it
   between segments makes (SmolLM2, 64 rows x 128 tokens on two devices: 183 copies a
   device a call, 0.65 s of a 15.5 s float32 call)."""
   layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Attention)]
   return (bool(layers) and all(m.kernel_decodes for m in layers)
-          and cpu_attention.usable(model.cfg.dtype))
+          and platforms.decode_attention_kernel_usable(model.cfg.dtype))
 
 
 def segment_ends(max_new_tokens: int, segments: int) -> list[int]:

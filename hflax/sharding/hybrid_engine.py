@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.platforms.cpu import matmul as cpu_matmul
-from hflax.platforms.cpu.decoding_copy import (Recipe, attending_dtypes, build_leaves,
-                                               copy_leaves, decoding_plan, fits_in_memory)
+from hflax import platforms
+from hflax.platforms.cpu.decoding_copy import (Recipe, build_leaves, copy_leaves,
+                                               fits_in_memory, leafwise_plan)
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
 
 
@@ -82,7 +82,7 @@ def assemble(x: jax.Array, sharding) -> jax.Array:
   before any update)."""
   if not x.is_fully_addressable:
     return jax.device_put(x, sharding)
-  on_cpu = all(d.platform == "cpu" for d in sharding.device_set | x.sharding.device_set)
+  on_cpu = platforms.all_cpu(sharding.device_set | x.sharding.device_set)
   if on_cpu and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):  # numpy-readable
     return _assemble_in_host_memory(x, sharding)
   return _assemble_by_copies(x, sharding)
@@ -257,16 +257,11 @@ class HybridEngine:
 
   def _decoding_plan(self, graphdef, abstract, sources):
     devices = list(self.mesh.devices.flat) + [d for s in sources for d in s.device_set]
-    local_cpu = all(d.platform == "cpu" and d.process_index == jax.process_index()
-                    for d in devices)
-    if graphdef is None or not local_cpu or not all(isinstance(s, NamedSharding) for s in sources):
-      return None  # accelerators keep their measured path; processes would decide apart
-    # Unfused: a leaf made of several would need its own resharding (and bytes count).
-    # Decode steps attend through cpu_attention's kernel where each device holds the whole
-    # weights (no tensor axis), one device per core: on for_decoding's terms.
-    whole = self.mesh.shape.get("tensor", 1) == 1 and cpu_matmul.serves(self.mesh.devices.size)
-    return decoding_plan(graphdef, abstract, fuse=False,
-                         attend=attending_dtypes() if whole else ())
+    if graphdef is None or not all(isinstance(s, NamedSharding) for s in sources):
+      return None
+    # The devices each holding the whole weights (no tensor axis), else None.
+    replicas = self.mesh.devices.size if self.mesh.shape.get("tensor", 1) == 1 else None
+    return leafwise_plan(graphdef, abstract, devices, replicas)
 
   def _use(self, layout: _Layout):
     self.graphdef, self.shardings, self.moved = layout.graphdef, layout.shardings, layout.moved

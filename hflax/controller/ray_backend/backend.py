@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 
+from hflax import platforms
 from hflax.controller.build import build_roles
 from hflax.controller.ray_backend.config import ClusterSettings, PoolLayout
 from hflax.controller.ray_backend.group import (HostRole, WorkerGroup, build_groups,
@@ -79,8 +80,8 @@ class RayBackend:
     env = worker_env(quiet=k.require_loopback)
     self.groups = [WorkerGroup(p.name, p.processes, p.devices_per_process, roles=p.roles,
                                platform=k.platform, cpus=k.cpus_per_process,
-                               gpus=k.gpus_per_process or (p.devices_per_process if
-                                                           k.platform == "gpu" else 0),
+                               gpus=k.gpus_per_process or platforms.gpus_to_reserve(
+                                   k.platform, p.devices_per_process),
                                strategy=k.strategy, env=env, compile_cache=self.compile_cache,
                                init_timeout_s=k.init_timeout_s) for p in self.layouts]
     start_groups(self.groups)

@@ -16,10 +16,9 @@ from __future__ import annotations
 import os
 import socket
 
+from hflax import platforms
 from hflax.platforms.compile_cache import use_compile_cache
-from hflax.platforms.cpu.process import keep_freed_memory
 
-_FORCE_DEVICES = "--xla_force_host_platform_device_count"
 
 
 def _node_ip() -> str:
@@ -38,13 +37,8 @@ class PoolMember:
     self.compile_cache = compile_cache  # the trainer's compile_cache_dir, expanded here
     self.workers: dict = {}
     self._checkpointers: dict = {}
-    if platform == "cpu":
-      # Before JAX starts its backend: CPU only, and this process's own device count
-      # (the driver's simulated-device flag is inherited through the environment).
-      os.environ["JAX_PLATFORMS"] = "cpu"
-      flags = os.environ.get("XLA_FLAGS", "").split()
-      os.environ["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(_FORCE_DEVICES))
-      keep_freed_memory()  # before XLA's threads start allocating, as in configure_cpu
+    # Before JAX starts its backend; this process's own device count comes with initialize.
+    platforms.prepare_process(platform)
 
   def info(self) -> dict:
     return {"pid": os.getpid(), "node": _node_ip()}
@@ -59,8 +53,7 @@ class PoolMember:
 
   def initialize(self, coordinator: str, timeout_s: int) -> dict:
     import jax
-    if self.platform == "cpu":
-      jax.config.update("jax_num_cpu_devices", self.devices)
+    platforms.set_local_devices(self.platform, self.devices)
     for key, value in self.jax_config.items():
       jax.config.update(key, value)
     use_compile_cache(self.compile_cache)

@@ -135,6 +135,20 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = (), attend: 
   return DecodingPlan(copy_graphdef, abstract, tuple(recipes))
 
 
+def leafwise_plan(graphdef, abstract, devices, replicas: int | None) -> DecodingPlan | None:
+  """decoding_plan for a copy written leaf by leaf from sharded training weights (the
+  hybrid engine's transfer moves leaves one to one, so kernels stay apart: fuse=False),
+  or None where `devices` (the generation mesh's and the sources') are not all this
+  process's CPU devices: accelerators keep their measured path, and processes would
+  decide apart. replicas: how many devices each hold the whole weights (None where they
+  are split); decode steps then attend through the attention kernel on for_decoding's
+  terms (one device per core)."""
+  if not (all_cpu(devices) and all(d.process_index == jax.process_index() for d in devices)):
+    return None
+  whole = replicas is not None and cpu_matmul.serves(replicas)
+  return decoding_plan(graphdef, abstract, fuse=False, attend=attending_dtypes() if whole else ())
+
+
 def _plain(*denses) -> bool:
   """Dense modules of the training layout without an adapter (those stay as they are)."""
   return all(isinstance(d, Dense) and not d.out_in and d.lora_a is None for d in denses)

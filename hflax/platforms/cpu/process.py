@@ -41,6 +41,16 @@ def configure_cpu(devices: int | None = None) -> str:
   return os.environ["XLA_FLAGS"]
 
 
+def prepare_cpu_process() -> None:
+  """A CPU process whose device count JAX's config sets (jax_num_cpu_devices: a Ray pool
+  member), before JAX starts: CPU only, the simulated-device flag inherited through the
+  environment dropped, freed memory kept as configure_cpu keeps it."""
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  flags = os.environ.get("XLA_FLAGS", "").split()
+  os.environ["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(_DEVICES_FLAG))
+  keep_freed_memory()  # before XLA's threads start allocating
+
+
 def keep_freed_memory() -> bool:
   """Tells glibc to serve every thread from its one main heap, to take buffers up to 2 GiB
   from it, and to keep freed memory there for reuse instead of returning it to the OS.

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from hflax import platforms
 from hflax.platforms.cpu.matmul import cores
 from hflax.sharding.automap.profile import DeviceProfile
 
@@ -63,10 +64,10 @@ def _memory_per_device(devices) -> float:
 def measure(devices, *, small: bool | None = None) -> DeviceProfile:
   """Runs the measurements (a few seconds) and returns the profile, uncached."""
   n = len(devices)
-  platform = devices[0].platform
-  small = platform == "cpu" if small is None else small
+  on_cpu = platforms.all_cpu(devices[:1])
+  small = on_cpu if small is None else small
   # CPUs compute in float32 here (hflax's CPU default); accelerators in bfloat16.
-  dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
+  dtype = jnp.float32 if on_cpu else jnp.bfloat16
   mesh = Mesh(np.asarray(devices), ("d",))
   split = NamedSharding(mesh, P("d"))
 

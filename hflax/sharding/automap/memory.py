@@ -42,6 +42,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from hflax import platforms
 from hflax.models.chunked_head import chunk_columns
 from hflax.models.config import ModelConfig
 from hflax.rollout.sampler import length_bucket
@@ -66,7 +67,7 @@ def runtime_attention(cfg: ModelConfig | None = None, length: int = 1024) -> str
   some intermediate holds length x length entries, else "blockwise"."""
   if importlib.util.find_spec("hflax.models.attention") is None:
     return "dense"  # the transformer's own attention, which stores the scores
-  return _traced_attention(getattr(cfg, "attention", "auto"), length, jax.default_backend())
+  return _traced_attention(getattr(cfg, "attention", "auto"), length, platforms.backend())
 
 
 @functools.lru_cache(maxsize=None)
