@@ -1,11 +1,13 @@
-"""Ctrl-C ends a run with one line and exit status 130 (no traceback), naming the
-checkpoint a rerun resumes from; a mistyped verl-style name gets a did-you-mean."""
+"""Ctrl-C and SIGTERM end a run with one line and exit status 130 / 143 (no traceback),
+naming the checkpoint a rerun resumes from; a mistyped verl-style name gets a did-you-mean."""
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from hflax.launch.__main__ import cli
 
@@ -20,7 +22,10 @@ def _steps_logged(path):
     return []
 
 
-def test_ctrl_c_is_one_line_and_status_130_then_the_run_resumes(tmp_path):
+@pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"),
+                                                  (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_sigint_and_sigterm_are_one_line_and_a_status_then_the_run_resumes(
+    tmp_path, signum, status, said):
   run_dir = tmp_path / "run"
   args = [sys.executable, "-m", "hflax.launch", "--config", TINY,
           f"--config.trainer.run_dir={run_dir}", "--config.trainer.total_steps=40",
@@ -34,12 +39,12 @@ def test_ctrl_c_is_one_line_and_status_130_then_the_run_resumes(tmp_path):
   while max(_steps_logged(run_dir / "metrics.jsonl"), default=0) < 4:
     assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
     time.sleep(0.2)
-  proc.send_signal(signal.SIGINT)
+  proc.send_signal(signum)
   _, err = proc.communicate(timeout=120)
-  assert proc.returncode == 130, err
+  assert proc.returncode == status, err
   assert "Traceback" not in err, err
   last = err.strip().splitlines()[-1]
-  assert last.startswith("interrupted: the same command resumes from the checkpoint of step "), err
+  assert last.startswith(f"{said}: the same command resumes from the checkpoint of step "), err
   step = int(last.split("step ")[1].split()[0])
   assert step >= 2 and os.path.isdir(run_dir / "checkpoints" / str(step))
   args[args.index("--config.trainer.total_steps=40")] = f"--config.trainer.total_steps={step + 1}"

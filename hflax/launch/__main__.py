@@ -2,9 +2,13 @@
 
 A bare config name resolves to the configs shipped in hflax/configs; a path works too.
 On CPU, HFLAX_CPU_DEVICES (default 2) simulated devices give each role its own mesh.
-Bad input is one line and exit status 2; HFLAX_DEBUG=1 adds the traceback.
+Bad input is one line and exit status 2; HFLAX_DEBUG=1 adds the traceback. Ctrl-C and
+SIGTERM end the run with one line and exit status 130 / 143; the same command resumes it.
+One run holds a run_dir at a time. Reward functions from files run in worker processes,
+reward.timeout_s seconds a batch at most.
 """
 import os
+import signal
 import sys
 import traceback
 
@@ -46,16 +50,28 @@ def cli(argv: list[str], stderr=None) -> int:
       traceback.print_exc(file=stderr)
     print(f"error: {one_line(e)}", file=stderr)
     return 2
-  except KeyboardInterrupt:  # Ctrl-C: the user's choice, not a fault; 130 as shells report it
+  except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: a choice, not a fault
     from hflax.launch.run_lock import resume_hint
-    print(f"interrupted: {resume_hint(cfg)}", file=stderr)
-    return 130
+    term = isinstance(e, Terminated)
+    print(f"{'terminated (SIGTERM)' if term else 'interrupted'}: {resume_hint(cfg)}",
+          file=stderr)
+    return 143 if term else 130  # as shells report a death by SIGTERM or SIGINT
   return 0
 
 
+class Terminated(KeyboardInterrupt):
+  """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so both unwind
+  the run the same way (the trainer closes its backend, the lock is released)."""
+
+
+def _terminate(signum, frame):
+  raise Terminated()
+
+
 def main():
+  signal.signal(signal.SIGTERM, _terminate)
   code = cli(sys.argv[1:])
-  if code == 130:
+  if code in (130, 143):
     # Leave now: a checkpoint write still running on orbax's threads would print their
     # tracebacks as the interpreter shuts them down. The write is discarded (its temporary
     # directory is never a checkpoint; the next run removes it).
