@@ -57,7 +57,12 @@ def test_one_step_off_batches_lag_one_version_and_are_corrected(tmp_path):
   c.actor.optim.lr = 3e-3  # updates large enough that one version's lag shows
   c.algorithm.rollout_correction.update(rollout_is="token", rollout_rs="token",
                                         rollout_rs_threshold=1.001)
-  fit(c)
+  trainer = Trainer(c, log=lambda *_: None)
+  versions = {}  # step -> the trained rows' rollout_version (the step's update made step)
+  trainer.add_hook(lambda info: versions.update(
+      {info.step: set(np.asarray(info.batch["rollout_version"]).tolist())}))
+  trainer.fit()
+  assert versions == {1: {0}, 2: {0}, 3: {1}}  # step k trains version k - 1 on version k - 2
   m = metrics(tmp_path, "off")
   assert m[1]["rollout/staleness_0"] == 1.0  # the first batch: sampled by the weights it trains
   assert m[1]["actor/rollout_corr/k3_kl"] < 1e-9
