@@ -309,3 +309,33 @@ def test_multi_turn_rollout_gives_the_trainer_one_row_a_trajectory(model):
     multi_turn_rollout(*model, version=0, mesh=None, sampling=params, settings=MultiTurn(),
                        tokenizer=TOKENIZER, raw_prompts=raw[:1], data_sources=["gsm8k"],
                        extra_info=[None], rng=jax.random.key(0), response_width=24)
+
+
+def test_grpo_trains_on_multi_turn_trajectories_through_the_launcher(tmp_path, monkeypatch):
+  """rollout.multi_turn.enable on the tiny GRPO job: every turn of the random model is read
+  as a calculator call (a test parser), so each trajectory runs its 2 turns with a tool
+  message between; the update trains on them exactly on-policy (float32)."""
+  import json as json_
+  from hflax.launch.trainer import Trainer
+  from hflax.rollout.agents import tools as tools_module
+  from tiny_config import get_config
+
+  class EveryTurnCalls:
+    def parse(self, text):
+      return tools_module.ParsedTurn((ToolCall("calculator", {"expression": "6*7"}),), ())
+
+  monkeypatch.setitem(tools_module.PARSERS, "every_turn", EveryTurnCalls)
+  c = get_config()
+  c.data.builtin.update(data_source="arithmetic_tools")
+  c.data.update(max_prompt_length=128, max_response_length=80)
+  c.rollout.multi_turn.update(enable=True, max_assistant_turns=2, format="every_turn",
+                              max_turn_tokens=20)
+  c.trainer.update(total_steps=2, run_dir=str(tmp_path / "run"))
+  trainer = Trainer(c, log=lambda *_: None)
+  trainer.fit()
+  rows = [json_.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  for row in rows:
+    assert row["agent/turns/mean"] == 2 and row["agent/tool_calls/mean"] == 2  # both turns
+    assert row["agent/stop/max_turns"] == 1 and row["agent/tool_tokens/mean"] > 0
+    assert abs(row["actor/ppo_kl"]) < 1e-6  # on-policy to float32 rounding
+    assert row["critic/score/mean"] == 0.0  # no final answer after the tool: no reward

@@ -225,9 +225,9 @@ def test_continuation_limits(model, prompts):
   engine.run([Request(prompts[1], id="a", keep=True)])  # columns 0..22 hold its context
   with pytest.raises(ValueError, match="brings at most max_turn_len=4"):
     engine.submit(Request([3] * 5, continues="a"))
-  # 2 new tokens after a's last: columns 23..25; a reply fills 26..29 and ends unwritten.
+  # 2 new tokens after a's last: columns 23..25; a reply fills the 4 columns left.
   (b,) = engine.run([Request([3, 4], id="b", continues="a", keep=True)])
-  assert len(b.token_ids) == 5 and b.finish_reason == "length"
+  assert len(b.token_ids) == 4 and b.finish_reason == "length"
   with pytest.raises(ValueError, match="context of 'b' is full"):
     engine.submit(Request([3, 4, 5], continues="b"))
   with pytest.raises(ValueError, match="max_turn_len=0"):

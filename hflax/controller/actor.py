@@ -26,6 +26,7 @@ from hflax.models.forwards import (base_log_probs_fn, base_packed_log_probs_fn, 
 from hflax.models.logprobs import sequence_log_probs
 from hflax.models.lora import base_config, merged_kernels, split_adapters, split_for_merge
 from hflax.models.transformer import compute_kernels, create_abstract
+from hflax.rollout.agents.rollout import MultiTurn, multi_turn_rollout
 from hflax.rollout.engine import RolloutEngine
 from hflax.rollout.sampler import SamplingParams
 from hflax.rollout.waves import generation_slots, generation_waves
@@ -42,7 +43,8 @@ class ActorRolloutWorker(RoleWorker):
                loss_fn: Callable | None = None, generate_dtype: str | None = None,
                recompute_log_prob: bool = False, loss_fields: tuple[str, ...] = (),
                optimizer_offload: bool = False, max_num_seqs: int = 0,
-               continuous_batching: bool = False, old_log_probs_in_reward: bool = False, **kw):
+               continuous_batching: bool = False, multi_turn: MultiTurn | None = None,
+               tokenizer: str = "", old_log_probs_in_reward: bool = False, **kw):
     super().__init__(placement, graphdef, state, **kw)
     self.sampling, self.loss_fn, self.loss_fields = sampling, loss_fn, tuple(loss_fields)
     # Sequences one generation replica holds at once (0: all of its rows): the tighter of
@@ -50,6 +52,8 @@ class ActorRolloutWorker(RoleWorker):
     self.max_num_seqs = min((c for c in (max_num_seqs, placement.max_num_seqs) if c), default=0)
     # Continuous batching: that many decode slots per replica instead of waves of prompts.
     self.continuous_batching = continuous_batching
+    # Multi-turn trajectories with tools in place of single responses (rollout.multi_turn).
+    self.multi_turn, self.tokenizer_spec, self._tokenizer = multi_turn, tokenizer, None
     # Optimizer state in host memory from generation until the next update, so the KV
     # cache and the generation copy of the weights have the accelerator to themselves.
     self.optimizer_offload = optimizer_offload and self.opt_state is not None
@@ -113,6 +117,8 @@ class ActorRolloutWorker(RoleWorker):
     if rng is None:
       rng = jax.random.fold_in(self._rng, self.calls)
       self.calls += 1
+    if self.multi_turn is not None:
+      return self._trajectories(prompts, params, rng, metrics)
     out = self.rollout.generate((prompts["prompts"], prompts["prompt_mask"]), params, rng=rng,
                                 wave_rows=wave, slots=slots,
                                 collect=lambda x: jax.device_put(x, self.home))
@@ -123,6 +129,29 @@ class ActorRolloutWorker(RoleWorker):
     out["group_ids"] = jax.device_put(
         jnp.repeat(jnp.arange(count, dtype=jnp.int32), params.n), self.home)
     return Batch(out, prompts.repeat(params.n).objects, {"metrics": metrics})
+
+  def _trajectories(self, prompts: Batch, params: SamplingParams, rng, metrics: dict) -> Batch:
+    """generate_sequences for multi-turn trajectories (hflax.rollout.agents.rollout): one
+    row per trajectory, prompt i's n trajectories in rows i*n .. i*n + n - 1."""
+    if self._tokenizer is None:
+      from hflax.models.tokenizer import load_tokenizer
+      self._tokenizer = load_tokenizer(self.tokenizer_spec or "byte")
+    graphdef, state = self.rollout.weights
+    fields, infos, agent_metrics = multi_turn_rollout(
+        graphdef, state, version=self.rollout.version, mesh=self.engine.mesh, sampling=params,
+        settings=self.multi_turn, tokenizer=self._tokenizer,
+        raw_prompts=list(prompts["raw_prompt"]), data_sources=list(prompts["data_source"]),
+        extra_info=list(prompts["extra_info"]), rng=rng,
+        response_width=params.max_new_tokens)
+    self.rollout.release_weights()
+    count = len(prompts)
+    out = {k: jax.device_put(v, self.home) for k, v in fields.items()}
+    out["rollout_version"] = out.pop("rollout_versions").max(axis=1)
+    out["group_ids"] = jax.device_put(
+        jnp.repeat(jnp.arange(count, dtype=jnp.int32), params.n), self.home)
+    objects = dict(prompts.repeat(params.n).objects)
+    objects["extra_info"] = np.asarray(infos, dtype=object)
+    return Batch(out, objects, {"metrics": {**metrics, **agent_metrics}})
 
   def old_log_probs(self, batch: Batch) -> Batch:
     """The behaviour policy's log-probs: the rollout's own, or recomputed when they differ,

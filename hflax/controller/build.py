@@ -72,7 +72,8 @@ def build_roles(plan: RunPlan, policy, *, devices=None, reward_fn: Callable | No
         (("rollout_log_probs",) if a.rollout_correction is not None else ()),
         generate_dtype=a.generate_dtype, recompute_log_prob=a.recompute_log_prob,
         optimizer_offload=a.optimizer_offload, max_num_seqs=a.max_num_seqs,
-        continuous_batching=a.continuous_batching,
+        continuous_batching=a.continuous_batching, multi_turn=a.multi_turn,
+        tokenizer=a.tokenizer,
         old_log_probs_in_reward=a.old_log_probs_in_reward,
         optim=a.train.optim, update=a.train.update, home=home, seed=seed)
     if plan.reference_in_actor:

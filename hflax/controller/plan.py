@@ -11,6 +11,7 @@ from hflax.algorithms.correction import RolloutCorrection
 from hflax.controller.roles import Role
 from hflax.controller.training import OptimConfig, UpdateConfig
 from hflax.rollout import SamplingParams
+from hflax.rollout.agents.rollout import MultiTurn
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +43,9 @@ class ActorPlan:
   use_kl_loss: bool = False  # the loss reads the reference's log-probs
   # The loss corrects for the rollout's recorded log-probs (hflax.algorithms.correction).
   rollout_correction: RolloutCorrection | None = None
+  # Multi-turn trajectories with tools (rollout.multi_turn) and the tokenizer they need.
+  multi_turn: MultiTurn | None = None
+  tokenizer: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

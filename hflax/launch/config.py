@@ -103,9 +103,15 @@ def base_config() -> ml_collections.ConfigDict:
   # this many sequences per generation replica at once, the rest in further waves (0: all).
   # continuous_batching: max_num_seqs decode slots per replica instead of waves, a finished
   # sequence's slot taken by the next waiting one (same tokens and log-probs as waves).
+  # multi_turn (verl's rollout.multi_turn): each sample a trajectory of model turns and
+  # tool messages (hflax.rollout.agents), data.max_response_length tokens after its prompt.
   c.rollout = dict(n=1, temperature=1.0, top_k=0, top_p=1.0, generate_tensor=1,
                    dtype=config_dict.placeholder(str), val_n=1, val_temperature=0.0,
-                   val_top_k=0, val_top_p=1.0, max_num_seqs=0, continuous_batching=False)
+                   val_top_k=0, val_top_p=1.0, max_num_seqs=0, continuous_batching=False,
+                   multi_turn=dict(enable=False, max_assistant_turns=4,
+                                   max_tool_response_length=256, max_turn_tokens=0,
+                                   tool_config_path="", format="hermes",
+                                   tool_timeout_s=30.0))
   c.critic = dict(optim=_optim(1e-4), ppo_mini_batch_size=8, ppo_micro_batch_size=0,
                   ppo_epochs=1, shuffle=False, cliprange_value=0.5,
                   loss_agg_mode="token-mean", model_path="",
@@ -213,6 +219,7 @@ def _check_choices(c, fail):
   _check_int(c, "rollout.max_num_seqs", 0, fail, "(0: no cap)")
   if not isinstance(c.model.get("share_prompts", True), bool):
     fail("model.share_prompts", f"must be True or False, got {c.model.share_prompts!r}")
+  _check_multi_turn(c, fail)
   if not isinstance(c.rollout.get("continuous_batching", False), bool):
     fail("rollout.continuous_batching", f"must be True or False, got "
          f"{c.rollout.continuous_batching!r}")
@@ -392,6 +399,28 @@ def generation_cap_problem(c, cap) -> str | None:
     return (f"{cap} is less than the {samples} samples of one prompt (rollout.n / val_n), "
             "which are generated together")
   return None
+
+
+def _check_multi_turn(c, fail) -> None:
+  m = c.rollout.multi_turn
+  if not isinstance(m.enable, bool):
+    fail("rollout.multi_turn.enable", f"must be True or False, got {m.enable!r}")
+  _check_int(c, "rollout.multi_turn.max_assistant_turns", 1, fail, "(model turns a trajectory)")
+  _check_int(c, "rollout.multi_turn.max_tool_response_length", 1, fail,
+             "(tokens the messages after a turn may add)")
+  _check_int(c, "rollout.multi_turn.max_turn_tokens", 0, fail,
+             "(tokens one model turn samples; 0: as many as data.max_response_length leaves)")
+  if not (isinstance(m.tool_timeout_s, (int, float)) and m.tool_timeout_s > 0):
+    fail("rollout.multi_turn.tool_timeout_s", f"must be > 0 seconds, got {m.tool_timeout_s!r}")
+  from hflax.rollout.agents.tools import PARSERS
+  if m.format not in PARSERS:
+    fail("rollout.multi_turn.format", f"must be one of {sorted(PARSERS)}, got {m.format!r}")
+  if m.enable and m.tool_config_path:
+    from hflax.rollout.agents.tool_config import load_tools
+    try:
+      load_tools(m.tool_config_path)
+    except ValueError as e:
+      fail("rollout.multi_turn.tool_config_path", str(e))
 
 
 def tokenizer_spec(c) -> str:

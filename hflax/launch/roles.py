@@ -14,12 +14,13 @@ from hflax.controller.plan import (ActorPlan, CriticPlan, RunPlan, ScorerPlan,
                                    TrainPlan)
 from hflax.controller.roles import Role, Roles
 from hflax.controller.training import OptimConfig, UpdateConfig
-from hflax.launch.config import generation_cap_problem
+from hflax.launch.config import generation_cap_problem, tokenizer_spec
 from hflax.launch.models import (  # noqa: F401  (the launcher's names for them, in one place)
     actor_config, builtin_config, check_adapter, lora_plan, needed_roles, policy_model,
     read_model_configs, reference_in_actor, remove_padding, role_reasons, token_budgets,
     uses_reference, with_lora)
 from hflax.rollout import SamplingParams
+from hflax.rollout.agents.rollout import MultiTurn
 from hflax.sharding.layouts import data_parallel_size
 from hflax.sharding.placement import colocated, standalone
 
@@ -142,7 +143,8 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
                     continuous_batching=bool(r.get("continuous_batching", False)),
                     old_log_probs_in_reward=bool(cfg.algorithm.use_kl_in_reward),
                     use_kl_loss=bool(cfg.actor.use_kl_loss),
-                    rollout_correction=rollout_correction(cfg))
+                    rollout_correction=rollout_correction(cfg),
+                    multi_turn=multi_turn(cfg), tokenizer=tokenizer_spec(cfg))
   critic = CriticPlan(train=_train(cfg.critic, n, cfg.model), model_path=cfg.critic.model_path,
                       lora=lora_plan(cfg.critic)) if algorithm.uses_critic else None
   cost = ScorerPlan(kind=cfg.cost.kind, model_path=cfg.cost.model_path,
@@ -157,6 +159,17 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
       ref_remove_padding=remove_padding(cfg.model),
       ref_share_prompts=bool(cfg.model.get("share_prompts", True)),
       ref_log_prob_max_token_len=token_budgets(cfg.actor)[1])
+
+
+def multi_turn(cfg) -> MultiTurn | None:
+  """rollout.multi_turn as the actor reads it; None when off."""
+  m = cfg.rollout.multi_turn
+  if not m.enable:
+    return None
+  return MultiTurn(max_turns=m.max_assistant_turns, max_turn_len=m.max_tool_response_length,
+                   turn_tokens=m.max_turn_tokens,
+                   tool_config_path=m.tool_config_path, format=m.format,
+                   tool_timeout_s=float(m.tool_timeout_s), slots=cfg.rollout.max_num_seqs)
 
 
 def rollout_correction(cfg) -> RolloutCorrection | None:

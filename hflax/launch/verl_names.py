@@ -40,6 +40,9 @@ VERL_NAMES = {
     **{f"{_ARR}rollout.val_kwargs.{f}": f"rollout.val_{f}"
        for f in ("n", "temperature", "top_k", "top_p")},
     f"{_ARR}rollout.tensor_model_parallel_size": "rollout.generate_tensor",
+    **{f"{_ARR}rollout.multi_turn.{f}": f"rollout.multi_turn.{f}" for f in (
+        "enable", "max_assistant_turns", "max_tool_response_length", "tool_config_path",
+        "format")},
     f"{_ARR}rollout.dtype": "rollout.dtype",
     f"{_ARR}rollout.response_length": "data.max_response_length",
     f"{_ARR}rollout.prompt_length": "data.max_prompt_length",

@@ -260,7 +260,7 @@ class RolloutEngine:
     if len(r.prompt_ids) > self.max_turn_len:
       raise ValueError(f"{where}: {len(r.prompt_ids)} new tokens, a continuation brings at "
                        f"most max_turn_len={self.max_turn_len}")
-    if held.end + 1 + len(r.prompt_ids) > self.context_width:
+    if held.end + 1 + len(r.prompt_ids) >= self.context_width:
       raise ValueError(f"{where}: the context of {r.continues!r} is full ({held.end} of "
                        f"{self.context_width} columns): no room for {len(r.prompt_ids)} more "
                        "tokens and a reply")
@@ -382,7 +382,8 @@ class RolloutEngine:
     starts = np.asarray([h.end for h in held], np.int32)
     slots = np.full(K, self.slots, np.int32)
     slots[:len(requests)] = [h.slot for h in held[:len(requests)]]
-    room = self.context_width - (starts + lengths) + 1  # the most tokens a reply can have
+    # The most tokens a reply can have: the context holds every token, its last included.
+    room = self.context_width - (starts + lengths)
     per_row = {**self._sampling_rows(picks), "tokens": tokens, "length": lengths,
                "start": starts, "slot": slots}
     per_row["max_new"] = np.minimum(per_row["max_new"], room).astype(np.int32)

@@ -31,9 +31,11 @@ class MultiTurn:
   """rollout.multi_turn: max_turns model turns a trajectory; max_turn_len the most tokens
   the messages after one turn may add; tool_config_path a verl-format tool file (empty:
   the data source's built-in tools); format the tool-call parser; tool_timeout_s a call's
-  limit; slots the engine's decode slots (0: every trajectory at once)."""
+  limit; slots the engine's decode slots (0: every trajectory at once); turn_tokens the
+  most tokens one model turn samples (0: as many as the response width leaves)."""
   max_turns: int = 4
   max_turn_len: int = 256
+  turn_tokens: int = 0
   tool_config_path: str = ""
   format: str = "hermes"
   tool_timeout_s: float = 30.0
@@ -73,7 +75,8 @@ def multi_turn_rollout(graphdef, state, *, version: int, mesh, sampling: Samplin
   slots = settings.slots or rows
   slots += -slots % replicas
   engine = RolloutEngine(graphdef, state, dataclasses.replace(
-      sampling, n=1, max_new_tokens=response_width), slots=slots, max_prompt_len=width,
+      sampling, n=1, max_new_tokens=min(settings.turn_tokens or response_width,
+                                        response_width)), slots=slots, max_prompt_len=width,
       max_turn_len=settings.max_turn_len, max_context_len=width + response_width, mesh=mesh,
       version=version, key=rng)
   loop = AgentLoop(engine, tokenizer, max_turns=settings.max_turns)
