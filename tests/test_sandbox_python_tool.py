@@ -87,3 +87,16 @@ def test_the_caller_is_untouched():
   for _ in range(3):
     assert run_python("print('again')", LIMITS).ok
   assert os.getcwd() == before
+
+
+def test_jails_start_from_the_reward_code_pool():
+  """The tool's jails start from hflax.sandbox's ProcessPool workers (the mechanism user
+  reward code runs in), never from the caller."""
+  from hflax.sandbox import ProcessPool
+  pool = ProcessPool(1)
+  tool = PythonTool(LIMITS, pool=pool)
+  assert tool.execute({"code": "import os\nprint(os.getppid())"}) == str(
+      pool._all[0].process.pid)
+  pool.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    tool.execute({"code": "print(1)"})

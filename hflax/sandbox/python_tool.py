@@ -13,6 +13,10 @@ caller, which holds JAX's threads and gigabytes) inside its own temporary direct
 The refusals are an audit hook (PEP 578) installed before the code runs: code cannot
 remove it, and ctypes, the way around it, is refused too. What comes back to the model
 is text: the output, or the error, the limit hit, or how the process ended.
+
+PythonTool starts each jail from a worker of hflax.sandbox's ProcessPool, the mechanism
+user reward code runs in: the trainer (gigabytes, JAX's threads) never forks, and a jail
+the worker fails to reap still ends at the pool's own time limit, its worker replaced.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ import tempfile
 import threading
 import time
 
-from hflax.sandbox.pool import exit_status
+from hflax.sandbox.pool import ProcessPool, exit_status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,13 +197,33 @@ def _kill_group(process):
   process.wait()
 
 
+def run_python_text(code: str, limits: Limits) -> str:
+  """run_python's text: what a pool worker returns for the model to read."""
+  return run_python(code, limits).text()
+
+
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def shared_pool(workers: int = 4) -> ProcessPool:
+  """The process's pool of tool workers (started at first use): at most `workers` jails
+  run at once, the agent loop's other tool calls waiting for one."""
+  global _POOL
+  with _POOL_LOCK:
+    if _POOL is None or _POOL.closed:
+      _POOL = ProcessPool(workers)
+    return _POOL
+
+
 class PythonTool:
   """The code interpreter as a tool (hflax.rollout.agents): {"code": "..."} in, the
-  program's output (print what you need) or its error out."""
+  program's output (print what you need) or its error out. pool: the ProcessPool whose
+  workers start the jails (default: shared_pool())."""
   name = "python"
 
-  def __init__(self, limits: Limits = Limits()):
-    self.limits = limits
+  def __init__(self, limits: Limits = Limits(), pool: ProcessPool | None = None):
+    self.limits, self._pool = limits, pool
 
   @property
   def schema(self) -> dict:
@@ -214,4 +238,9 @@ class PythonTool:
     code = arguments.get("code")
     if not isinstance(code, str):
       return "Error: python needs {\"code\": \"<program>\"}"
-    return run_python(code, self.limits).text()
+    pool = self._pool or shared_pool()
+    # The worker's own limit: the jail's wall clock, with time to start and reap it.
+    outcome = pool.call(run_python_text, code, self.limits, timeout_s=self.limits.wall_s + 10)
+    if outcome.ok:
+      return outcome.value
+    return f"Error: the tool's worker {outcome.describe()}"
