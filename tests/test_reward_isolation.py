@@ -78,3 +78,43 @@ def test_through_python_m_hflax_launch_the_status_is_2_not_0(tmp_path):
                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
   assert done.returncode == 2, done.stderr
   assert done.stderr.strip().splitlines()[-1] == f"error: {message}"
+
+
+MEMORY_BOMB = (CALLS + HEAD + "  CALLS[0] += 1\n  if CALLS[0] > 26:  # step 4's scoring\n"
+               "    hoard = []\n    while True:\n      hoard.append(bytearray(64 * 2**20))\n"
+               "  return 1.0\n")
+
+
+def test_a_reward_allocating_without_bound_stops_at_its_memory_limit_then_resumes(tmp_path):
+  """Through python -m hflax.launch: the worker's address-space limit
+  (reward.memory_limit_gb) turns the blow-up into one line naming the function and file,
+  exit 2, checkpoint 2 intact; the same command with a fixed reward resumes from it."""
+  (tmp_path / "memory_bomb.py").write_text(MEMORY_BOMB)
+  env = {**os.environ, "PYTHONPATH": ROOT}
+  command = [sys.executable, "-m", "hflax.launch", *_args(tmp_path, "memory_bomb"),
+             "--config.reward.memory_limit_gb=0.5", "--config.reward.timeout_s=120",
+             "--config.trainer.export_hf=False"]
+  done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 2, done.stderr
+  assert "Traceback" not in done.stderr, done.stderr
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: reward function compute_score (memory_bomb.py) raised "
+                         "MemoryError (memory_bomb.py:"), last
+  assert last.endswith("over its worker's memory limit, reward.memory_limit_gb=0.5 on row 2"), last
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]
+  (tmp_path / "memory_bomb.py").write_text(HEAD + "  return 1.0\n")
+  done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stderr
+  assert "resumed from step 2" in done.stdout, done.stdout
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints"))[-1] == "4"
+
+
+def test_memory_limit_gb_is_checked(tmp_path, capsys):
+  for bad in ("-1", "0.1", "nan", "inf"):
+    code = cli(["--config", TINY, f"--config.trainer.run_dir={tmp_path}/run",
+                f"--config.reward.memory_limit_gb={bad}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "error: config.reward.memory_limit_gb: must be " in err, err

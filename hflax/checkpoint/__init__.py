@@ -44,6 +44,29 @@ _SET_ASIDE = ".corrupt"  # a step restore_latest skipped: <step>.corrupt (orbax 
 _DELETING = ".deleting"  # a pruned step is renamed to this first, then removed
 
 
+def pause_for_test(point: str) -> None:
+  """For tests only: HFLAX_TEST_PAUSE="checkpoint=5,export=5" sleeps that many seconds at
+  that point of a write, so a test can signal or kill -9 the launcher there: 'checkpoint'
+  once a checkpoint's files are written to orbax's temporary directory, before it is
+  committed; 'export' once an export's weights are written, before its tokenizer. Unset:
+  nothing (one dictionary lookup)."""
+  spec = os.environ.get("HFLAX_TEST_PAUSE")
+  if spec:
+    seconds = dict(p.split("=", 1) for p in spec.split(",") if "=" in p).get(point)
+    if seconds:
+      time.sleep(float(seconds))
+
+
+def _pause_before_commit(handler):
+  """Wraps handler.finalize (orbax commits the step after it) with pause_for_test."""
+  finalize = handler.finalize
+
+  def paused(*args, **kwargs):
+    pause_for_test("checkpoint")
+    return finalize(*args, **kwargs)
+  handler.finalize = paused
+
+
 class CorruptCheckpoint(ValueError):
   """A checkpoint step that cannot be restored: a checksum mismatch, or data, an item or
   metadata that cannot be read. The message is one line naming the step directory."""
@@ -129,6 +152,8 @@ class Checkpointer:
             # The directory appears with the first save, not when a reader opens it. Old
             # steps are pruned here (_prune), where a failure to delete is only a warning.
             max_to_keep=None, create=False, enable_async_checkpointing=async_save))
+    if "checkpoint=" in os.environ.get("HFLAX_TEST_PAUSE", ""):
+      _pause_before_commit(self._manager._checkpointer.handler)  # noqa: SLF001 - tests only
 
   def all_steps(self) -> list[int]:
     """Complete checkpoints on disk, oldest first (waits for an in-flight async save)."""

@@ -5,7 +5,7 @@ On CPU, HFLAX_CPU_DEVICES (default 2) simulated devices give each role its own m
 Bad input is one line and exit status 2; HFLAX_DEBUG=1 adds the traceback. Ctrl-C and
 SIGTERM end the run with one line and exit status 130 / 143; the same command resumes it.
 One run holds a run_dir at a time. Reward functions from files run in worker processes,
-reward.timeout_s seconds a batch at most.
+reward.timeout_s seconds a batch at most, in reward.memory_limit_gb of address space.
 """
 import os
 import signal

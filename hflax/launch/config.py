@@ -120,9 +120,13 @@ def base_config() -> ml_collections.ConfigDict:
                   use_dynamic_bsz=False, ppo_max_token_len_per_gpu=16384)
   # custom_fn: a Python file and a function in it (name "" is verl's default,
   # compute_score), run in a worker process (hflax.sandbox); timeout_s: the most seconds
-  # one batch's scoring may take, then the worker is killed (0: no limit).
-  c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=600.0)
-  c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=600.0)
+  # one batch's scoring may take, then the worker is killed (0: no limit);
+  # memory_limit_gb: the worker's address-space limit, so a reward that allocates without
+  # bound fails with MemoryError instead of taking the host's memory (0: no limit).
+  c.reward = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=600.0,
+                  memory_limit_gb=16.0)
+  c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=600.0,
+                memory_limit_gb=16.0)
   # kind: "colocated" (every role on all devices), "standalone" (a pool per role), "auto"
   # (the auto-mapper's best plan, meshes and generation width t_g included: it overrides
   # rollout.generate_tensor) or "custom" (pools and roles as in hflax.sharding.placement).
@@ -375,6 +379,11 @@ def _check_models_and_rewards(c, fail) -> None:
            "the Python file that defines it")
     if not c[section].timeout_s >= 0:
       fail(f"{section}.timeout_s", f"must be >= 0 (0: no limit), got {c[section].timeout_s!r}")
+    limit = c[section].memory_limit_gb
+    if not (isinstance(limit, (int, float)) and not isinstance(limit, bool)
+            and (limit == 0 or 0.5 <= limit < 1e6)):
+      fail(f"{section}.memory_limit_gb", "must be 0 (no limit) or a number of GB >= 0.5 (a "
+           f"worker process needs that much address space to start), got {limit!r}")
   kinds = ("colocated", "standalone", "auto", "custom")
   if c.placement.kind not in kinds:
     fail("placement.kind", f"{c.placement.kind!r} is not one of {kinds}")

@@ -27,6 +27,7 @@ _CONTEXT = {
     "critic.target_modules": {"critic.lora_rank": 8},
     "trainer.sft_warmup.batch_size": {"trainer.sft_warmup.steps": 10},
     "cost.timeout_s": {"algorithm.name": "safe_rlhf"},
+    "cost.memory_limit_gb": {"algorithm.name": "safe_rlhf"},
 }
 # Fields whose check depends on the machine (an installed package, a file), not the tree.
 _NOT_PROBED = {"trainer.wandb_project", "trainer.project_name"}
@@ -151,12 +152,16 @@ MEANINGS = {
     "reward.custom_fn.name": "its name ('': compute_score)",
     "reward.timeout_s": "most seconds one batch's scoring may take; a custom_fn's worker "
                       "process is then killed (0: no limit)",
+    "reward.memory_limit_gb": "a custom_fn's worker process's address-space limit: "
+                            "beyond it the function raises MemoryError (0: no limit)",
     "cost.kind": "Safe-RLHF's cost: rule or model",
     "cost.model_path": "the cost model's checkpoint",
     "cost.custom_fn.path": "a Python file with the cost function",
     "cost.custom_fn.name": "its name",
     "cost.timeout_s": "most seconds one batch's scoring may take; a custom_fn's worker "
                       "process is then killed (0: no limit)",
+    "cost.memory_limit_gb": "a custom_fn's worker process's address-space limit: "
+                            "beyond it the function raises MemoryError (0: no limit)",
     "cluster.backend": "local (this process) or ray",
     "cluster.address": "a Ray cluster to join ('': start a local one)",
     "cluster.processes_per_pool": "processes per placement pool (0: derived)",

@@ -16,6 +16,7 @@ from typing import Callable
 
 import jax
 
+from hflax.checkpoint import pause_for_test
 from hflax.controller.batch import Batch
 from hflax.launch.atomic_export import atomic_directory
 from hflax.metrics import plot_metrics
@@ -157,6 +158,7 @@ def export_actor(trainer):
     # Whole or absent: a kill mid-export never leaves an hf_actor that looks like a model.
     with atomic_directory(out) as partial:
       hf.export_checkpoint(partial, trainer.model_cfg, params)
+      pause_for_test("export")  # HFLAX_TEST_PAUSE: tests kill the launcher here
       save_tokenizer(trainer.tokenizer, partial)
     trainer.log(f"exported the actor to {out}")
   return export

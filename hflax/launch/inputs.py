@@ -67,7 +67,8 @@ def make_reward_fn(section, tokenizer, field: str = "reward"):
     where = f"config.{field}.custom_fn ({section.custom_fn.path})"
     try:
       # In a worker process: nothing the user's code does can end the trainer.
-      custom = PooledRewardFn(section.custom_fn.path, name, timeout_s=section.timeout_s)
+      custom = PooledRewardFn(section.custom_fn.path, name, timeout_s=section.timeout_s,
+                              memory_limit_gb=section.memory_limit_gb, field=field)
     except (FileNotFoundError, ValueError) as e:
       raise ValueError(f"{where}: {e}") from None
   scorer = RuleRewardScorer(tokenizer, custom, timeout_s=section.timeout_s or None)

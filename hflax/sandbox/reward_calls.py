@@ -161,14 +161,17 @@ class PooledRewardFn:
   naming the function, its file and the row. Loaded (imported) in the worker at once, so
   a file that fails to import is refused before any step."""
 
-  def __init__(self, path: str | os.PathLike, name: str, timeout_s: float | None = None):
+  def __init__(self, path: str | os.PathLike, name: str, timeout_s: float | None = None,
+               memory_limit_gb: float | None = None, field: str = "reward"):
     from hflax.sandbox.pool import ProcessPool
     self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     self.name, self.timeout_s = name, timeout_s or None
+    self.memory_limit_gb, self.field = memory_limit_gb or None, field
     if not os.path.isfile(self.path):
       raise FileNotFoundError(f"reward function file {self.path!r} does not exist")
     self.description = f"{name} ({os.path.basename(self.path)})"
-    self.pool = ProcessPool(workers=1)
+    limit = int(self.memory_limit_gb * 2**30) if self.memory_limit_gb else None
+    self.pool = ProcessPool(workers=1, memory_limit_bytes=limit)
     out = self.pool.call(check_in_worker, self.path, name, timeout_s=self.timeout_s)
     if out.ok and out.value[0] == "ok":
       self.description = out.value[1]
@@ -183,6 +186,9 @@ class PooledRewardFn:
     if out.kind == "raised" and out.error_type in _USER_EXITS:
       at = f" ({out.where})" if out.where else ""
       return f"raised {out.error_type}({out.message}){at}"
+    if out.kind == "raised" and out.error_type == "MemoryError" and self.memory_limit_gb:
+      return (f"{out.describe()}: over its worker's memory limit, {self.field}."
+              f"memory_limit_gb={self.memory_limit_gb:g}")
     return out.describe()
 
   def score_rows(self, texts, truths, infos, sources) -> list:
