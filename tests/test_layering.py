@@ -12,11 +12,12 @@ HFLAX = pathlib.Path(__file__).resolve().parents[1] / "hflax"
 #   platforms    the hardware: kernels (CPU, GPU, TPU), the attention choice, compiler
 #                options, process set-up; no model code
 #   models       weights and math, backend-neutral (they ask platforms)
-#   platform model families: platform code over the model's modules (the CPU decoding copy)
+#   platform model families: platform code over the model's modules (the CPU decoding copy
+#                and its modules)
 #   rollout < sharding < controller < algorithms drivers < launch
 PLATFORMS = {"hflax.platforms", "hflax.xla_env"}
 MODELS = PLATFORMS | {"hflax.models"}
-FAMILIES = MODELS | {"hflax.platforms.cpu.decoding_copy"}
+FAMILIES = MODELS | {"hflax.platforms.cpu.decoding_copy", "hflax.platforms.cpu.copy_modules"}
 # hflax.sandbox (worker processes for user code and tools) imports no other hflax package.
 ROLLOUT = FAMILIES | {"hflax.rollout", "hflax.sandbox"}
 SHARDING = ROLLOUT | {"hflax.sharding"}
@@ -30,7 +31,8 @@ ALLOWED = {
     "hflax.sandbox": set(),
     "hflax.algorithms": set(),
     "hflax.models": PLATFORMS,
-    "hflax.platforms.cpu.decoding_copy": MODELS,
+    "hflax.platforms.cpu.decoding_copy": MODELS | {"hflax.platforms.cpu.copy_modules"},
+    "hflax.platforms.cpu.copy_modules": MODELS,
     "hflax.rollout": ROLLOUT - {"hflax.rollout"},
     "hflax.sharding": ROLLOUT,
     "hflax.data": SHARDING,
@@ -44,7 +46,7 @@ ALLOWED = {
 }
 # Read as packages of their own (the longest match wins).
 SUBPACKAGES = ("hflax.algorithms.drivers", "hflax.controller.ray_backend",
-               "hflax.platforms.cpu.decoding_copy")
+               "hflax.platforms.cpu.decoding_copy", "hflax.platforms.cpu.copy_modules")
 LAYERS = ("hflax.platforms", "hflax.models", "hflax.platforms.cpu.decoding_copy",
           "hflax.rollout", "hflax.sharding", "hflax.controller", "hflax.algorithms.drivers",
           "hflax.launch")
@@ -172,10 +174,10 @@ def test_platforms_importing_a_model_is_caught(tmp_path):
   decoding copy, the CPU platform's model family, is above them and may."""
   shutil.copytree(HFLAX, tmp_path / "hflax", ignore=shutil.ignore_patterns("__pycache__"))
   kernel = tmp_path / "hflax" / "platforms" / "cpu" / "matmul.py"
-  kernel.write_text(kernel.read_text() + "\n\ndef late():\n  from hflax.models import transformer\n")
+  kernel.write_text(kernel.read_text() + "\n\ndef late():\n  from hflax.models import config\n")
   settings = tmp_path / "hflax" / "platforms" / "cpu" / "settings.py"
   settings.write_text(settings.read_text() + "\nfrom hflax.platforms.cpu import decoding_copy\n")
   assert violations(tmp_path) == [
-      "hflax.platforms.cpu.matmul imports hflax.models.transformer",
+      "hflax.platforms.cpu.matmul imports hflax.models.config",
       "hflax.platforms.cpu.settings imports hflax.platforms.cpu.decoding_copy"]
   assert cycles(tmp_path)

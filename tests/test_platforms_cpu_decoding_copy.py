@@ -212,7 +212,7 @@ def test_the_decode_program_reads_the_kernels_as_stored(dtype, tied, xla_matmuls
   # Contracting dimension 0 would be a kernel laid back out [in, out].
   assert all(dims == "1" for _, dims, _ in reads), reads
   # A few float32 rows (32 in the prefill, 4 a decode step): o, down and the gate/up pair
-  # are the left operands (matmul.rows_by_kernel, MLP._columns), and so is the head (its
+  # are the left operands (matmul.rows_by_kernel, CopyMLP._columns), and so is the head (its
   # 4 rows a step, matmul.step_logits); q/k/v stay on the right. bfloat16 puts o, down and
   # the pair on the left from LOW_LEFT_MIN_ROWS rows (the prefill's 32), not for the decode
   # steps' 4 rows; its head stays on the right for them.
@@ -262,7 +262,7 @@ def test_the_generation_benchs_matmul_floor_reads_the_kernels_as_the_sampler_doe
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_copys_mlp_with_kernels_on_the_left_computes_the_plain_products(dtype, xla_matmuls):
   """A decoding copy's MLP for LOW_LEFT_MIN_ROWS rows or more on CPU (both kernels on the
-  left, MLP._columns) computes down(swiglu(gate, up)) with the plain order's roundings:
+  left, CopyMLP._columns) computes down(swiglu(gate, up)) with the plain order's roundings:
   gate, up and the output rounded to the compute dtype once, from float32 sums."""
   from hflax.models.transformer import swiglu
   graphdef, state = for_decoding(*_model(dtype))

@@ -119,7 +119,7 @@ def _kernel_projection(model):
     return None
   if model.lm_head is None:  # tied: embed [V, D] in hidden's dtype, f32 logits
     return model.embed[...], True, None, "float32"
-  if model.lm_head.bias is not None or model.lm_head.packed:
+  if model.lm_head.bias is not None or getattr(model.lm_head, "packed", False):
     return None  # a packed decoding copy's head: Dense computes it (the CPU kernel)
   dtype = model.lm_head.dtype  # Dense computes and returns its dtype; logits() upcasts
   # A decoding copy stores the head [V, D], as the tied table is.

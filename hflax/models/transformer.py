@@ -18,9 +18,7 @@ from flax import nnx
 from hflax import platforms
 from hflax.models.attention import attention
 from hflax.models.config import ROW_AXES, ModelConfig
-from hflax.models.matmul import (compute_copy, dense_dot, head_on_left, kernel_on_left,
-                                 row_major_transpose, step_logits, tied_head, tied_logits,
-                                 widens_on_cpu)
+from hflax.models.matmul import compute_copy, dense_dot, step_logits, tied_head, tied_logits
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.models.tracing import one_trace_per_call
@@ -31,31 +29,24 @@ _INIT = jax.nn.initializers.normal(0.02)
 class Dense(nnx.Module):
   """x W (+ bias); with `lora`, plus (alpha / rank) x A B, A and B being LoRAParams."""
 
+  # The kernel is stored [din, dout]; the CPU decoding copy's modules store it [dout, din]
+  # (hflax.platforms.cpu.copy_modules.CopyDense).
+  out_in = False
+
   def __init__(self, din, dout, axes, *, bias, cfg: ModelConfig, rngs: nnx.Rngs,
-               lora: bool = False, kernel_left: bool = False):
+               lora: bool = False):
     self.kernel = nnx.Param(_INIT(rngs.params(), (din, dout), cfg.param_dtype), axes=axes)
     self.bias = (nnx.Param(jnp.zeros((dout,), cfg.param_dtype), axes=axes[1:])
                  if bias else None)
     self.dtype = jnp.dtype(cfg.dtype)
     self.lora_a, self.lora_b = _lora_pair(din, dout, axes, cfg, rngs) if lora else (None, None)
     self.lora_scale = cfg.lora_scale if lora else 0.0
-    # True in a decoding copy whose kernel is stored [dout, din]
-    # (hflax.platforms.cpu.decoding_copy).
-    self.out_in = False
-    # Such a kernel goes on the left for a few rows (matmul.rows_by_kernel): for a product
-    # that feeds an addition (the residual), which reads it transposed at no cost; q/k/v's
-    # and gate/up's consumers did not (their gain went into a transposing copy). The head
-    # is DecoderLM.step_logits' choice (a limit of its own).
-    self.kernel_left = kernel_left
-    # True where that [dout, din] kernel is also in the CPU kernel's packed layout.
-    self.packed = False
     # The kernel already cast to the compute dtype, for the model of one update's
     # micro-batches only (compute_kernels); never part of the state.
     self.compute_kernel = nnx.data(None)
 
   def __call__(self, x):
-    y = dense_dot(x, self.kernel[...], self.dtype, out_in=self.out_in,
-                  kernel_left=self.kernel_left, low=self.compute_kernel, packed=self.packed)
+    y = dense_dot(x, self.kernel[...], self.dtype, low=self.compute_kernel)
     if self.lora_a is not None:
       down = dense_dot(x, self.lora_a[...], self.dtype)
       y = y + self.lora_scale * dense_dot(down, self.lora_b[...], self.dtype)
@@ -89,42 +80,17 @@ class Attention(nnx.Module):
     self.q = Dense(d, h * hd, ("embed", "q_heads"), bias=cfg.qkv_bias, **on("q_proj"))
     self.k = Dense(d, kv * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, **on("k_proj"))
     self.v = Dense(d, kv * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, **on("v_proj"))
-    self.o = Dense(h * hd, d, ("q_heads", "embed"), bias=cfg.o_bias, kernel_left=True,
-                   **on("o_proj"))
+    self.o = Dense(h * hd, d, ("q_heads", "embed"), bias=cfg.o_bias, **on("o_proj"))
     self.q_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
     self.k_norm = RMSNorm(hd, "head_dim", cfg=cfg) if cfg.qk_norm else None
-    # A decoding copy's q, k and v kernels in one (decoding_copy), in place of q, k and v.
-    self.qkv, self.qkv_bias = nnx.data(None), nnx.data(None)
-    self.packed = False  # qkv in the CPU kernel's packed layout
-    # Decode steps attend through the CPU decode-attention kernel (where cfg.attention is
-    # "auto"; hflax.platforms.attention.choose).
-    self.cpu_attention = False
-
-  @property
-  def kernel_decodes(self) -> bool:
-    """Whether decode steps attend through the CPU kernel where it takes the cache:
-    the decoding copy asked for it and no other attention implementation is configured."""
-    return self.cpu_attention and self.cfg.attention == "auto"
 
   def __call__(self, x_BxTxD, cos, sin, kv_valid_BxS, slot0, cache, segment_ids_BxT=None,
                prefix_ids_BxT=None):
     cfg = self.cfg
     teacher_forced = cache is None and isinstance(slot0, int) and slot0 == 0
     B, T, _ = x_BxTxD.shape
-    KV, H, Dh = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
-    if self.qkv is not None:
-      q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self._grouped_projections(
-          x_BxTxD, self.qkv[...], None if self.qkv_bias is None else self.qkv_bias[...],
-          self.packed)
-    elif T == 1 and self.q.out_in and self.k.out_in and self.v.out_in:
-      # The hybrid engine's copy keeps q, k and v apart (its transfer moves leaves one to
-      # one): grouped here, XLA hoists the concatenation out of the decode loop.
-      q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self._grouped_projections(
-          x_BxTxD, *_grouped((self.q, self.k, self.v), KV))
-    else:
-      q_BxTxHxDh = self.q(x_BxTxD).reshape(B, T, H, Dh)
-      k_BxTxKxDh = self.k(x_BxTxD).reshape(B, T, KV, Dh)
-      v_BxTxKxDh = self.v(x_BxTxD).reshape(B, T, KV, Dh)
+    H, Dh = cfg.num_heads, cfg.head_dim
+    q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh = self.projections(x_BxTxD)
     if self.q_norm is not None:
       q_BxTxHxDh, k_BxTxKxDh = self.q_norm(q_BxTxHxDh), self.k_norm(k_BxTxKxDh)
     q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos, sin)
@@ -141,40 +107,20 @@ class Attention(nnx.Module):
     out_BxTxHxDh = attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
                              segment_ids_BxT, segment_ids_BxT, prefix_ids_BxT,
                              impl=cfg.attention, teacher_forced=teacher_forced,
-                             decode_kernel=self.kernel_decodes and cache is not None)
+                             **self.attention_options(cache))
     return self.o(out_BxTxHxDh.reshape(B, T, H * Dh)), cache
 
-  def _grouped_projections(self, x_BxTxD, kernel, bias, packed=False):
-    """q, k and v from a decoding copy's kernel [KV, (G + 2) * Dh, D] (q, k and v
-    concatenated per KV group, so a tensor-parallel split of the heads stays aligned with
-    the groups) in one matmul instead of three: a decode step's small products are bound
-    by reading the kernels and by per-call overhead, not by FLOPs. On a 2-core AMD EPYC
-    (AVX2), SmolLM2 in float32: 16 chat prompts x 128 greedy tokens took 23.45 against
-    25.04 s (same tokens); at 64 rows, bound by FLOPs, no change."""
+  def projections(self, x_BxTxD):
+    """q [B, T, H, Dh], k and v [B, T, KV, Dh]."""
     cfg = self.cfg
     B, T, _ = x_BxTxD.shape
-    KV, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    # [B, T, KV, (G + 2) * Dh]
-    y = dense_dot(x_BxTxD, kernel, self.o.dtype, out_in=True, packed=packed)
-    if bias is not None:
-      y = y + bias.astype(y.dtype)
-    q, k, v = jnp.split(y, [G * Dh, (G + 1) * Dh], axis=-1)
-    return q.reshape(B, T, KV * G, Dh), k, v
+    KV, H, Dh = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    return (self.q(x_BxTxD).reshape(B, T, H, Dh), self.k(x_BxTxD).reshape(B, T, KV, Dh),
+            self.v(x_BxTxD).reshape(B, T, KV, Dh))
 
-
-def _grouped(denses, groups):
-  """Kernels stored [out, in] (and biases) concatenated per KV group along out."""
-  kernel = kv_grouped([d.kernel[...] for d in denses], groups)
-  return kernel, None if denses[0].bias is None else kv_grouped([d.bias[...] for d in denses],
-                                                                 groups)
-
-
-def kv_grouped(arrays, groups):
-  """[out, ...] arrays (q, k and v kernels stored [out, in], or their biases) each split
-  into `groups` along out and concatenated per group: [groups, sum(out) / groups, ...],
-  the layout Attention._grouped_projections reads."""
-  return jnp.concatenate([x.reshape(groups, -1, *x.shape[1:]) for x in arrays], axis=1)
-
+  def attention_options(self, cache) -> dict:
+    """Keyword arguments for models.attention.attention beyond the model's config."""
+    return {}
 
 def _write_slots(cache, new, slot0, axis):
   """cache with `new` written at columns slot0.. of `axis`; slot0 a scalar or one per row."""
@@ -250,23 +196,9 @@ class MLP(nnx.Module):
     on = lambda name: {"cfg": cfg, "rngs": rngs, "lora": name in cfg.lora_targets}  # noqa: E731
     self.gate = Dense(d, f, ("embed", "mlp"), bias=b, **on("gate_proj"))
     self.up = Dense(d, f, ("embed", "mlp"), bias=b, **on("up_proj"))
-    self.down = Dense(f, d, ("mlp", "embed"), bias=b, kernel_left=True, **on("down_proj"))
-    # A decoding copy's gate and up kernels stacked [mlp, 2, embed] (decoding_copy), in
-    # place of gate and up: one matmul, the product [..., mlp, 2]. Stacked in front, the
-    # flattened [2 * mlp, embed] would split a tensor-parallel mlp axis in its minor half,
-    # and XLA gathered the whole pair.
-    self.pair = nnx.data(None)
-    self.packed = False  # pair in the CPU kernel's packed layout
+    self.down = Dense(f, d, ("mlp", "embed"), bias=b, **on("down_proj"))
 
   def __call__(self, x):
-    if self.pair is not None:
-      # out_in: down is a decoding copy's kernel too (never an adapted one: decoding_copy)
-      if (kernel_on_left(x.size // x.shape[-1], self.down.dtype) and self.down.out_in
-          and not self.packed):
-        return self._columns(x)
-      pair = dense_dot(x, self.pair[...], self.down.dtype, out_in=True, packed=self.packed)
-      gate, up = jnp.moveaxis(pair, -1, 0)
-      return self.down(swiglu(gate, up))
     plain = self.gate.bias is None and self.gate.lora_a is None and self.up.lora_a is None
     if x.shape[-2] == 1 and plain:
       # Decoding one token from kernels kept apart (the training layout, or the hybrid
@@ -278,31 +210,6 @@ class MLP(nnx.Module):
       gate, up = jnp.moveaxis(pair, -1 if out_in else -2, 0)
       return self.down(swiglu(gate, up))
     return self.down(swiglu(self.gate(x), self.up(x)))
-
-  def _columns(self, x):
-    """The decoding copy's MLP for a few rows on CPU, both kernels the left operands
-    (matmul.rows_by_kernel). float32 keeps the activation transposed ([mlp, rows]) between
-    them, down taking it as it lies. On a 2-core AMD EPYC (Zen 5), SmolLM2 at 64 rows: the
-    pair's product 0.68 against 0.71 ms a layer, down 0.38 against 0.51. bfloat16 writes
-    the activation out [rows, mlp] first: XLA:CPU widens a bfloat16 dot whose right
-    operand contracts its first axis to float32 (the MLP ran 1.6x slower that way). Both
-    products are rounded to the compute dtype as the plain order rounds them."""
-    # The kernel's axis 1 contracted with the right operand's `axis`.
-    contract = lambda axis: (((1,), (axis,)), ((), ()))  # noqa: E731
-    dtype = jnp.dtype(self.down.dtype)
-    x_RxD = x.reshape(-1, x.shape[-1]).astype(dtype)
-    F, _, D = self.pair.shape
-    wide = jnp.float32 if widens_on_cpu(dtype) else None
-    pair_Fx2xR = jax.lax.dot_general(self.pair[...].reshape(2 * F, D), x_RxD, contract(1),
-                                     preferred_element_type=wide).astype(dtype)
-    pair_Fx2xR = pair_Fx2xR.reshape(F, 2, -1)
-    act_FxR = swiglu(pair_Fx2xR[:, 0], pair_Fx2xR[:, 1])
-    if wide is not None:  # down's own product, its kernel on the left (rows_by_kernel)
-      return self.down(row_major_transpose(act_FxR[None])[0].reshape(x.shape[:-1] + (F,)))
-    y_DxR = jax.lax.dot_general(self.down.kernel[...], act_FxR, contract(0))
-    y = jax.lax.optimization_barrier(y_DxR).T.reshape(x.shape)
-    return y if self.down.bias is None else y + self.down.bias[...].astype(y.dtype)
-
 
 def swiglu(gate, up):
   """silu(gate) * up; for a 16-bit dtype computed in float32 and rounded once.
@@ -355,9 +262,6 @@ class DecoderLM(nnx.Module):
                           cfg=cfg, rngs=rngs) if untied_lm else None)
     self.score = (Dense(cfg.hidden_size, 1, ("embed", None), bias=True, cfg=cfg, rngs=rngs)
                   if head == "value" else None)
-    # A decoding copy's tied table [V, D] in the CPU kernel's packed layout, for step_logits
-    # (decoding_copy); the embedding lookups keep reading embed.
-    self.packed_head = nnx.data(None)
 
   def __call__(self, tokens_BxT, positions_BxT, kv_valid_BxS, *, cache=None, slot0=0,
                segment_ids_BxT=None, prefix_ids_BxT=None):
@@ -401,17 +305,9 @@ class DecoderLM(nnx.Module):
 
   def step_logits(self, hidden_BxD):
     """`logits` of a generation step's rows [B, D], through matmul.step_logits where the
-    head's table is stored [V, D] (tied, or a decoding copy's untied head), or through
-    the CPU kernel where the copy packed it (platforms.packed_matmul)."""
-    if self.packed_head is not None:
-      return platforms.packed_matmul(hidden_BxD, self.packed_head[...])
-    if self.lm_head is not None and self.lm_head.packed:
-      return platforms.packed_matmul(hidden_BxD, self.lm_head.kernel[...])
+    head's table is stored [V, D] (tied; a decoding copy's untied head too)."""
     if self.head == "lm" and self.lm_head is None:
       return step_logits(hidden_BxD, self.embed[...], hidden_BxD.dtype)
-    head = self.lm_head
-    if head is not None and head.out_in and head_on_left(hidden_BxD.shape[0], head.dtype):
-      return step_logits(hidden_BxD, head.kernel[...], head.dtype)
     return self.logits(hidden_BxD)
 
   def logits_projection(self):

@@ -276,11 +276,11 @@ def decode_segments(max_new_tokens: int) -> int:
 def kernel_attends(model) -> bool:
   """Whether every layer's decode step attends through the CPU decode-attention kernel
   (hflax.platforms.cpu.attention), which reads each row only up to its last visible slot:
-  a cache grown once to its full width then costs it no reads, and one loop saves the copies of the whole cache that growing it
-  between segments makes (SmolLM2, 64 rows x 128 tokens on two devices: 183 copies a
-  device a call, 0.65 s of a 15.5 s float32 call)."""
+  a cache grown once to its full width then costs it no reads, and one loop saves the
+  copies of the whole cache that growing it between segments makes (SmolLM2, 64 rows x 128
+  tokens on two devices: 183 copies a device a call, 0.65 s of a 15.5 s float32 call)."""
   layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Attention)]
-  return (bool(layers) and all(m.kernel_decodes for m in layers)
+  return (bool(layers) and all(getattr(m, "kernel_decodes", False) for m in layers)
           and platforms.decode_attention_kernel_usable(model.cfg.dtype))
 
 

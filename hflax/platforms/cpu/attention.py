@@ -24,9 +24,9 @@ full width, where every layer attends through the kernel (decoding.kernel_attend
 of between loop segments, each growth a copy of the whole cache; the result is the
 narrow cache's bit for bit.
 
-Used where the decoding copy says so (Attention.cpu_attention: weights whole on one
-device per core, as for cpu_matmul's kernels, since the kernel runs on one thread and
-cannot be partitioned), for bfloat16 and float32 caches with head_dim a multiple of 16.
+Used where the decoding copy says so (copy_modules.CopyAttention.cpu_attention: weights
+whole on one device per core, as for cpu_matmul's kernels, since the kernel runs on one
+thread and cannot be partitioned), for bfloat16 and float32 caches with head_dim a multiple of 16.
 HFLAX_CPU_ATTENTION=0 turns it off; `problem` says why it cannot serve, logged once.
 """
 from __future__ import annotations

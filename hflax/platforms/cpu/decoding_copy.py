@@ -38,7 +38,9 @@ from flax import nnx
 from hflax.platforms import all_cpu
 from hflax.platforms.cpu import attention as cpu_attention
 from hflax.platforms.cpu import matmul as cpu_matmul
-from hflax.models.transformer import MLP, Attention, Dense, DecoderLM, kv_grouped
+from hflax.models.transformer import MLP, Attention, Dense, DecoderLM
+from hflax.platforms.cpu.copy_modules import (CopyAttention, CopyDense, CopyLM, CopyMLP,
+                                              kv_grouped)
 
 
 class Recipe(NamedTuple):
@@ -97,6 +99,7 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = (), attend: 
     # which a packed layout does not survive.
     raise ValueError("decoding_plan: pack needs fuse=True")
   model = nnx.merge(graphdef, state)
+  _become_copies(model)
   paths = {p: i for i, p in enumerate(_leaf_paths(state))}
   made = {}  # the copy's leaf path -> Recipe
   for path, m in list(nnx.iter_modules(model)) if fuse else ():
@@ -113,12 +116,14 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = (), attend: 
     if isinstance(m, Dense) and _plain(m):
       kernel = m.kernel.get_value()
       dtype = _compute_dtype(m)
-      m.packed = _packs(m, kernel.shape[::-1], pack)
+      m.__class__ = CopyDense
+      # o's and down's products feed the residual's addition (CopyDense.kernel_left).
+      m.become_copy(packed=_packs(m, kernel.shape[::-1], pack),
+                    kernel_left=path[-1] in ("o", "down"))
       made[(*path, "kernel")] = Recipe("transpose", (paths[(*path, "kernel")],), dtype,
                                        kernel.shape[::-1], m.packed)
       m.kernel = m.kernel.replace(jax.ShapeDtypeStruct(kernel.shape[::-1], dtype),
                                   axes=tuple(reversed(m.kernel.axes)))
-      m.out_in = True
   if (pack and isinstance(model, DecoderLM) and model.head == "lm" and model.lm_head is None
       and model.packed_head is None):  # a decoding copy already has its packed table
     _pack_tied_head(model, paths, made, pack)
@@ -147,6 +152,19 @@ def leafwise_plan(graphdef, abstract, devices, replicas: int | None) -> Decoding
     return None
   whole = replicas is not None and cpu_matmul.serves(replicas)
   return decoding_plan(graphdef, abstract, fuse=False, attend=attending_dtypes() if whole else ())
+
+
+_COPIES = ((Attention, CopyAttention), (MLP, CopyMLP), (DecoderLM, CopyLM))
+
+
+def _become_copies(model):
+  """Turns the model's Attention, MLP and DecoderLM modules into the copy's
+  (copy_modules), each with nothing fused or packed yet; a copy's stay as they are."""
+  for _, m in nnx.iter_modules(model):
+    for base, copy in _COPIES:
+      if type(m) is base:
+        m.__class__ = copy
+        m.become_copy()
 
 
 def _plain(*denses) -> bool:
