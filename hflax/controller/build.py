@@ -11,7 +11,7 @@ from hflax.controller.plan import LoraPlan, RunPlan
 from hflax.controller.roles import Role, Roles
 from hflax.controller.actor import ActorRolloutWorker
 from hflax.controller.workers import (CriticWorker, FunctionRewardWorker, ReferenceWorker,
-                                      RewardModelWorker)
+                                      RewardModelWorker, TeacherWorker)
 from hflax.models import ModelConfig, create, hf
 from hflax.models.lora import add_adapters, load_adapter, lora_config, split_adapters
 from hflax.sharding.placement import build_placement
@@ -37,6 +37,15 @@ def value_model(path: str, policy, seed: int, lora: LoraPlan | None = None):
         state[key] = policy_state[key]
   if lora is not None:
     graphdef, state = add_adapters(with_lora(model_cfg, lora), state, seed, head="value")
+  return graphdef, state
+
+
+def teacher_model(path: str, student_cfg: ModelConfig):
+  """On-policy distillation's teacher (graphdef, state): any checkpoint hflax loads (an HF
+  directory, a LoRA-merged export, a .gguf file), in the student's dtypes and attention."""
+  _, graphdef, state = hf.load_checkpoint(path, param_dtype=student_cfg.param_dtype,
+                                          dtype=student_cfg.dtype,
+                                          attention=student_cfg.attention)
   return graphdef, state
 
 
@@ -84,6 +93,12 @@ def build_roles(plan: RunPlan, policy, *, devices=None, reward_fn: Callable | No
                               remove_padding=plan.ref_remove_padding,
                               share_prompts=plan.ref_share_prompts,
                               log_prob_max_token_len=plan.ref_log_prob_max_token_len)
+  if Role.TEACHER in wanted:
+    out.teacher = TeacherWorker(placed["teacher"], *teacher_model(plan.teacher_path, model_cfg),
+                                home=home, temperature=plan.ref_temperature,
+                                remove_padding=plan.ref_remove_padding,
+                                share_prompts=plan.ref_share_prompts,
+                                log_prob_max_token_len=plan.ref_log_prob_max_token_len)
   if Role.CRITIC in wanted:
     c = plan.critic
     out.critic = CriticWorker(placed["critic"], *value_model(c.model_path, policy, seed + 1,

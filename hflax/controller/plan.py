@@ -81,6 +81,9 @@ class RunPlan:
   ref_remove_padding: bool = False
   ref_share_prompts: bool = True  # packed: a prompt several rows repeat computed once
   ref_log_prob_max_token_len: int = 0
+  # On-policy distillation's teacher checkpoint (empty: none); it runs as the reference
+  # does (temperature, packing, token budget) on placement role "teacher".
+  teacher_path: str = ""
   seed: int = 0
 
   def only(self, roles, placement: dict) -> "RunPlan":

@@ -19,6 +19,7 @@ class Role(str, enum.Enum):
   CRITIC = "critic"
   REWARD = "reward"
   COST = "cost"
+  TEACHER = "teacher"  # on-policy distillation's teacher (log-probs only)
 
 
 # Roles whose parameters train (and go into checkpoints).
@@ -47,6 +48,11 @@ class ReferenceRole(Protocol):
 
 
 @runtime_checkable
+class TeacherRole(Protocol):
+  def compute_teacher_log_prob(self, batch: Batch) -> Batch: ...
+
+
+@runtime_checkable
 class CriticRole(Protocol):
   def compute_values(self, batch: Batch) -> Batch: ...
 
@@ -67,6 +73,7 @@ class Roles:
   critic: CriticRole | None = None
   reward: RewardRole | None = None
   cost: RewardRole | None = None
+  teacher: TeacherRole | None = None
 
   def get(self, role: Role):
     return getattr(self, Role(role).value)

@@ -202,14 +202,29 @@ class ReferenceWorker(RoleWorker):
 
   @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"), packs=packs_forward)
   def compute_ref_log_prob(self, rows, batch):
+    return {"ref_log_prob": self._log_probs(rows, batch)}
+
+  def _log_probs(self, rows, batch):
+    """The responses' per-token log-probs under this worker's weights."""
     if self.remove_padding:
       logp, _ = self._packed_forward(packed_log_probs_fn(self.graphdef, self.temperature),
                                      rows, batch)
-      return {"ref_log_prob": logp}
+      return logp
     fn = self.update_engine.jit_rows(
         log_probs_fn(self.graphdef, response_width(batch), self.temperature))
     logp, _ = fn(self.params, rows)
-    return {"ref_log_prob": logp}
+    return logp
+
+
+class TeacherWorker(ReferenceWorker):
+  """On-policy distillation's teacher: the reference's forward on the teacher's weights
+  (any checkpoint hflax loads), writing teacher_log_prob."""
+
+  prefix = "teacher"
+
+  @transfer(Protocol.DATA_PARALLEL, inputs=("input_ids", "attention_mask"), packs=packs_forward)
+  def compute_teacher_log_prob(self, rows, batch):
+    return {"teacher_log_prob": self._log_probs(rows, batch)}
 
 
 class CriticWorker(RoleWorker):

@@ -127,6 +127,13 @@ def base_config() -> ml_collections.ConfigDict:
                   memory_limit_gb=16.0)
   c.cost = dict(kind="rule", model_path="", custom_fn=dict(path="", name=""), timeout_s=600.0,
                 memory_limit_gb=16.0)
+  # On-policy distillation (hflax.algorithms.distill, docs/distillation.md): a teacher
+  # checkpoint (an HF directory, a LoRA-merged export or a .gguf file; the student's
+  # vocabulary) scores the student's samples, and each response token's advantage is
+  # coef * (teacher log-prob - student log-prob) + task_reward_coef * the algorithm's own
+  # advantage (0: distillation alone). teacher_path "" turns it off. The teacher runs on
+  # placement role "teacher" (custom placements without one: the reference's place).
+  c.distill = dict(teacher_path="", coef=1.0, task_reward_coef=0.0)
   # kind: "colocated" (every role on all devices), "standalone" (a pool per role), "auto"
   # (the auto-mapper's best plan, meshes and generation width t_g included: it overrides
   # rollout.generate_tensor) or "custom" (pools and roles as in hflax.sharding.placement).
@@ -391,6 +398,26 @@ def _check_models_and_rewards(c, fail) -> None:
     fail("placement", "kind='custom' needs placement.pools and placement.roles")
 
 
+# The drivers that call the teacher (hflax.algorithms.drivers.grpo's step).
+DISTILL_ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
+
+
+def _check_distill(c, fail, algorithm) -> None:
+  """distill: its algorithm, weights and placement; the teacher's vocabulary is checked
+  once the checkpoint's config is read (hflax.launch.models.check_teacher)."""
+  d = c.get("distill")
+  if d is None or not d.teacher_path:
+    return
+  if algorithm.name not in DISTILL_ALGORITHMS:
+    fail("distill.teacher_path", f"on-policy distillation runs with algorithm.name in "
+         f"{DISTILL_ALGORITHMS}, not {algorithm.name!r}")
+  if not d.coef and not d.task_reward_coef:
+    fail("distill.coef", "and distill.task_reward_coef are both 0: no advantage is left")
+  if c.placement.kind == "auto":
+    fail("placement.kind", "'auto' does not plan a distillation teacher yet; use "
+         "'colocated', 'standalone' or 'custom'")
+
+
 def wandb_project(c) -> str:
   """The wandb project of a run ("" for none): trainer.wandb_project turns wandb on by
   itself; verl's trainer.project_name names the project when trainer.log has 'wandb'."""
@@ -471,6 +498,7 @@ def validate(c) -> None:
     fail("algorithm.adv_estimator", f"'gae' needs a critic, which {c.algorithm.name} has not")
   _check_settings(c, fail)
   _check_models_and_rewards(c, fail)
+  _check_distill(c, fail, algorithm)
   _check_directories(c, fail)
   if "cluster" in c:
     from hflax.launch.cluster import validate_cluster

@@ -162,6 +162,11 @@ MEANINGS = {
                       "process is then killed (0: no limit)",
     "cost.memory_limit_gb": "a custom_fn's worker process's address-space limit: "
                             "beyond it the function raises MemoryError (0: no limit)",
+    "distill.teacher_path": "on-policy distillation's teacher: an HF directory, a LoRA-merged "
+                            "export or a .gguf file with the student's vocabulary ('': off)",
+    "distill.coef": "weight of the per-token advantage teacher log-prob - student log-prob",
+    "distill.task_reward_coef": "weight of the algorithm's own (task reward) advantage added "
+                                "to it (0: distillation alone)",
     "cluster.backend": "local (this process) or ray",
     "cluster.address": "a Ray cluster to join ('': start a local one)",
     "cluster.processes_per_pool": "processes per placement pool (0: derived)",
@@ -267,6 +272,8 @@ _SECTIONS = {
     "critic": "PPO's value model: optimiser, batches, value clipping, LoRA.",
     "reward": "`rule` (by `data_source`, or `custom_fn`) or a learned `model`.",
     "cost": "Safe-RLHF's cost, as `reward`.",
+    "distill": "On-policy distillation (docs/distillation.md): a teacher's per-token "
+               "log-probs on the student's samples as the advantage.",
     "placement": "Where the roles run: `colocated`, `standalone`, `auto` or `custom`.",
     "trainer": "Steps, validation, checkpoints, logging, the supervised warm-up and the "
                "compilation cache.",

@@ -32,7 +32,31 @@ def role_reasons(cfg) -> dict[str, str]:
     roles["reward"] = "reward.kind='model'"
   if algorithm.uses_cost and cfg.cost.kind == "model":
     roles["cost"] = "cost.kind='model'"
+  if teacher_path(cfg):
+    roles["teacher"] = "distill.teacher_path"
   return roles
+
+
+def teacher_path(cfg) -> str:
+  """On-policy distillation's teacher checkpoint ("": none)."""
+  return cfg.distill.teacher_path if "distill" in cfg else ""
+
+
+def check_teacher(cfg, student_vocab: int) -> None:
+  """Before any device work: the teacher's checkpoint reads, and embeds the student's
+  vocabulary (distillation compares log-probs of the same token ids)."""
+  from hflax.algorithms.distill import check_distill_vocab
+  path = teacher_path(cfg)
+  if not path:
+    return
+  try:
+    refuse_incomplete(path)
+    teacher = hf.read_config(path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.distill.teacher_path: {e}") from None
+  problem = check_distill_vocab(teacher.vocab_size, student_vocab)
+  if problem:
+    raise ValueError(f"config.distill.teacher_path: {path}: {problem}")
 
 
 def needed_roles(cfg) -> list[str]:

@@ -107,6 +107,8 @@ RANGES: dict[str, Range] = {
     "actor.tau_neg": positive(),
     "trainer.sft_warmup.lr": positive(),
     "trainer.profile_steps": non_negative("(steps to trace)", integer=True, each=True),
+    "distill.coef": non_negative("(weight of the reverse-KL advantage)"),
+    "distill.task_reward_coef": non_negative("(weight of the task advantage; 0: distil alone)"),
 }
 for _role in ("actor", "critic"):
   RANGES.update({

@@ -17,8 +17,8 @@ from hflax.controller.training import OptimConfig, UpdateConfig
 from hflax.launch.config import generation_cap_problem, tokenizer_spec
 from hflax.launch.models import (  # noqa: F401  (the launcher's names for them, in one place)
     actor_config, builtin_config, check_adapter, lora_plan, needed_roles, policy_model,
-    read_model_configs, reference_in_actor, remove_padding, role_reasons, token_budgets,
-    uses_reference, with_lora)
+    read_model_configs, reference_in_actor, remove_padding, role_reasons, teacher_path,
+    token_budgets, uses_reference, with_lora)
 from hflax.rollout import SamplingParams
 from hflax.rollout.agents.rollout import MultiTurn
 from hflax.sharding.layouts import data_parallel_size
@@ -67,6 +67,8 @@ def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_
     spec = standalone(roles, devices // len(roles), tensor)
   else:
     spec = {"pools": cfg.placement.pools.to_dict(), "roles": cfg.placement.roles.to_dict()}
+    if "teacher" in roles and "teacher" not in spec["roles"] and "ref" in spec["roles"]:
+      spec["roles"]["teacher"] = dict(spec["roles"]["ref"])  # the reference's place
     if reference_in_actor(cfg) and spec["roles"].pop("ref", None):
       # The actor serves the reference: a pool that only the reference used would idle.
       used = {r.get("pool") for r in spec["roles"].values()}
@@ -158,7 +160,7 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
       ref_temperature=r.temperature or 1.0, seed=cfg.trainer.seed,
       ref_remove_padding=remove_padding(cfg.model),
       ref_share_prompts=bool(cfg.model.get("share_prompts", True)),
-      ref_log_prob_max_token_len=token_budgets(cfg.actor)[1])
+      ref_log_prob_max_token_len=token_budgets(cfg.actor)[1], teacher_path=teacher_path(cfg))
 
 
 def multi_turn(cfg) -> MultiTurn | None:
@@ -184,7 +186,8 @@ def step_config(cfg) -> StepConfig:
   return StepConfig(algorithm=FrozenConfigDict(cfg.algorithm),
                     train_batch_size=cfg.data.train_batch_size,
                     max_response_length=cfg.data.max_response_length,
-                    critic_warmup=cfg.trainer.critic_warmup)
+                    critic_warmup=cfg.trainer.critic_warmup,
+                    distill=FrozenConfigDict(cfg.distill) if teacher_path(cfg) else None)
 
 
 def build_roles(cfg, policy, *, tokenizer, reward_fn: Callable | None = None,

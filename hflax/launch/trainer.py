@@ -29,6 +29,7 @@ from hflax.launch.inputs import (check_rule_rows, check_vocab, cost_function, lo
                                  make_loaders, make_reward_fn)
 from hflax.launch.roles import (make_plan, needed_roles, placement_spec, policy_model,
                                 read_model_configs, step_config)
+from hflax.launch.models import check_teacher
 from hflax.launch.sft import sft_warmup, warmup_cache_dir
 from hflax.metrics import MetricsLogger, throughput
 from hflax.models.tokenizer import load_tokenizer
@@ -84,6 +85,7 @@ class Trainer:
     self.tokenizer = load_tokenizer(tokenizer_spec(cfg))
     if checkpoint is not None:
       check_vocab(cfg, checkpoint, self.tokenizer)
+    check_teacher(cfg, checkpoint.vocab_size if checkpoint else self.tokenizer.vocab_size)
     train, val = load_datasets(cfg)
     check_rule_rows(cfg, train, val)
     self.loader, self.val_loader = make_loaders(cfg, self.tokenizer, train, val, log)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from hflax.sharding.layouts import train_mesh
 
-ROLES = ("actor", "ref", "critic", "reward", "cost")
+ROLES = ("actor", "ref", "critic", "reward", "cost", "teacher")
 MESH_AXES = ("data", "fsdp", "tensor")
 
 

@@ -20,7 +20,7 @@ from hflax.metrics import reduce_batch_metrics
 
 STAGE_NAMES = {"generate_sequences": "gen", "compute_reward": "reward",
                "compute_log_prob": "old_log_prob", "old_log_probs": "old_log_prob",
-               "compute_ref_log_prob": "ref",
+               "compute_ref_log_prob": "ref", "compute_teacher_log_prob": "teacher",
                "compute_values": "values", "update_critic": "update_critic",
                "update_actor": "update_actor"}
 
@@ -33,6 +33,8 @@ class StepConfig:
   train_batch_size: int  # prompts per step (DAPO fills its batch up to this)
   max_response_length: int
   critic_warmup: int = 0  # steps that train only the critic
+  # On-policy distillation's weights (the config's distill section); None: no teacher.
+  distill: Any = None
 
 
 @dataclasses.dataclass
@@ -104,6 +106,24 @@ def compute_advantage(batch: Batch, algo_cfg, state: StepState, rows_per_step: i
   out = Batch({"token_level_rewards": rewards, "advantages": advantages, "returns": returns},
               meta={"metrics": metrics})
   return batch.union(out)
+
+
+def apply_distillation(batch: Batch, distill) -> Batch:
+  """With a teacher (distill set and teacher_log_prob in the batch): each response token's
+  advantage becomes coef * (teacher log-prob - student log-prob) plus task_reward_coef
+  times the advantage compute_advantage gave it (hflax.algorithms.distill). The student's
+  log-probs are old_log_probs: the sampling policy's, on the same rows."""
+  if distill is None or "teacher_log_prob" not in batch:
+    return batch
+  from hflax.algorithms import distill as od
+  student, teacher, mask = (batch["old_log_probs"], batch["teacher_log_prob"],
+                            batch["response_mask"])
+  advantages = od.distill_advantage(student, teacher, mask, coef=float(distill.coef),
+                                    task_advantage=batch["advantages"],
+                                    task_reward_coef=float(distill.task_reward_coef))
+  metrics = {**batch.meta.get("metrics", {}), **od.distill_metrics(student, teacher, mask)}
+  return Batch({**batch.arrays, "advantages": advantages}, batch.objects,
+               {**batch.meta, "metrics": metrics})
 
 
 def step_metrics(batch: Batch, max_response_length: int, max_prompt_length=None) -> dict:
