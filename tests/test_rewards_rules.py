@@ -62,7 +62,7 @@ def test_registry_by_data_source():
   assert default_reward_fn("arithmetic") is arithmetic_exact_match
   assert default_reward_fn("openai/gsm8k") is gsm8k and default_reward_fn("gsm8k") is gsm8k
   with pytest.raises(ValueError, match="'mystery'.*HuggingFaceH4/MATH-500, aime\\*, arithmetic, "
-                                      "arithmetic_chat, gsm8k, "):
+                                      "arithmetic_chat, arithmetic_tools, gsm8k, "):
     default_reward_fn("mystery")
   with pytest.raises(ValueError, match="already has a reward"):
     register_reward_fn("gsm8k", len)

@@ -40,9 +40,9 @@ def cli(argv: list[str], stderr=None) -> int:
   try:
     cfg = load_config(argv)
     from hflax.launch.config import validate
-    from hflax.launch.run_lock import lock_run_dir
+    from hflax.launch.run_lock import holding_run_dir
     validate(cfg)  # run_dir's own faults are named before it is created and locked
-    with lock_run_dir(cfg.trainer.run_dir):  # one run per run_dir, before any device work
+    with holding_run_dir(cfg.trainer.run_dir):  # one run per run_dir, before any device work
       from hflax.launch.trainer import run as run_job
       run_job(cfg)
   except BAD_INPUT as e:

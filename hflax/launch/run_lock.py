@@ -8,6 +8,7 @@ too, before any step runs, so a file where a directory belongs stops the run at 
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -48,6 +49,22 @@ def lock_run_dir(run_dir: str):
   os.ftruncate(fd, 0)
   os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
   return os.fdopen(fd, "r+")
+
+
+@contextlib.contextmanager
+def holding_run_dir(run_dir: str):
+  """lock_run_dir for the life of a `with` block. A run directory the lock created and the
+  run left empty (its input refused before any work) is removed again: a refused run
+  leaves nothing behind."""
+  created = not os.path.exists(run_dir)
+  lock = lock_run_dir(run_dir)
+  try:
+    with lock:
+      yield lock
+  finally:
+    if created and os.listdir(run_dir) == [LOCK_NAME]:
+      os.remove(os.path.join(run_dir, LOCK_NAME))
+      os.rmdir(run_dir)
 
 
 def _read_holder(fd: int) -> str:
