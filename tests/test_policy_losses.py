@@ -12,13 +12,7 @@ from ml_collections import FrozenConfigDict
 from hflax import algorithms as A
 from hflax.launch.config import base_config, validate
 
-ATOL = 1e-5
-MASK = np.array([[1, 1, 1, 1, 0, 0],
-                 [1, 0, 0, 0, 0, 0],
-                 [1, 1, 1, 1, 1, 1],
-                 [0, 0, 0, 0, 0, 0],
-                 [1, 1, 1, 0, 0, 0]], np.float32)
-B, T = MASK.shape
+from test_algorithms_losses import ATOL, MASK, B, T  # the same masks as the older losses
 
 
 def _data(seed=0, per_sequence=False):

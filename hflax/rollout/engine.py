@@ -183,9 +183,6 @@ class RolloutEngine:
       raise RuntimeError("RolloutEngine has no weights: call update_weights(state, version)")
     return self._graphdef, self._state
 
-  def _weights(self):
-    return self.weights
-
   # -- the batch path -------------------------------------------------------------------
   def generate(self, prompts, params: SamplingParams | None = None, *, rng=None,
                wave_rows: int = 0, slots: int = 0, collect=None) -> dict:
@@ -194,7 +191,7 @@ class RolloutEngine:
     (n samples a prompt allowed here). wave_rows, slots, collect: generate_over_rows',
     on a mesh. Returns the sampler's fields plus "rollout_version" [rows], the weights'
     version every token of the batch carries."""
-    graphdef, state = self._weights()
+    graphdef, state = self.weights
     params = params or self.sampling
     if self.mesh is None or (self.devices is not None and not (wave_rows or collect)):
       out = sampler.generate(graphdef, state, prompts, params, rng=rng, devices=self.devices,
@@ -301,7 +298,7 @@ class RolloutEngine:
     every busy slot, and returns the requests that finished (in slot order)."""
     finished = self._admit()
     if any(live is not None for live in self._live):
-      self._carry, out = _decode(*self._weights(), self._carry,
+      self._carry, out = _decode(*self.weights, self._carry,
                                  params=self.sampling, steps=self.steps_per_call)
       tokens, logps, emitted, active = jax.device_get(
           (out["tokens"], out["log_probs"], out["emitted"], self._carry["active"]))
@@ -328,7 +325,7 @@ class RolloutEngine:
 
   # -- slots ----------------------------------------------------------------------------
   def _admit(self) -> list[Completion]:
-    graphdef, state = self._weights()
+    graphdef, state = self.weights
     if self._carry is None:
       self._carry = self._place(_empty_carry(nnx.merge(graphdef, state).cfg, self.slots,
                                              self.context_width + self._slack))
@@ -390,7 +387,7 @@ class RolloutEngine:
     for r in requests:
       del self._held[r.continues]
       self._ids.discard(r.continues)
-    self._carry, (first, logp, going) = _extend(*self._weights(), self._carry, per_row,
+    self._carry, (first, logp, going) = _extend(*self.weights, self._carry, per_row,
                                                 params=self.sampling)
     return self._started(requests, slots, (starts + lengths)[:len(requests)].tolist(),
                          first, logp, going)

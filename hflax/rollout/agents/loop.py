@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hflax.models.tokenizer import Tokenizer
+from hflax.models.transformer import positions_from_mask
 from hflax.rollout.agents.chat import MessageDelta
 from hflax.rollout.agents.environment import Environment, Observation, Turn
 from hflax.rollout.engine import Completion, Request, RolloutEngine
@@ -145,22 +146,23 @@ class AgentLoop:
       trajectory.rewards.append(float(obs.reward))
     for key, value in obs.counts.items():
       trajectory.metrics[key] = trajectory.metrics.get(key, 0) + value
-    stop = self._stop(trajectory, turn, obs)
+    ids = [] if obs.done else self.delta.ids(obs.messages)
+    stop = self._stop(trajectory, turn, obs, len(ids))
     if stop:
       trajectory.stop = stop
       self.engine.release((i, turn))
       return
-    ids = self.delta.ids(obs.messages)
     trajectory.append(ids, model=False)
     trajectory.metrics["tool_tokens"] += len(ids)
     self.engine.submit(self._request(i, ids, turn + 1))
 
-  def _stop(self, trajectory: Trajectory, turn: int, obs: Observation) -> str:
+  def _stop(self, trajectory: Trajectory, turn: int, obs: Observation, ids: int) -> str:
+    """Why the trajectory ends after this turn ("" if it goes on); ids: how many tokens
+    the messages after the turn would add."""
     if obs.done:
       return "done"
     if turn + 1 >= self.max_turns:
       return "max_turns"
-    ids = len(self.delta.ids(obs.messages))
     if len(trajectory.token_ids) + ids >= self.max_tokens:
       return "max_tokens"
     # The engine's columns: the prompt's padded width, then every later token.
@@ -207,7 +209,7 @@ def to_batch_fields(trajectories: Sequence[Trajectory], pad_id: int,
     log_probs[b, :rest] = t.log_probs[n:]
     versions[b, :rest] = t.versions[n:]
   attention_mask = np.concatenate([prompt_mask, real], axis=1)
-  positions = np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0).astype(np.int32)
+  positions = np.asarray(positions_from_mask(attention_mask), np.int32)
   return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
           "response_mask": loss_mask, "input_ids": np.concatenate([prompts, responses], axis=1),
           "attention_mask": attention_mask, "position_ids": positions,
