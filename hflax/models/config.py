@@ -1,4 +1,4 @@
-"""Decoder LM configuration, shared by Llama (2/3), Qwen2/2.5 and Qwen3."""
+"""Decoder LM configuration, shared by Llama (2/3), Qwen2/2.5, Qwen3 and Qwen3-MoE."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,8 @@ ROW_AXES = ("data", "fsdp")
 
 # HF architecture name -> the family switches it implies.
 _FAMILIES = {"Llama": dict(family="llama"), "Qwen2": dict(family="qwen2", qkv_bias=True),
-             "Qwen3": dict(family="qwen3", qk_norm=True)}
+             "Qwen3": dict(family="qwen3", qk_norm=True),
+             "Qwen3Moe": dict(family="qwen3_moe", qk_norm=True)}
 ARCHITECTURES = {prefix + head: switches for prefix, switches in _FAMILIES.items()
                  for head in ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification")}
 # hflax.models.attention.IMPLEMENTATIONS ("cudnn", "splash": the GPU and TPU kernels),
@@ -59,6 +60,17 @@ class ModelConfig:
   # How attention is computed (hflax.models.attention.IMPLEMENTATIONS): "auto" picks per
   # backend and shape; the others force one.
   attention: str = "auto"
+  # Mixture of experts (family "qwen3_moe", HF's names): a sparse layer routes each token
+  # to num_experts_per_tok of num_experts SwiGLU experts of width moe_intermediate_size
+  # (hflax.models.moe); layers in mlp_only_layers, or whose index + 1 is not a multiple of
+  # decoder_sparse_step, keep a dense MLP of width intermediate_size.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  router_aux_loss_coef: float = 0.0
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -76,6 +88,17 @@ class ModelConfig:
     unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
     if unknown:
       raise ValueError(f"lora_targets {unknown} are not among {LORA_TARGETS}")
+    if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                 and self.moe_intermediate_size > 0
+                                 and self.decoder_sparse_step > 0):
+      raise ValueError(f"num_experts={self.num_experts} needs 0 < num_experts_per_tok "
+                       f"({self.num_experts_per_tok}) <= num_experts, moe_intermediate_size "
+                       f"({self.moe_intermediate_size}) > 0 and decoder_sparse_step "
+                       f"({self.decoder_sparse_step}) > 0")
+    mlp_targets = [t for t in self.lora_targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if self.num_experts and mlp_targets:
+      raise ValueError(f"lora_targets {mlp_targets}: the experts of a mixture-of-experts model "
+                       "take no LoRA adapters (attention's projections do)")
     if self.lora_rank < 0 or (self.lora_rank > 0) != bool(self.lora_targets):
       raise ValueError(f"lora_rank={self.lora_rank} with lora_targets={self.lora_targets}: a "
                        "positive rank needs targets, and targets need a positive rank")
@@ -88,17 +111,38 @@ class ModelConfig:
   def rope_scaling_dict(self) -> dict[str, Any]:
     return dict(self.rope_scaling or ())
 
+  def sparse_layer(self, layer: int) -> bool:
+    """Whether layer `layer` is a mixture of experts (HF's rule for Qwen3-MoE)."""
+    return (self.num_experts > 0 and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0)
+
+  @property
+  def num_sparse_layers(self) -> int:
+    return sum(self.sparse_layer(i) for i in range(self.num_layers))
+
   @property
   def num_params(self) -> int:
-    """Parameter count (what the auto-mapper and FLOP counts use)."""
+    """Parameter count (what the auto-mapper and FLOP counts use): every expert counted."""
+    return self._count_params(self.num_experts)
+
+  @property
+  def num_active_params(self) -> int:
+    """Parameters one token runs through: num_experts_per_tok experts in a sparse layer
+    (the router's full width counted), the same as num_params for a dense model."""
+    return self._count_params(self.num_experts_per_tok)
+
+  def _count_params(self, experts: int) -> int:
     d, h, kv, hd, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                        self.intermediate_size)
     attn = d * h * hd * 2 + d * kv * hd * 2
     attn += (h + 2 * kv) * hd * self.qkv_bias + d * self.o_bias + 2 * hd * self.qk_norm
     mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-    per_layer = attn + mlp + 2 * d
+    sparse = self.num_sparse_layers
+    moe = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+    per_layer = attn + 2 * d
     head = 0 if self.tie_word_embeddings else self.vocab_size * d
-    return self.vocab_size * d + self.num_layers * per_layer + d + head
+    return (self.vocab_size * d + self.num_layers * per_layer + (self.num_layers - sparse) * mlp
+            + sparse * moe + d + head)
 
   @property
   def num_lora_params(self) -> int:
@@ -119,7 +163,7 @@ class ModelConfig:
     if not known:
       model_type = hf.get("model_type")
       by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
       if model_type not in by_type:
         raise ValueError(
             f"{source}: unsupported architecture {archs or model_type!r}; hflax supports "
@@ -148,8 +192,10 @@ class ModelConfig:
     if family == "llama":
       switches["qkv_bias"] = switches["o_bias"] = bool(hf.get("attention_bias", False))
       switches["mlp_bias"] = bool(hf.get("mlp_bias", False))
-    elif family == "qwen3":
+    elif family in ("qwen3", "qwen3_moe"):
       switches["qkv_bias"] = switches["o_bias"] = bool(hf.get("attention_bias", False))
+    if family == "qwen3_moe":
+      switches.update(_moe_fields(hf, source))
     eos = hf.get("eos_token_id")
     return cls(
         family=family,
@@ -173,7 +219,7 @@ class ModelConfig:
 
   def to_hf(self) -> dict[str, Any]:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}[self.family]
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[self.family]
     out = dict(
         architectures=[arch],
         model_type=self.family,
@@ -196,7 +242,7 @@ class ModelConfig:
         pad_token_id=self.pad_token_id,
         torch_dtype=self.param_dtype,
     )
-    if self.family in ("llama", "qwen3"):
+    if self.family in ("llama", "qwen3", "qwen3_moe"):
       if self.qkv_bias != self.o_bias:
         raise ValueError(f"{arch} cannot express qkv_bias={self.qkv_bias} with o_bias={self.o_bias}")
       out["attention_bias"] = self.qkv_bias
@@ -206,4 +252,27 @@ class ModelConfig:
       raise ValueError(f"{arch} has no mlp_bias")
     if self.family == "qwen2":
       out["use_sliding_window"] = False
+    if self.family == "qwen3_moe":
+      out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                 moe_intermediate_size=self.moe_intermediate_size,
+                 norm_topk_prob=self.norm_topk_prob,
+                 decoder_sparse_step=self.decoder_sparse_step,
+                 mlp_only_layers=list(self.mlp_only_layers),
+                 router_aux_loss_coef=self.router_aux_loss_coef, use_sliding_window=False)
     return out
+
+
+def _moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
+  """ModelConfig's mixture-of-experts fields from a Qwen3-MoE config.json (transformers 5
+  writes num_experts as num_local_experts)."""
+  experts = hf.get("num_experts", hf.get("num_local_experts"))
+  for key, value in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+                     ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
+    if value is None:
+      raise ValueError(f"{source}: missing required field {key!r}")
+  return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+              moe_intermediate_size=int(hf["moe_intermediate_size"]),
+              norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+              decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+              mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+              router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))

@@ -26,11 +26,15 @@ from hflax.models.transformer import Dense, create_abstract
 # Tensors some checkpoints carry that hflax recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _HEAD_ARCH = {"lm": "ForCausalLM", "value": "ForTokenClassification"}
-_FAMILY_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_FAMILY_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+# In a name, the place of the expert index: the parameter stacks those tensors on axis 0
+# (HF stores one tensor an expert; a GGUF file the stack itself, under this very name).
+EXPERT = "*"
 
 
 def hf_name_map(cfg: ModelConfig, head: str = "lm") -> dict[tuple, tuple[str, bool]]:
-  """hflax parameter path -> (HF tensor name, whether HF stores it transposed)."""
+  """hflax parameter path -> (HF tensor name, whether HF stores it transposed); an expert
+  stack's name holds EXPERT where HF's names hold the expert's index."""
   names: dict[tuple, tuple[str, bool]] = {("embed",): ("model.embed_tokens.weight", False),
                                           ("final_norm", "scale"): ("model.norm.weight", False)}
   for i in range(cfg.num_layers):
@@ -43,6 +47,9 @@ def hf_name_map(cfg: ModelConfig, head: str = "lm") -> dict[tuple, tuple[str, bo
     for proj in ("gate", "up", "down"):
       names[ours + ("mlp", proj, "kernel")] = (hf + f"mlp.{proj}_proj.weight", True)
       names[ours + ("mlp", proj, "bias")] = (hf + f"mlp.{proj}_proj.bias", False)
+    names[ours + ("mlp", "router")] = (hf + "mlp.gate.weight", True)
+    for proj in ("gate", "up", "down"):
+      names[ours + ("mlp", proj)] = (hf + f"mlp.experts.{EXPERT}.{proj}_proj.weight", True)
     names[ours + ("attn_norm", "scale")] = (hf + "input_layernorm.weight", False)
     names[ours + ("mlp_norm", "scale")] = (hf + "post_attention_layernorm.weight", False)
   names[("lm_head", "kernel")] = ("lm_head.weight", True)
@@ -108,7 +115,7 @@ def _open(file: str):
 def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: str | None = None,
                     dtype: str | None = None, remat: bool = False, seed: int = 0,
                     attention: str = "auto"):
-  """Loads a Llama/Qwen2/Qwen3 HF checkpoint directory.
+  """Loads a Llama/Qwen2/Qwen3/Qwen3-MoE HF checkpoint directory.
 
   Args:
     path: directory with config.json and model.safetensors (or sharded + index); or a
@@ -141,6 +148,8 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
     key = _path_key(kpath)
     hf_name, transposed = names[key]
     shape, want = var.get_value().shape, jnp.dtype(cfg.param_dtype)
+    if EXPERT in hf_name and hf_name not in index.file_of:
+      return var.replace(_load_experts(index, hf_name, shape, want, target_sharding, path))
     if hf_name not in index.file_of:
       if key[0] == "score" and fresh is not None:
         return var.replace(jax.device_put(fresh[key[1]][...].astype(want), target_sharding))
@@ -167,6 +176,31 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
   return cfg, graphdef, state
 
 
+def _load_experts(index, name: str, shape, want, target_sharding, path: str):
+  """An expert stack [E, in, out] from HF's one [out, in] tensor an expert."""
+  parts = [name.replace(EXPERT, str(e)) for e in range(shape[0])]
+  for part in parts:
+    if part not in index.file_of:
+      raise KeyError(f"checkpoint {path!r} lacks tensor {part!r}")
+    stored = tuple(index.slice(part).get_shape())
+    if stored != shape[:0:-1]:
+      raise ValueError(f"{index.file_of[part]}: tensor {part!r} has shape {stored}, but "
+                       f"config.json implies {shape[:0:-1]}")
+
+  def read(idx):
+    idx = tuple(idx) + (slice(None),) * (len(shape) - len(idx))
+    experts = range(shape[0])[idx[0]]
+    return np.stack([np.asarray(index.slice(parts[e])[idx[2], idx[1]]).T
+                     for e in experts]).astype(want)
+
+  return jax.make_array_from_callback(shape, target_sharding, read)
+
+
+def _expanded(name: str, shape) -> list[str]:
+  """The HF tensor names one parameter covers (an expert stack's: one an expert)."""
+  return [name.replace(EXPERT, str(e)) for e in range(shape[0])] if EXPERT in name else [name]
+
+
 def _resolve_shardings(abstract, sharding):
   is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
   if sharding is None:
@@ -180,8 +214,9 @@ def _resolve_shardings(abstract, sharding):
 
 
 def _check_unused(index, names, abstract, path):
-  used = {names[_path_key(k)][0] for k, _ in jax.tree_util.tree_flatten_with_path(
-      abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
+  used = {n for k, v in jax.tree_util.tree_flatten_with_path(
+      abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+      for n in _expanded(names[_path_key(k)][0], v.get_value().shape) + [names[_path_key(k)][0]]}
   spare = {"lm_head.weight"}  # checkpoints with tied embeddings sometimes store it anyway
   unused = [n for n in index.file_of if n not in used and n not in spare
             and not n.endswith(_IGNORED_SUFFIXES)]
@@ -209,12 +244,14 @@ def export_checkpoint(path: str, cfg: ModelConfig, state, *, head: str = "lm",
   for kpath, var in flat:
     hf_name, transposed = names[_path_key(kpath)]
     array = np.asarray(jax.device_get(var[...])).astype(out_dtype)
-    array = np.ascontiguousarray(array.T if transposed else array)
-    if size + array.nbytes > max_shard_bytes and shards[-1]:
-      shards.append({})
-      size = 0
-    shards[-1][hf_name] = array
-    size += array.nbytes
+    stack = array if EXPERT in hf_name else array[None]
+    for name, part in zip(_expanded(hf_name, stack.shape), stack):
+      part = np.ascontiguousarray(part.T if transposed else part)
+      if size + part.nbytes > max_shard_bytes and shards[-1]:
+        shards.append({})
+        size = 0
+      shards[-1][name] = part
+      size += part.nbytes
   if len(shards) == 1:
     save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
   else:

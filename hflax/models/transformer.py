@@ -1,4 +1,5 @@
-"""The decoder-only transformer behind Llama (2/3), Qwen2/2.5 and Qwen3, in Flax NNX.
+"""The decoder-only transformer behind Llama (2/3), Qwen2/2.5, Qwen3 and Qwen3-MoE (its
+sparse MLP in hflax.models.moe), in Flax NNX.
 
 Every parameter carries `axes`, a tuple of logical axis names, that hflax.sharding maps
 to mesh axes (one mapping for training, another for generation).
@@ -19,6 +20,7 @@ from hflax import platforms
 from hflax.models.attention import attention
 from hflax.models.config import ROW_AXES, ModelConfig
 from hflax.models.matmul import compute_copy, dense_dot, step_logits, tied_head, tied_logits
+from hflax.models.moe import SparseMoE
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.models.tracing import one_trace_per_call
@@ -233,11 +235,11 @@ def _swiglu_in_float32(gate, up):
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
     self.attn_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
-    self.mlp = MLP(cfg, rngs)
+    self.mlp = SparseMoE(cfg, rngs) if cfg.sparse_layer(layer) else MLP(cfg, rngs)
 
   def __call__(self, x, cos, sin, kv_valid, slot0, cache, segment_ids=None, prefix_ids=None):
     h, cache = self.attn(self.attn_norm(x), cos, sin, kv_valid, slot0, cache, segment_ids,
@@ -255,7 +257,7 @@ class DecoderLM(nnx.Module):
     self.cfg, self.head = cfg, head
     self.embed = nnx.Param(_INIT(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
                                  cfg.param_dtype), axes=("vocab", "embed"))
-    self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+    self.layers = nnx.List([Block(cfg, rngs, i) for i in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
     untied_lm = head == "lm" and not cfg.tie_word_embeddings
     self.lm_head = (Dense(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False,

@@ -1,0 +1,138 @@
+"""Qwen3-MoE's sparse MLP: a top-k router over stacked SwiGLU experts.
+
+The router is HF's: logits in the compute dtype, a softmax over all experts in float32,
+the top k of those probabilities, renormalised to sum to 1 when norm_topk_prob. The
+experts are computed by dense dispatch: every expert's SwiGLU runs on every token and a
+[tokens, experts] matrix of combine weights (zero outside a token's k experts) sums them.
+That is num_experts / k times the FLOPs of a gather, but it is a pair of einsums over the
+stacked expert weights [E, D, F], so an "expert" mesh axis on E splits the work (each
+device runs its own experts on every token; the combine is a sum over E that XLA reduces
+across the axis), with no capacity, no dropped tokens, and gradients for the router
+through the combine weights.
+
+Routing replay: a module's `replay` (set by `set_replay` before a call) replaces the
+top-k choice with given expert indices; the combine weights are still the current
+router's probabilities at those indices (renormalised the same way), so the router gets
+its gradient. Inside `recording()` every call appends the indices it used and its router
+logits to the recorder (a list, not the module: a decode loop's body may not mutate a
+module made outside it), for the rollout to keep and for the load-balancing loss.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hflax.models.config import ModelConfig
+from hflax.models.matmul import dense_dot
+
+_INIT = jax.nn.initializers.normal(0.02)
+
+
+class SparseMoE(nnx.Module):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    param = lambda shape, axes: nnx.Param(_INIT(rngs.params(), shape, cfg.param_dtype),  # noqa: E731
+                                          axes=axes)
+    # Stored [in, out] like Dense's kernels; the expert axis first so it can be split.
+    self.router = param((d, e), ("embed", None))
+    self.gate = param((e, d, f), ("expert", "embed", "expert_mlp"))
+    self.up = param((e, d, f), ("expert", "embed", "expert_mlp"))
+    self.down = param((e, f, d), ("expert", "expert_mlp", "embed"))
+    self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+    self.dtype = jnp.dtype(cfg.dtype)
+    # Inputs and outputs of one call, never part of the state: expert indices to replay
+    # ([..., k] int32, shaped like the tokens), and what the call used.
+    self.replay = nnx.data(None)
+
+  def __call__(self, x_BxTxD):
+    logits = dense_dot(x_BxTxD, self.router[...], self.dtype)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if self.replay is None:
+      weights, routes = jax.lax.top_k(probs, self.top_k)
+    else:
+      routes = jnp.asarray(self.replay, jnp.int32)
+      if routes.shape != probs.shape[:-1] + (self.top_k,):
+        raise ValueError(f"replayed routes have shape {routes.shape}, the tokens need "
+                         f"{probs.shape[:-1] + (self.top_k,)}")
+      weights = jnp.take_along_axis(probs, routes, axis=-1)
+    if self.norm_topk_prob:
+      weights = weights / weights.sum(axis=-1, keepdims=True)
+    if getattr(_recorders, "stack", None):
+      _recorders.stack[-1].append((routes, logits))
+    n = probs.shape[-1]
+    # [..., E]: each token's weight for each expert, zero outside its k.
+    combine = jnp.einsum("...k,...ke->...e", weights.astype(self.dtype),
+                         jax.nn.one_hot(routes, n, dtype=self.dtype))
+    x = x_BxTxD.astype(self.dtype)
+    gate = jnp.einsum("btd,edf->btef", x, self.gate[...].astype(self.dtype))
+    up = jnp.einsum("btd,edf->btef", x, self.up[...].astype(self.dtype))
+    hidden = _swiglu(gate, up) * combine[..., None]
+    return jnp.einsum("btef,efd->btd", hidden, self.down[...].astype(self.dtype))
+
+
+def _swiglu(gate, up):
+  """silu(gate) * up, in float32 for 16-bit dtypes and rounded once (as the dense MLP)."""
+  wide = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32))
+  return wide.astype(gate.dtype)
+
+
+def sparse_modules(model) -> list[SparseMoE]:
+  """The model's MoE modules, in layer order."""
+  return [m for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)]
+
+
+def set_replay(model, routes_LxBxTxK) -> None:
+  """Makes each sparse layer route by the given experts ([sparse layers, ..., k] int32, in
+  layer order; what `recorded` returned for the same tokens); None: route afresh."""
+  modules = sparse_modules(model)
+  if routes_LxBxTxK is not None and len(routes_LxBxTxK) != len(modules):
+    raise ValueError(f"replayed routes cover {len(routes_LxBxTxK)} layers, the model has "
+                     f"{len(modules)} sparse layers")
+  for i, m in enumerate(modules):
+    m.replay = nnx.data(None if routes_LxBxTxK is None else routes_LxBxTxK[i])
+
+
+_recorders = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+  """Within it, each sparse layer's call appends (routes [..., k], router logits [..., E])
+  to the list it yields, in call order (layer order for one model call). Use the values
+  in the same trace they were made in (inside a loop's body for a call in that body)."""
+  stack = _recorders.__dict__.setdefault("stack", [])
+  stack.append([])
+  try:
+    yield stack[-1]
+  finally:
+    stack.pop()
+
+
+def stacked(record):
+  """(routes [sparse layers, ..., k] int32, router logits [sparse layers, ..., E]) of one
+  model call's record; (None, None) for a dense model."""
+  if not record:
+    return None, None
+  return jnp.stack([r for r, _ in record]), jnp.stack([lg for _, lg in record])
+
+
+def load_balancing_loss(router_logits_LxBxTxE, top_k: int, mask_BxT=None):
+  """The Switch Transformer auxiliary loss as transformers' load_balancing_loss_func
+  computes it for Qwen3-MoE: over all sparse layers' (unpadded) tokens together,
+  E x sum_e (share of top-k assignments to e) x (mean router probability of e), the
+  assignment shares summing to k."""
+  probs = jax.nn.softmax(router_logits_LxBxTxE.astype(jnp.float32), axis=-1)
+  n = probs.shape[-1]
+  _, top = jax.lax.top_k(probs, top_k)
+  assigned = jax.nn.one_hot(top, n, dtype=jnp.float32).sum(axis=-2)  # [L, B, T, E]
+  if mask_BxT is None:
+    mask_BxT = jnp.ones(probs.shape[1:-1], jnp.float32)
+  w = jnp.broadcast_to(mask_BxT.astype(jnp.float32)[None, ..., None], probs.shape[:-1] + (1,))
+  rows = w.sum()
+  tokens_per_expert = (assigned * w).sum(axis=(0, 1, 2)) / rows
+  prob_per_expert = (probs * w).sum(axis=(0, 1, 2)) / rows
+  return n * jnp.sum(tokens_per_expert * prob_per_expert)

@@ -1,0 +1,33 @@
+"""A tiny random Qwen3-MoE built offline with transformers: the reference for MoE tests."""
+import torch
+import transformers
+
+
+def tiny_moe(seed: int = 0, **overrides):
+  """3 layers (the middle one dense, as mlp_only_layers makes it), 8 experts, top-2,
+  renormalised weights. The router is drawn wide (std 0.5) so that top-k choices have
+  clear margins, and the norms are perturbed so parity exercises them."""
+  kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
+                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                rope_theta=1000000.0, max_position_embeddings=256, rms_norm_eps=1e-6,
+                router_aux_loss_coef=0.01, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+  kwargs.update(overrides)
+  config = transformers.Qwen3MoeConfig(**kwargs)
+  config._attn_implementation = "eager"
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.add_(0.1 * torch.randn_like(p))
+      if name.endswith("mlp.gate.weight"):
+        p.normal_(0.0, 0.5)
+  return model.eval()
+
+
+def hf_logits_and_aux(model, ids, mask):
+  """transformers' logits [B, T, V] and load-balancing loss for left-padded rows."""
+  with torch.no_grad():
+    out = model(torch.tensor(ids), attention_mask=torch.tensor(mask), output_router_logits=True)
+  return out.logits.float().numpy(), float(out.aux_loss)
