@@ -5,8 +5,9 @@ import dataclasses
 from typing import Any
 
 # The mesh axes that split a batch's rows: the model pins its activations to them between
-# layers (transformer.rows_split); hflax.sharding lays the weights out around them.
-ROW_AXES = ("data", "fsdp")
+# layers (transformer.rows_split); hflax.sharding lays the weights out around them. The
+# expert axis (expert parallelism) is data parallel outside the experts.
+ROW_AXES = ("data", "fsdp", "expert")
 
 # HF architecture name -> the family switches it implies.
 _FAMILIES = {"Llama": dict(family="llama"), "Qwen2": dict(family="qwen2", qkv_bias=True),

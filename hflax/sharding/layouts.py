@@ -6,6 +6,12 @@ parallelism, which splits that same dimension over fewer devices, finds each dev
 training shard inside its generation shard (see hybrid_engine). Weights without such a
 dimension, or whose size does not divide, fall back to the next candidate, then to
 replication.
+
+Mixture-of-experts weights stack their experts on a logical "expert" axis, split over a
+mesh axis of the same name where the mesh has one (expert parallelism): each device holds
+its experts whole over that axis, and the batch's rows split over it too (ROW_AXES), so
+the devices of an expert group are also data parallel for everything else. An expert's
+own width ("expert_mlp") splits like a dense MLP's.
 """
 from __future__ import annotations
 
@@ -18,12 +24,14 @@ from hflax.models.config import ROW_AXES  # noqa: F401  (the model splits its ro
 
 TRAIN_AXES = ("data", "fsdp", "tensor")
 GENERATE_AXES = ("data", "tensor")
-_MODEL_PARALLEL = ("q_heads", "kv_heads", "mlp", "vocab")
+EXPERT_AXIS = "expert"
+_MODEL_PARALLEL = ("q_heads", "kv_heads", "mlp", "expert_mlp", "vocab")
 
 # Logical axis -> mesh axes it may be split over, in priority order across the whole spec.
-TRAIN_RULES = tuple((name, ("fsdp", "tensor")) for name in _MODEL_PARALLEL) + (
-    ("embed", ("fsdp", "tensor")),)
-GENERATE_RULES = tuple((name, ("tensor",)) for name in _MODEL_PARALLEL)
+TRAIN_RULES = ((EXPERT_AXIS, (EXPERT_AXIS,)),) + tuple(
+    (name, ("fsdp", "tensor")) for name in _MODEL_PARALLEL) + (("embed", ("fsdp", "tensor")),)
+GENERATE_RULES = ((EXPERT_AXIS, (EXPERT_AXIS,)),) + tuple(
+    (name, ("tensor",)) for name in _MODEL_PARALLEL)
 
 
 def partition_spec(axes, shape, rules, mesh: Mesh) -> P:
@@ -55,12 +63,18 @@ def state_shardings(state, mesh: Mesh, rules):
       state, is_leaf=_is_var)
 
 
-def train_mesh(devices, data: int = 1, fsdp: int | None = None, tensor: int = 1) -> Mesh:
+def train_mesh(devices, data: int = 1, fsdp: int | None = None, tensor: int = 1,
+               expert: int = 1) -> Mesh:
+  """A (data, fsdp, tensor) mesh, with a fourth axis "expert" where expert > 1."""
   devices = np.asarray(devices)
-  fsdp = fsdp or devices.size // (data * tensor)
-  if data * fsdp * tensor != devices.size:
-    raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} = "
-                     f"{data * fsdp * tensor} does not match the pool's {devices.size} devices")
+  fsdp = fsdp or devices.size // (data * tensor * expert)
+  if data * fsdp * tensor * expert != devices.size:
+    raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} x expert={expert} = "
+                     f"{data * fsdp * tensor * expert} does not match the pool's "
+                     f"{devices.size} devices")
+  if expert > 1:
+    return Mesh(devices.reshape(data, fsdp, expert, tensor),
+                TRAIN_AXES[:2] + (EXPERT_AXIS,) + TRAIN_AXES[2:])
   return Mesh(devices.reshape(data, fsdp, tensor), TRAIN_AXES)
 
 
