@@ -117,7 +117,7 @@ def test_one_step_off_resumes_to_the_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("trainer.mode", "async", "config.trainer.mode: 'async' is not one of"),
+    ("trainer.mode", "fully_async", "config.trainer.mode: 'fully_async' is not one of"),
     ("trainer.max_staleness", 2, "config.trainer.max_staleness: one_step_off lags 1 version"),
     ("algorithm.name", "dapo", "config.trainer.mode: one_step_off pre-generates one batch")])
 def test_bad_modes_name_the_field(tmp_path, field, value, message):

@@ -7,7 +7,9 @@ role worker's update engine.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
 from typing import Callable
 
 import jax
@@ -129,6 +131,37 @@ class ActorRolloutWorker(RoleWorker):
     out["group_ids"] = jax.device_put(
         jnp.repeat(jnp.arange(count, dtype=jnp.int32), params.n), self.home)
     return Batch(out, prompts.repeat(params.n).objects, {"metrics": metrics})
+
+  # -- asynchronous rollouts (trainer.mode = "async", hflax.rollout.stream) -----------------
+  def streaming_engine(self, *, slots: int, max_prompt_len: int,
+                       steps_per_call: int) -> RolloutEngine:
+    """A rollout engine of its own on the generation mesh, for requests streamed while the
+    actor trains; it gets its weights from `generation_weights`."""
+    data = self.engine.mesh.shape["data"]
+    return RolloutEngine(self.engine.graphdef, None, dataclasses.replace(self.sampling, n=1),
+                         mesh=self.engine.mesh, slots=-(-slots // data) * data,
+                         max_prompt_len=max_prompt_len, steps_per_call=steps_per_call)
+
+  def generation_weights(self) -> tuple:
+    """The weight sync: (graphdef, the current weights in the generation layout, their
+    version (the update count), metrics with the sync's time and bytes)."""
+    start = time.perf_counter()
+    gen_state, metrics = self.engine.to_generate(self._generation_weights())
+    # The hybrid engine reuses a training buffer wherever a device already holds its new
+    # shard; the streaming engine keeps its weights through the updates, which donate
+    # those buffers, so it gets a copy of its own.
+    gen_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False),
+                             gen_state)
+    metrics["timing_s/weight_sync"] = time.perf_counter() - start
+    metrics["rollout/weight_sync_bytes"] = float(sum(x.nbytes for x in jax.tree.leaves(gen_state)))
+    return self.engine.graphdef, gen_state, self.updates, metrics
+
+  def next_sampling_key(self):
+    """The key of the run's next sampling call, fold_in(seed key, call count), as
+    generate_sequences draws it: a stream of requests takes one per batch of prompts."""
+    key = jax.random.fold_in(self._rng, self.calls)
+    self.calls += 1
+    return key
 
   def _trajectories(self, prompts: Batch, params: SamplingParams, rng, metrics: dict) -> Batch:
     """generate_sequences for multi-turn trajectories (hflax.rollout.agents.rollout): one

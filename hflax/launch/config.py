@@ -154,11 +154,15 @@ def base_config() -> ml_collections.ConfigDict:
       # run_dir/val_generations.jsonl, TensorBoard's text tab and a wandb table.
       log_val_generations=0,
       sft_warmup=dict(steps=0, lr=1e-3, batch_size=64, cache_dir="", target_loss=0.0),
-      # mode: "sync" (a step trains on the batch it generated) or "one_step_off" (step
-      # k + 1's batch is generated while step k trains; hflax.launch.modes, docs/async.md).
-      # max_staleness: the most weight versions a trained sample lags; one_step_off takes
-      # 1, or 0 (the next batch generated after the update: sync's schedule).
-      mode="sync", max_staleness=1,
+      # mode: "sync" (a step trains on the batch it generated), "one_step_off" (step
+      # k + 1's batch is generated while step k trains; hflax.launch.modes) or "async"
+      # (requests stream through a rollout engine while the trainer trains, partial
+      # rollouts; hflax.launch.async_mode). docs/async.md.
+      # max_staleness: the most weight versions a trained token lags; one_step_off takes
+      # 1, or 0 (the next batch generated after the update: sync's schedule); async any
+      # integer >= 0 (0: sync's schedule). async_decode_steps: async's decode steps per
+      # busy request between a step's take and its weight sync (while the update runs).
+      mode="sync", max_staleness=1, async_decode_steps=16,
       # JAX's persistent compilation cache: a rerun or resume reads its compiled programs
       # back (hflax.platforms.compile_cache.use_compile_cache). "" turns it off; a
       # directory JAX already has (JAX_COMPILATION_CACHE_DIR) wins.
@@ -329,6 +333,17 @@ def _check_mode(c, fail, algorithm) -> None:
   if t.get("mode", "sync") not in MODES:
     fail("trainer.mode", f"{t.mode!r} is not one of {MODES}")
   _check_int(c, "trainer.max_staleness", 0, fail, "(weight versions a sample may lag)")
+  if t.mode == "async":
+    _check_int(c, "trainer.async_decode_steps", 0, fail, "(decode steps per update)")
+    if algorithm.takes_prompt_iterator:
+      fail("trainer.mode", f"async trains one batch of groups per step; "
+           f"{algorithm.name} draws as many as it needs within a step")
+    if c.rollout.multi_turn.get("enable", False):
+      fail("trainer.mode", "async streams single responses; rollout.multi_turn is not "
+           "streamed yet (use sync or one_step_off)")
+    if c.cluster.backend != "local":
+      fail("trainer.mode", f"async runs its rollout engine in the controller's process "
+           f"(cluster.backend='local'), got cluster.backend={c.cluster.backend!r}")
   if t.mode == "one_step_off":
     if t.max_staleness > 1:
       fail("trainer.max_staleness", f"one_step_off lags 1 version (0: sync's schedule), "

@@ -132,8 +132,11 @@ MEANINGS = {
     "trainer.export_hf": "write the actor as an HF directory at the end",
     "trainer.devices": "devices to use (0: every local device)",
     "trainer.val_only": "validate the current policy and exit",
-    "trainer.mode": "sync, or one_step_off (next batch generated while this one trains)",
-    "trainer.max_staleness": "most weight versions a trained sample lags (one_step_off: 0 or 1)",
+    "trainer.mode": "sync, one_step_off (next batch generated while this one trains) or "
+                    "async (requests stream while the trainer trains, partial rollouts)",
+    "trainer.max_staleness": "most weight versions a trained token lags (one_step_off: 0 or 1)",
+    "trainer.async_decode_steps": "async: decode steps per request between a step's batch "
+                                  "and its weight sync",
     "trainer.rollout_data_dir": "write each step's samples here",
     "trainer.validation_data_dir": "write each validation's samples here",
     "trainer.log_val_generations": "validation samples to log",

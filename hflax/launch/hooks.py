@@ -15,6 +15,7 @@ import os
 from typing import Callable
 
 import jax
+import numpy as np
 
 from hflax.checkpoint import pause_for_test
 from hflax.controller.batch import Batch
@@ -134,8 +135,18 @@ def rollout_dump(directory: str, tokenizer):
 
   def dump(info: StepInfo):
     host = info.batch.to_host()
-    write_generations(directory, info.step, generation_rows(
-        tokenizer, host, host["token_level_scores"].sum(axis=1), info.step))
+    rows = generation_rows(tokenizer, host, host["token_level_scores"].sum(axis=1), info.step)
+    # Where each sample came from and which weights sampled it: its prompt's dataset row and
+    # its tokens' versions (the oldest is its staleness; several: a partial rollout).
+    for key, name in (("row_index", "row_index"), ("rollout_version", "rollout_version")):
+      if key in host.keys():
+        for row, value in zip(rows, np.asarray(host[key]).tolist()):
+          row[name] = value
+    if "rollout_versions" in host.keys():
+      versions, mask = np.asarray(host["rollout_versions"]), np.asarray(host["response_mask"])
+      for row, v, m in zip(rows, versions, mask):
+        row["versions"] = sorted(set(v[m.astype(bool)].tolist()))
+    write_generations(directory, info.step, rows)
   return dump
 
 

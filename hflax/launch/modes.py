@@ -35,7 +35,7 @@ import numpy as np
 
 from hflax.controller.batch import Batch
 
-MODES = ("sync", "one_step_off")
+MODES = ("sync", "one_step_off", "async")  # async: hflax.launch.async_mode
 
 
 class OneStepOff:

@@ -24,6 +24,7 @@ from hflax.launch import hooks as side_jobs
 from hflax.launch.backends import make_backend
 from hflax.launch.config import tokenizer_spec, validate, wandb_project
 from hflax.launch.hooks import Hooks, StepInfo
+from hflax.launch.async_mode import AsyncRollouts
 from hflax.launch.modes import OneStepOff
 from hflax.launch.inputs import (check_rule_rows, check_vocab, cost_function, load_datasets,
                                  make_loaders, make_reward_fn)
@@ -114,11 +115,18 @@ class Trainer:
     self.logger: MetricsLogger | None = None
     self.first_val = self.last_val = None
 
-  def _schedule(self) -> OneStepOff | None:
+  def _schedule(self) -> OneStepOff | AsyncRollouts | None:
     """trainer.mode's pending-batch schedule (hflax.launch.modes); None for sync."""
-    t = self.cfg.trainer
+    cfg = self.cfg
+    t = cfg.trainer
     if t.get("mode", "sync") == "sync":
       return None
+    if t.mode == "async":
+      return AsyncRollouts(self.roles.actor, self.loader.collate,
+                           groups=cfg.data.train_batch_size, n=cfg.rollout.n,
+                           max_staleness=t.max_staleness, decode_steps=t.async_decode_steps,
+                           max_prompt_len=cfg.data.max_prompt_length,
+                           max_num_seqs=cfg.rollout.max_num_seqs)
     return OneStepOff(t.get("max_staleness", 1))
 
   def add_hook(self, fn, every: int = 1, **kw):
@@ -137,7 +145,7 @@ class Trainer:
       return
     host = {"step": step, "loader": self.loader.state_dict(), "kl_ctrl": self.state.kl_ctrl,
             "lagrange_lambda": self.state.lagrange_lambda}
-    if self.schedule is not None:  # one_step_off: the next step's batch, already sampled
+    if self.schedule is not None:  # the batches sampled and not yet trained
       host["pending"] = self.schedule.state_dict()
     self.backend.save(self.ckpt, step, host)
 

@@ -288,6 +288,16 @@ class RolloutEngine:
         return _completion(live, "abort")
     raise KeyError(f"abort: no request {request_id!r} in the engine")
 
+  def sampled_versions(self, request_id: Hashable) -> list[int]:
+    """The weight versions of the tokens a decoding request has sampled so far (empty for
+    a waiting one): what a staleness bound reads before the request finishes."""
+    for live in self._live:
+      if live is not None and live.request.id == request_id:
+        return list(live.versions)
+    if any(r.id == request_id for r in self._waiting):
+      return []
+    raise KeyError(f"sampled_versions: no request {request_id!r} waiting or decoding")
+
   @property
   def busy(self) -> int:
     """Requests waiting or decoding (kept ones are not)."""

@@ -1,0 +1,114 @@
+"""trainer.mode = "async" (hflax.launch.async_mode over hflax.rollout.stream) on the tiny
+GRPO config: with a staleness bound of 0 it is sync's run; with a bound of 1 or 2 no
+trained token lags more than the bound, trajectories span weight updates (partial
+rollouts, several versions per trajectory) and are corrected; bad configs name the field."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from hflax.launch.config import validate
+from hflax.launch.trainer import Trainer
+from tiny_config import get_config as tiny_config
+
+TIMED = ("timing_s/", "perf/throughput", "perf/time")
+# Metrics that read the rollout's recorded log-probs: the engine's and the batch sampler's
+# programs differ in shape, so these agree to float32 rounding, not bit for bit.
+READS_ROLLOUT_LOG_PROBS = ("actor/ppo_kl",)
+
+
+def config(tmp_path, run, mode="async", **trainer):
+  c = tiny_config()
+  c.trainer.update(total_steps=3, run_dir=str(tmp_path / run), mode=mode, keep=None)
+  c.trainer.update(**trainer)
+  return c
+
+
+def metrics(tmp_path, run) -> dict:
+  rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").open()]
+  return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMED)} for r in rows}
+
+
+def fit(c, *hooks):
+  trainer = Trainer(c, log=lambda *_: None)
+  for hook in hooks:
+    trainer.add_hook(hook)
+  trainer.fit()
+  return trainer
+
+
+def test_async_with_staleness_0_is_sync(tmp_path):
+  sync = fit(config(tmp_path, "sync", mode="sync"))
+  trained = {}
+  stream = fit(config(tmp_path, "async", max_staleness=0),
+               lambda info: trained.update({info.step: np.asarray(info.batch["responses"])}))
+  for x, y in zip(jax.tree.leaves(sync.roles.actor.params),
+                  jax.tree.leaves(stream.roles.actor.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  ms, ma = metrics(tmp_path, "sync"), metrics(tmp_path, "async")
+  for step in (1, 2, 3):
+    for key, value in ms[step].items():
+      if key == "rollout/waves":  # the batch sampler's own
+        continue
+      if key in READS_ROLLOUT_LOG_PROBS:
+        assert abs(ma[step][key] - value) < 1e-6, (step, key)
+      else:
+        assert ma[step][key] == value, (step, key)
+    extra = {k: v for k, v in ma[step].items() if k not in ms[step]}
+    assert extra["async/dropped_groups_total"] == 0
+    assert extra["async/untrained_groups"] == 0  # nothing in flight while a step trains
+    assert extra["async/versions_per_trajectory_max"] == 1
+    assert extra["async/token_staleness_mean"] == 0
+    assert extra["rollout/weight_sync_bytes"] > 0
+  assert len(trained) == 3 and trained[1].shape == (8, 8)
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_async_never_trains_past_the_bound_and_rolls_out_partially(tmp_path, bound):
+  c = config(tmp_path, "async", max_staleness=bound, total_steps=5, async_decode_steps=2)
+  c.actor.optim.lr = 3e-3  # updates large enough that a lag shows in the ratios
+  c.algorithm.rollout_correction.update(rollout_is="token", rollout_rs="token",
+                                        rollout_rs_threshold=1.001)
+  rows = {}  # step -> per trained row: the versions of its response tokens
+
+  def record(info):
+    versions = np.asarray(info.batch["rollout_versions"])
+    mask = np.asarray(info.batch["response_mask"], bool)
+    oldest = np.asarray(info.batch["rollout_version"])
+    rows[info.step] = [v[m].tolist() for v, m in zip(versions, mask)]
+    for v, o in zip(rows[info.step], oldest):
+      assert v and min(v) == o and -1 not in v
+  trainer = fit(c, record)
+  assert trainer.roles.actor.updates == 5
+  m = metrics(tmp_path, "async")
+  partial = 0
+  for step, trained in rows.items():
+    current = step - 1  # the version of the weights this step's update starts from
+    assert len(trained) == 8
+    for versions in trained:
+      assert current - min(versions) <= bound, (step, versions)  # the bound, every token
+      assert max(versions) <= current
+      assert versions == sorted(versions)  # a trajectory's versions only grow
+      partial += len(set(versions)) > 1
+    assert m[step]["rollout/staleness_max"] <= bound
+    assert m[step]["async/versions_per_trajectory_max"] == max(len(set(v)) for v in trained)
+  assert partial > 0  # some trajectories were sampled by two weight versions
+  assert max(m[s]["rollout/staleness_max"] for s in m) >= 1  # and trained on stale rows
+  # The stale rows' old log-probs are the current weights', so the correction sees the lag.
+  lagging = [s for s in m if m[s]["rollout/staleness_max"] >= 1 and s >= 3]
+  assert lagging and all(m[s]["actor/rollout_corr/k3_kl"] > 1e-9 for s in lagging)
+  assert any(m[s]["actor/rollout_corr/rollout_rs_masked_fraction"] > 0 for s in lagging)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("trainer.max_staleness", -1, "config.trainer.max_staleness: must be an integer >= 0"),
+    ("trainer.async_decode_steps", -2, "config.trainer.async_decode_steps: must be an integer"),
+    ("algorithm.name", "dapo", "config.trainer.mode: async trains one batch of groups"),
+    ("cluster.backend", "ray", "config.trainer.mode: async runs its rollout engine in")])
+def test_bad_async_configs_name_the_field(tmp_path, field, value, message):
+  c = config(tmp_path, "bad")
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match=message):
+    validate(c)
