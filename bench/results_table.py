@@ -58,6 +58,10 @@ TARGETS = {
     "ray_1x2": ("`ray_overhead.py`: Ray (1 process x 2 devices) step time / local", "x"),
     "ray_2x1": ("`ray_overhead.py`: Ray (2 processes x 1 device) step time / local", "x"),
     "lora_update": ("`lora.py`: LoRA update time / full fine-tuning's", "x"),
+    "reward_worker_default": ("`reward_workers.py`: ppo.py step, reward in a worker / in the "
+                              "trainer (<= 1.05x)", "x"),
+    "reward_worker_recipe": ("`reward_workers.py`: grpo_smollm2.py step, reward in a worker / "
+                             "in the trainer (<= 1.05x)", "x"),
     "lora_generate": ("`lora.py`: LoRA generation time / full fine-tuning's", "x"),
 }
 MACHINES = {

@@ -49,6 +49,7 @@ JOBS = {
                    settings=["--config.trainer.sft_warmup.steps=200"]),
     "grpo_smollm2.py": dict(rule="arithmetic_last_integer", settings=[]),
 }
+TARGETS = {"ppo.py": "reward_worker_default", "grpo_smollm2.py": "reward_worker_recipe"}
 COMMON = ["--config.trainer.val_every=0", "--config.trainer.val_before_train=False",
           "--config.trainer.save_every=1000", "--config.trainer.export_hf=False",
           "--config.trainer.log=('jsonl',)"]
@@ -140,7 +141,8 @@ def main():
   parser.add_argument("--steps", type=int, default=6, help="RL steps per run")
   parser.add_argument("--repeats", type=int, default=2, help="runs of each arm")
   parser.add_argument("--quick", action="store_true", help="smoke: 2 steps, one repeat")
-  parser.add_argument("--out", default="", help="write the results as JSON here")
+  parser.add_argument("--out", default="", help="write a bench/results/ file here")
+  parser.add_argument("--machine", default="vm", help="the machine's key in --out's file")
   args = parser.parse_args()
   if args.quick:
     args.steps, args.repeats = 2, 1
@@ -162,18 +164,27 @@ def main():
     print(f"{job:18s} {statistics.median(r['medians']['in_process']):22.3f} "
           f"{statistics.median(r['medians']['worker']):18.3f} {r['ratio']:7.3f}"
           f"  (target <= 1.05)")
-  if args.out:
+  if args.out:  # one file of bench/results/ (bench/results_table.py's schema)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=HERE).stdout.strip()
+    figures = [dict(target=TARGETS[job], unit="s per step (median over runs of each run's "
+                    "median after its first step)",
+                    hflax=r["medians"]["worker"], peer=r["medians"]["in_process"],
+                    peer_name="the same rule in the trainer's process",
+                    ratio=round(r["ratio"], 4), ratio_is="worker / in-process (median step)",
+                    note=f"{args.repeats} runs x {args.steps} steps per arm")
+               for job, r in results.items()]
     record = dict(
         script="bench/reward_workers.py", command=" ".join(["python", *sys.argv]),
-        cpu=cpu_description(), python=platform.python_version(),
+        commit=commit, date=time.strftime("%Y-%m-%d"), machine=args.machine,
+        cpu=cpu_description(),
         load=f"{load_before:.2f} at the start, {load_after:.2f} at the end",
-        matmul_peak_gflops=[peak_before, peak_after],
-        jobs={job: dict(medians=r["medians"], ratio=r["ratio"],
-                        step_s={arm: [x["step_s"] for x in r["runs"][arm]]
-                                for arm in r["runs"]})
-              for job, r in results.items()})
-    pathlib.Path(args.out).write_text(json.dumps(record, indent=1))
-
+        figures=figures,
+        notes=f"fp32 matmul peak {peak_before:.0f} GFLOP/s before, {peak_after:.0f} after; "
+              "step times per run: " + json.dumps(
+                  {job: {arm: [x["step_s"] for x in r["runs"][arm]] for arm in r["runs"]}
+                   for job, r in results.items()}))
+    pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 if __name__ == "__main__":
   main()
