@@ -93,7 +93,7 @@ def load_average() -> str:
 
 def bf16_instructions() -> str:
   """A line saying whether this CPU has bfloat16 instructions (both benches print it)."""
-  from hflax.platforms.cpu.process import cpu_has_bf16
+  from hflax.platforms import cpu_has_bf16
   return (f"bfloat16 instructions in this CPU (hflax.platforms.cpu.process.cpu_has_bf16): {cpu_has_bf16()} "
           "(without them XLA and torch emulate bf16 and fp32 is each side's best setting)")
 

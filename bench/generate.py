@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/common.p
 # threads allocate: glibc keeps freed memory for reuse, so each call's KV cache is not
 # page-faulted in afresh (on 2 devices, 0.75 s of a 15.5 s float32 call went there).
 # malloc is the process's: transformers runs with the same. HFLAX_CPU_MALLOC=0: off.
-from hflax.platforms.cpu.process import keep_freed_memory  # noqa: E402
+from hflax.platforms import keep_freed_memory  # noqa: E402
 
 KEEPS_FREED_MEMORY = keep_freed_memory()
 
@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from hflax.models import ModelConfig, create  # noqa: E402
-from hflax.platforms.cpu.decoding_copy import for_decoding  # noqa: E402
+from hflax.platforms.decoding import for_decoding  # noqa: E402
 from hflax.models.matmul import dense_dot  # noqa: E402
 from hflax.models.hf import export_checkpoint  # noqa: E402
 from hflax.models.tokenizer import BYTE_VOCAB_SIZE, load_tokenizer  # noqa: E402

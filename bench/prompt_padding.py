@@ -35,7 +35,7 @@ import common  # noqa: E402
 from generate import chat_prompts  # noqa: E402
 from hflax.controller.batch import Batch  # noqa: E402
 from hflax.controller.protocol import without_shared_padding  # noqa: E402
-from hflax.platforms.cpu.decoding_copy import for_decoding  # noqa: E402
+from hflax.platforms.decoding import for_decoding  # noqa: E402
 from hflax.models.logprobs import sequence_log_probs  # noqa: E402
 from hflax.models.hf import load_checkpoint  # noqa: E402
 from hflax.models.tokenizer import load_tokenizer  # noqa: E402

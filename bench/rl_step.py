@@ -599,7 +599,7 @@ def main(argv=None) -> int:
     raise ValueError(f"--micro-batch: {args.micro_batch} must be a multiple of --n {args.n} "
                      "(TRL splits its micro-batches by prompt groups)")
 
-  from hflax.platforms.cpu.process import configure_cpu, keep_freed_memory
+  from hflax.platforms import configure_cpu, keep_freed_memory
   configure_cpu(devices=args.devices)
   import jax
   print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")

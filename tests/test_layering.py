@@ -13,11 +13,12 @@ HFLAX = pathlib.Path(__file__).resolve().parents[1] / "hflax"
 #                options, process set-up; no model code
 #   models       weights and math, backend-neutral (they ask platforms)
 #   platform model families: platform code over the model's modules (the CPU decoding copy
-#                and its modules)
+#                and its modules, and the seam choosing a platform's copy)
 #   rollout < sharding < controller < algorithms drivers < launch
 PLATFORMS = {"hflax.platforms", "hflax.xla_env"}
 MODELS = PLATFORMS | {"hflax.models"}
-FAMILIES = MODELS | {"hflax.platforms.cpu.decoding_copy", "hflax.platforms.cpu.copy_modules"}
+CPU_FAMILY = {"hflax.platforms.cpu.decoding_copy", "hflax.platforms.cpu.copy_modules"}
+FAMILIES = MODELS | CPU_FAMILY | {"hflax.platforms.decoding"}
 # hflax.sandbox (worker processes for user code and tools) imports no other hflax package.
 ROLLOUT = FAMILIES | {"hflax.rollout", "hflax.sandbox"}
 SHARDING = ROLLOUT | {"hflax.sharding"}
@@ -33,6 +34,7 @@ ALLOWED = {
     "hflax.models": PLATFORMS,
     "hflax.platforms.cpu.decoding_copy": MODELS | {"hflax.platforms.cpu.copy_modules"},
     "hflax.platforms.cpu.copy_modules": MODELS,
+    "hflax.platforms.decoding": MODELS | CPU_FAMILY,
     "hflax.rollout": ROLLOUT - {"hflax.rollout"},
     "hflax.sharding": ROLLOUT,
     "hflax.data": SHARDING,
@@ -46,7 +48,11 @@ ALLOWED = {
 }
 # Read as packages of their own (the longest match wins).
 SUBPACKAGES = ("hflax.algorithms.drivers", "hflax.controller.ray_backend",
-               "hflax.platforms.cpu.decoding_copy", "hflax.platforms.cpu.copy_modules")
+               "hflax.platforms.cpu.decoding_copy", "hflax.platforms.cpu.copy_modules",
+               "hflax.platforms.decoding")
+# A platform's own modules: only hflax.platforms reaches them; everything else asks the
+# package's entries (hflax.platforms, .attention, .decoding, .leaf_copy, ...).
+PLATFORM_MODULES = ("hflax.platforms.cpu", "hflax.platforms.gpu", "hflax.platforms.tpu")
 LAYERS = ("hflax.platforms", "hflax.models", "hflax.platforms.cpu.decoding_copy",
           "hflax.rollout", "hflax.sharding", "hflax.controller", "hflax.algorithms.drivers",
           "hflax.launch")
@@ -95,6 +101,14 @@ def violations(root: pathlib.Path) -> list[str]:
       if package(target) not in allowed:
         bad.append(f"{module} imports {target}")
   return bad
+
+
+def platform_reach(root: pathlib.Path) -> list[str]:
+  """Imports of a cpu/, gpu/ or tpu/ module from outside hflax/platforms."""
+  return [f"{module} imports {target}" for module, targets in sorted(imports(root).items())
+          if module != "hflax.platforms" and not module.startswith("hflax.platforms.")
+          for target in sorted(targets)
+          if any(target == p or target.startswith(p + ".") for p in PLATFORM_MODULES)]
 
 
 def cycles(root: pathlib.Path) -> list[list[str]]:
@@ -181,3 +195,32 @@ def test_platforms_importing_a_model_is_caught(tmp_path):
       "hflax.platforms.cpu.matmul imports hflax.models.config",
       "hflax.platforms.cpu.settings imports hflax.platforms.cpu.decoding_copy"]
   assert cycles(tmp_path)
+
+
+def test_only_the_platforms_reach_a_platforms_modules():
+  """Model, rollout, sharding, controller and launch code ask hflax.platforms' entries;
+  the hybrid engine imports no kernel module, the model nothing CPU-specific."""
+  assert platform_reach(HFLAX.parent) == []
+  found = imports(HFLAX.parent)
+  for module in ("hflax.sharding.hybrid_engine", "hflax.models.transformer",
+                 "hflax.rollout.sampler"):
+    assert found[module], module  # read, so the check above saw its imports
+    assert not any(t.startswith(PLATFORM_MODULES) for t in found[module]), module
+
+
+def test_reaching_a_platforms_module_is_caught(tmp_path):
+  """An injected import of a CPU or GPU module outside hflax/platforms, at module level or
+  late, is flagged; the layering alone would let it pass (platforms are the bottom)."""
+  shutil.copytree(HFLAX, tmp_path / "hflax", ignore=shutil.ignore_patterns("__pycache__"))
+  engine = tmp_path / "hflax" / "sharding" / "hybrid_engine.py"
+  engine.write_text("from hflax.platforms.cpu.decoding_copy import for_decoding\n"
+                    + engine.read_text())
+  model = tmp_path / "hflax" / "models" / "transformer.py"
+  model.write_text(model.read_text() + "\n\ndef late():\n  from hflax.platforms.cpu import matmul\n")
+  logprobs = tmp_path / "hflax" / "models" / "logprobs.py"
+  logprobs.write_text(logprobs.read_text() + "\nimport hflax.platforms.gpu.logprobs\n")
+  assert platform_reach(tmp_path) == [
+      "hflax.models.logprobs imports hflax.platforms.gpu.logprobs",
+      "hflax.models.transformer imports hflax.platforms.cpu.matmul",
+      "hflax.sharding.hybrid_engine imports hflax.platforms.cpu.decoding_copy"]
+  assert violations(tmp_path) == []  # the layering allows them: only this check catches

@@ -15,8 +15,10 @@ import optax
 from flax import nnx
 
 # Compiler options are the platform's choice; imported here under their first names.
+from hflax import platforms
 from hflax.platforms import train_compiler_options  # noqa: F401
-from hflax.platforms.cpu.options import BF16_FAST_MATH  # noqa: F401
+
+BF16_FAST_MATH = platforms.bf16_fast_math_options()  # XLA:CPU's, for a bfloat16 step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import signal
 import sys
 import traceback
 
-from hflax.platforms.cpu.process import configure_cpu
+from hflax.platforms import configure_cpu
 
 try:
   configure_cpu()  # before JAX starts: simulated CPU devices for per-model meshes

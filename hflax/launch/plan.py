@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hflax.platforms.cpu.process import configure_cpu
+from hflax.platforms import configure_cpu
 
 configure_cpu()  # before JAX starts
 

@@ -38,13 +38,13 @@ from hflax.launch.validation import validate_policy
 from hflax import platforms
 from hflax.platforms.compile_cache import (CompileCacheStats, compile_cache_summary,
                                            use_compile_cache)
-from hflax.platforms.cpu.process import cpu_has_bf16
+from hflax.platforms import cpu_has_bf16
 
 
 def emulated_bf16(cfg) -> list[str]:
   """The dtype fields that ask for bfloat16 compute which this host's CPU would emulate:
   a local run on JAX's CPU backend without bf16 instructions
-  (hflax.platforms.cpu.process.cpu_has_bf16)."""
+  (hflax.platforms.cpu_has_bf16)."""
   fields = [f"{part}.dtype" for part in ("model", "rollout") if cfg[part].dtype == "bfloat16"]
   if (not fields or cfg.cluster.backend != "local" or not platforms.on_cpu()
       or cpu_has_bf16() is not False):

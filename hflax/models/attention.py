@@ -18,8 +18,6 @@ import jax.numpy as jnp
 from hflax import platforms
 from hflax.models.tracing import traced_once
 from hflax.platforms.attention import choose
-from hflax.platforms.gpu import attention as gpu_attention
-from hflax.platforms.tpu.attention import splash  # noqa: F401  (an implementation here)
 
 MASKED = -1e30  # finite, so rows with no visible key (pad queries) stay NaN-free
 
@@ -376,8 +374,15 @@ def cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, *, implementation="c
   (hflax.platforms.gpu.attention), rows it cannot take by `blockwise`."""
   t = jnp.arange(q_BxTxHxDh.shape[1])
   fallback = lambda q, k, v: blockwise(q, k, v, kv_valid_BxS, t[None])  # noqa: E731
-  return gpu_attention.cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, fallback,
-                             implementation=implementation)
+  return platforms.cudnn_attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, fallback,
+                                   implementation=implementation)
+
+
+def splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_seg_BxT=None, **options):
+  """Teacher-forced attention (T a multiple of 128) by the TPU splash kernel
+  (hflax.platforms.splash_attention); options: interpret=True runs it on any backend."""
+  return platforms.splash_attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_seg_BxT,
+                                    **options)
 
 
 # Up to this many key slots "auto" keeps the dense reference: its scores are small there.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from hflax import platforms
 from hflax.models.chunked_head import chunk_columns, chunked_log_probs
 from hflax.models.transformer import DecoderLM, forward
-from hflax.platforms.gpu import logprob_kernel
 
 # Pieces a chunk is cut into past the whole chunks a count fills (chunked_log_probs): a
 # packed micro-batch scores a data-dependent number of tokens, and its last chunk of 512
@@ -131,20 +131,18 @@ def model_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0, 
   head = _kernel_projection(model)
   if head is None or not isinstance(temperature, (int, float)):
     return None  # a traced temperature stays on the fallback: the kernel bakes it in
-  # Late: the kernel's module imports Pallas' Triton lowering, wanted on GPUs only.
-  from hflax.platforms.gpu.logprobs import fused_log_probs
   w, transposed, dtype, logits_dtype = head
   B, T, D = hidden_BxTxD.shape
   dtype = dtype or hidden_BxTxD.dtype
-  logp, ent = fused_log_probs(hidden_BxTxD.reshape(B * T, D).astype(dtype), w.astype(dtype),
-                              targets_BxT.reshape(B * T), temperature=temperature,
-                              transposed=transposed, logits_dtype=logits_dtype, **config)
+  logp, ent = platforms.fused_log_probs(
+      hidden_BxTxD.reshape(B * T, D).astype(dtype), w.astype(dtype), targets_BxT.reshape(B * T),
+      temperature=temperature, transposed=transposed, logits_dtype=logits_dtype, **config)
   return logp.reshape(B, T), ent.reshape(B, T)
 
 
 def maybe_hidden_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0):
   """The kernel's (log-probs, entropy) when HFLAX_LOGPROB_KERNEL's mode selects it, else None."""
-  mode = logprob_kernel.logprob_kernel_mode()
+  mode = platforms.fused_log_probs_mode()
   if mode is None:
     return None
   return model_log_probs(model, hidden_BxTxD, targets_BxT, temperature,

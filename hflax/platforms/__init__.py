@@ -129,3 +129,90 @@ def set_local_devices(platform: str, devices: int) -> None:
 def gpus_to_reserve(platform: str, devices: int) -> int:
   """GPUs a process holding `devices` devices of `platform` reserves from its scheduler."""
   return devices if platform == "gpu" else 0
+
+
+# Entries for code outside this package: what it needs of the cpu/, gpu/ and tpu/ kernels
+# and set-up, by a name that does not say which platform serves it. Each imports its
+# platform module late, so importing this package stays free of JAX and of kernels.
+
+
+def pack_for_kernel(w_NxK):
+  """w [N, K] in the packed layout packed_matmul reads (cpu/matmul.py)."""
+  from hflax.platforms.cpu import matmul
+  return matmul.pack(w_NxK)
+
+
+def cudnn_attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, fallback, **options):
+  """Teacher-forced attention by cuDNN's flash attention (gpu/attention.py), rows it cannot
+  take by `fallback`."""
+  from hflax.platforms.gpu import attention
+  return attention.cudnn(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, fallback, **options)
+
+
+def splash_attention(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_seg_BxT=None,
+                     **options):
+  """Teacher-forced attention by the TPU splash kernel (tpu/attention.py)."""
+  from hflax.platforms.tpu import attention
+  return attention.splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_seg_BxT,
+                          **options)
+
+
+def fused_log_probs_mode() -> str | None:
+  """How the fused log-prob kernel serves (gpu/logprob_kernel.py: HFLAX_LOGPROB_KERNEL and
+  the GPU found), or None where it does not."""
+  from hflax.platforms.gpu import logprob_kernel
+  return logprob_kernel.logprob_kernel_mode()
+
+
+def fused_log_probs(hidden_NxD, w, targets_N, **config):
+  """(log-probs, entropy) [N] of each target through the fused kernel (gpu/logprobs.py;
+  imported late: it loads Pallas' Triton lowering, wanted on GPUs only)."""
+  from hflax.platforms.gpu.logprobs import fused_log_probs as fused
+  return fused(hidden_NxD, w, targets_N, **config)
+
+
+def cores() -> int:
+  """The CPU cores this process may run on (simulated CPU devices share them)."""
+  from hflax.platforms.cpu import matmul
+  return matmul.cores()
+
+
+def bf16_fast_math_options() -> dict:
+  """XLA:CPU's options for a bfloat16 training step when none is turned off
+  (cpu/options.py)."""
+  from hflax.platforms.cpu import options
+  return dict(options.BF16_FAST_MATH)
+
+
+# Process set-up before JAX starts (cpu/process.py: no JAX imported there either).
+
+
+def configure_cpu(devices: int | None = None) -> str:
+  """Simulated CPU devices (HFLAX_CPU_DEVICES unless `devices`) in XLA_FLAGS, and freed
+  host memory kept where JAX will compute on the CPU; returns XLA_FLAGS."""
+  from hflax.platforms.cpu import process
+  return process.configure_cpu(devices)
+
+
+def cpu_devices() -> int:
+  """The simulated CPU devices asked for (HFLAX_CPU_DEVICES, default 2)."""
+  from hflax.platforms.cpu import process
+  return process.cpu_devices()
+
+
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+  """Whether the host CPU has bfloat16 instructions (None where it cannot tell)."""
+  from hflax.platforms.cpu import process
+  return process.cpu_has_bf16(cpuinfo)
+
+
+def keep_freed_memory() -> bool:
+  """glibc keeps freed memory for reuse on its main heap (cpu/process.py says why)."""
+  from hflax.platforms.cpu import process
+  return process.keep_freed_memory()
+
+
+def accelerator_expected() -> bool:
+  """Whether JAX will find an accelerator plugin here (so the CPU set-up leaves malloc)."""
+  from hflax.platforms.cpu import process
+  return process.accelerator_expected()

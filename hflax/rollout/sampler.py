@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hflax.platforms.cpu.decoding_copy import for_decoding
+from hflax.platforms.decoding import for_decoding
 from hflax.models.transformer import positions_from_mask
 from hflax.rollout import continuous
 from hflax.rollout.decoding import (SamplingParams, decode_segments, grow, kernel_attends,
@@ -351,7 +351,7 @@ def replicate(state, devices):
 def placed(state, sharding):
   """state laid out as `sharding`, its arrays already so kept as the same objects: a
   device_put returns new ones, and the decoding copy kept for the last weights
-  (decoding_copy) is found by the arrays' identity."""
+  (hflax.platforms.decoding) is found by the arrays' identity."""
   def put(x):
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
       return x

@@ -20,8 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hflax import platforms
-from hflax.platforms.cpu.decoding_copy import (Recipe, build_leaves, copy_leaves,
-                                               fits_in_memory, leafwise_plan)
+from hflax.platforms.decoding import decoding
+from hflax.platforms.leaf_copy import Recipe, build_leaves, copy_leaves
 from hflax.sharding.layouts import GENERATE_AXES, GENERATE_RULES, state_shardings
 
 
@@ -216,12 +216,13 @@ class _Layout:
 class HybridEngine:
   """Builds the generation copy of the actor's parameters and measures the switch.
 
-  Given the model's `graphdef`, where generation runs on this process's CPU devices, the
-  copy is the sampler's decoding copy (hflax.platforms.cpu.decoding_copy: dense kernels
-  stored [out, in] in their compute dtype), written by the same program as the cast: the actor
-  then holds one generation copy, where the sampler would otherwise write a second one
-  from it on every call. Each switch checks that the copy fits (the memory left then,
-  the other roles' weights and caches included) and otherwise writes the plain copy.
+  Given the model's `graphdef`, where the platform decodes from a copy of its own
+  (hflax.platforms.decoding: on this process's CPU devices, dense kernels stored [out, in]
+  in their compute dtype), the copy is the sampler's decoding copy, written by the same
+  program as the cast: the actor then holds one generation copy, where the sampler would
+  otherwise write a second one from it on every call. Each switch checks that the copy
+  fits (the memory left then, the other roles' weights and caches included) and
+  otherwise writes the plain copy.
   `graphdef`, `shardings` and `moved` describe the copy last written (before the first
   switch, the one preferred).
   """
@@ -230,6 +231,7 @@ class HybridEngine:
                dtype: str | None = None, strided: bool = True, graphdef=None):
     self.mesh = generate_mesh(train_mesh, tensor, strided)
     self.dtype = dtype
+    self._copies = decoding([])  # the platform's decoding copy, once a plan is found
     cast = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
                         abstract_state)
     sources = jax.tree.leaves(train_shardings)
@@ -241,7 +243,7 @@ class HybridEngine:
     self._use(self._decoding or self._plain)
 
   def _layout(self, graphdef, abstract, train_sources, recipes) -> _Layout:
-    """The copy whose leaves `recipes` make from the training state's (decoding_copy's
+    """The copy whose leaves `recipes` make from the training state's (leaf_copy's
     Recipe), every leaf cast to self.dtype where set; a leaf neither cast nor made from
     others passes as it is."""
     recipes = [r._replace(dtype=r.dtype or self.dtype) for r in recipes]
@@ -261,7 +263,8 @@ class HybridEngine:
       return None
     # The devices each holding the whole weights (no tensor axis), else None.
     replicas = self.mesh.devices.size if self.mesh.shape.get("tensor", 1) == 1 else None
-    return leafwise_plan(graphdef, abstract, devices, replicas)
+    self._copies = decoding(devices)
+    return self._copies.leafwise_plan(graphdef, abstract, devices, replicas)
 
   def _use(self, layout: _Layout):
     self.graphdef, self.shardings, self.moved = layout.graphdef, layout.shardings, layout.moved
@@ -270,7 +273,8 @@ class HybridEngine:
     """The generation-layout copy, built shard by shard (see `assemble`); self.graphdef
     is then the graph it runs on."""
     start = time.perf_counter()
-    decoding = self._decoding is not None and fits_in_memory(self._decoding_bytes)
+    decoding = (self._decoding is not None
+                and self._copies.fits_in_memory(self._decoding_bytes))
     layout = self._decoding if decoding else self._plain
     self._use(layout)
     leaves = jax.tree.leaves(train_state)

@@ -20,6 +20,7 @@ from hflax import platforms
 from hflax.models.matmul import (dense_dot, head_on_left, kernel_on_left, row_major_transpose,
                                  step_logits, widens_on_cpu)
 from hflax.models.transformer import MLP, Attention, DecoderLM, Dense, swiglu
+from hflax.platforms.leaf_copy import kv_grouped
 
 
 class CopyDense(Dense):
@@ -163,9 +164,3 @@ def _grouped(denses, groups):
   return kernel, None if denses[0].bias is None else kv_grouped([d.bias[...] for d in denses],
                                                                  groups)
 
-
-def kv_grouped(arrays, groups):
-  """[out, ...] arrays (q, k and v kernels stored [out, in], or their biases) each split
-  into `groups` along out and concatenated per group: [groups, sum(out) / groups, ...],
-  the layout CopyAttention._grouped_projections reads."""
-  return jnp.concatenate([x.reshape(groups, -1, *x.shape[1:]) for x in arrays], axis=1)

@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import logging
 import weakref
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,27 +38,9 @@ from hflax.platforms import all_cpu
 from hflax.platforms.cpu import attention as cpu_attention
 from hflax.platforms.cpu import matmul as cpu_matmul
 from hflax.models.transformer import MLP, Attention, Dense, DecoderLM
-from hflax.platforms.cpu.copy_modules import (CopyAttention, CopyDense, CopyLM, CopyMLP,
-                                              kv_grouped)
-
-
-class Recipe(NamedTuple):
-  """How one leaf of a decoding copy is made from the state's leaves (`sources`, indices
-  in jax.tree.leaves order): "keep" (cast to `dtype` where given), "transpose" (a kernel
-  stored [out, in]), "stack" (kernels stored [out, in] and stacked on a new axis 1: the
-  MLP's gate and up as [mlp, 2, embed]), "groups" (q, k and v, each split into `shape[0]`
-  KV groups along its output axis and concatenated per group: kernels stored [out, in],
-  [KV, (G + 2) * head_dim, embed]; biases [KV, (G + 2) * head_dim]). `packed`: the result
-  then goes into cpu_matmul's packed layout (same shape)."""
-  kind: str
-  sources: tuple
-  dtype: Any
-  shape: tuple
-  packed: bool = False
-
-  @property
-  def identity(self) -> bool:
-    return self.kind == "keep" and self.dtype is None and not self.packed
+from hflax.platforms.cpu.copy_modules import CopyAttention, CopyDense, CopyLM, CopyMLP
+# The recipes' making is the platforms' common code; named here too for this copy's tests.
+from hflax.platforms.leaf_copy import Recipe, build_leaves, copy_leaves  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,30 +360,6 @@ def _local_cpu_arrays(state) -> bool:
 def _local_elements(x) -> int:
   """Elements of x held on this process's devices: a replica on each device is a copy."""
   return sum(shard.data.size for shard in x.addressable_shards)
-
-
-def copy_leaves(recipes, leaves, program):
-  """The copy's leaves: those `recipes` pass as they are, and the others, in order, from
-  `program(leaves)` (build_leaves over their recipes, compiled by the caller)."""
-  written = iter(program(leaves) if any(not r.identity for r in recipes) else ())
-  return [leaves[r.sources[0]] if r.identity else next(written) for r in recipes]
-
-
-def build_leaves(recipes, leaves):
-  """The copy's leaves that `recipes` make from the state's `leaves`."""
-  return [_build(r, [leaves[i] for i in r.sources]) for r in recipes]
-
-
-def _build(recipe: Recipe, xs):
-  kernels = recipe.kind != "keep" and xs[0].ndim == 2  # a bias is grouped, not transposed
-  xs = [(x.T if kernels else x).astype(recipe.dtype or x.dtype) for x in xs]
-  if recipe.kind == "stack":
-    out = jnp.stack(xs, axis=1)
-  elif recipe.kind == "groups":
-    out = kv_grouped(xs, recipe.shape[0])
-  else:
-    out = xs[0]
-  return cpu_matmul.pack(out) if recipe.packed else out
 
 
 _build_leaves = jax.jit(build_leaves, static_argnums=0)

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hflax import platforms
-from hflax.platforms.cpu.matmul import cores
+from hflax.platforms import cores
 from hflax.sharding.automap.profile import DeviceProfile
 
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hflax")
