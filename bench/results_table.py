@@ -63,6 +63,8 @@ TARGETS = {
     "reward_worker_recipe": ("`reward_workers.py`: grpo_smollm2.py step, reward in a worker / "
                              "in the trainer (<= 1.05x)", "x"),
     "lora_generate": ("`lora.py`: LoRA generation time / full fine-tuning's", "x"),
+    "learning_trl_time": ("`learning.py`: seconds to TRL's final held-out accuracy, TRL / "
+                          "best hflax mode (>= 3x)", "x"),
 }
 MACHINES = {
     "zen5": "Zen 5",
