@@ -99,11 +99,12 @@ def test_trajectory_log_probs_are_the_trainers_in_float32(model):
   trainer = np.asarray(logp[:, P:])[mask]
   sampler = fields["rollout_log_probs"][mask]
   assert mask.sum() == sum(sum(t.model_mask) for t in trajectories)
-  # Float32 rounding only: the decode step and the teacher-forced pass sum attention over
-  # differently shaped caches. Within 4 ulps of the largest log-prob (this random model's
-  # are near -log(264), where an ulp is 4.8e-7); 0 where the sums happen to agree.
+  # Float32 rounding of the logits only (the log-softmax is the trainer's, see
+  # test_trajectory_first_minibatch_is_the_samplers_in_float32): within 2 ulps of the
+  # largest log-prob (this random model's are near -log(264), where an ulp is 4.8e-7);
+  # 0 where the sums happen to agree.
   diff = np.abs(trainer - sampler)
-  assert diff.max() <= 4 * np.spacing(np.abs(sampler).max()), diff.max()
+  assert diff.max() <= 2 * np.spacing(np.abs(sampler).max()), diff.max()
   assert np.mean(diff == 0) > 0.3
   assert abs(float(np.mean(sampler - trainer))) <= 1e-7  # the mismatch ppo_kl would report
 
@@ -339,3 +340,106 @@ def test_grpo_trains_on_multi_turn_trajectories_through_the_launcher(tmp_path, m
     assert row["agent/stop/max_turns"] == 1 and row["agent/tool_tokens/mean"] > 0
     assert abs(row["actor/ppo_kl"]) < 1e-6  # on-policy to float32 rounding
     assert row["critic/score/mean"] == 0.0  # no final answer after the tool: no reward
+
+
+class EveryTurnCalls:
+  """A test parser: every model turn reads as one calculator call, so each trajectory of a
+  random model has tool messages between its turns."""
+
+  def parse(self, text):
+    from hflax.rollout.agents import tools as tools_module
+    return tools_module.ParsedTurn((ToolCall("calculator", {"expression": "6*7"}),), ())
+
+
+def multi_turn_actor(dtype: str, monkeypatch):
+  """An fp32-master actor computing in `dtype` whose generate_sequences runs 3-turn
+  trajectories with a calculator message between turns (the launcher's path)."""
+  from hflax.controller.actor import ActorRolloutWorker
+  from hflax.controller.training import OptimConfig, UpdateConfig
+  from hflax.rollout.agents import tools as tools_module
+  from hflax.rollout.agents.rollout import MultiTurn
+  from hflax.sharding.placement import build_placement, colocated
+  from ppo_step import actor_loss
+  monkeypatch.setitem(tools_module.PARSERS, "every_turn", EveryTurnCalls)
+  placed = build_placement(colocated(["actor"], 1))
+  home = jax.sharding.SingleDeviceSharding(placed["actor"].pool.devices[0])
+  sampling = SamplingParams(max_new_tokens=60, temperature=1.0, n=2, eos_ids=TOKENIZER.eos_ids,
+                            pad_id=TOKENIZER.pad_id)
+  return ActorRolloutWorker(
+      placed["actor"], *create(CFG.replace(dtype=dtype, param_dtype="float32"), seed=5),
+      sampling=sampling, loss_fn=actor_loss, optim=OptimConfig(lr=1e-2, grad_clip=1.0),
+      update=UpdateConfig(mini_batch_size=4, micro_batch_size=2, epochs=2), home=home,
+      multi_turn=MultiTurn(max_turns=3, turn_tokens=12, format="every_turn"), tokenizer="byte")
+
+
+def trajectory_update(dtype: str, monkeypatch):
+  """One multi-turn rollout of 4 prompts x 2 through the actor, the trainer's packed
+  log-prob pass over it, and one update (2 mini-batches x 2 epochs): (sampler log-probs,
+  trainer log-probs, loss mask, the update's metrics)."""
+  from hflax.controller.batch import Batch
+  worker = multi_turn_actor(dtype, monkeypatch)
+  questions = ["What is 12*34?", "a", "Tell me about cats.", "What is 17 times 3?"]
+  raw = [[{"role": "user", "content": q}] for q in questions]
+  encoded = [TOKENIZER.encode(q) for q in questions]
+  width = max(map(len, encoded))
+  tokens = np.asarray([[TOKENIZER.pad_id] * (width - len(e)) + e for e in encoded], np.int32)
+  prompt_mask = np.asarray([[0] * (width - len(e)) + [1] * len(e) for e in encoded], bool)
+  batch = Batch({"prompts": jnp.asarray(tokens), "prompt_mask": jnp.asarray(prompt_mask)},
+                {"raw_prompt": raw, "data_source": ["arithmetic_tools"] * 4,
+                 "extra_info": [{"index": i} for i in range(4)]})
+  batch = worker.generate_sequences(batch)
+  assert batch.meta["metrics"]["agent/tool_calls/mean"] >= 1  # tool messages between turns
+  trainer = np.asarray(worker.compute_log_prob(batch)["old_log_probs"])
+  sampler = np.asarray(batch["rollout_log_probs"])
+  loss_mask = np.asarray(batch["response_mask"], bool)
+  batch = batch.union(worker.old_log_probs(batch))
+  rs = np.random.RandomState(0)
+  advantages = jnp.asarray(rs.randn(*loss_mask.shape).astype(np.float32)) * loss_mask
+  metrics = worker.update_actor(batch.union(Batch({"advantages": advantages}))).meta["metrics"]
+  return sampler[loss_mask], trainer[loss_mask], loss_mask, {k: float(v) for k, v in metrics.items()}
+
+
+def test_trajectory_first_minibatch_is_the_samplers_in_float32(monkeypatch):
+  """fp32: the trainer's packed log-prob pass over multi-turn trajectories equals the
+  sampler's to within 1e-6, and the update's first mini-batch is exactly on-policy.
+
+  The sampler computes each token's log-prob with the trainer's own log-softmax
+  (decoding.chosen_log_probs is chunked_head.softmax_stats), so for equal logits the two
+  are bit-equal. What remains is the logits themselves: a decode step multiplies a few
+  rows (the engine's slots) where the trainer multiplies a whole packed row, and on CPU
+  the head and the layers' kernels put the table on the left for few rows
+  (matmul.rows_by_kernel), both of which add the same products in another order; the
+  attention sums over the cache's columns where the trainer sums over the packed row's.
+  That is one float32 rounding of a logit, so at most a few ulps of a log-prob: this
+  model's log-probs are near -log(264) = -5.6, where an ulp is 4.8e-7, and 1e-6 is two."""
+  sampler, trainer, mask, metrics = trajectory_update("float32", monkeypatch)
+  diff = np.abs(sampler - trainer)
+  assert diff.max() <= 1e-6, diff.max()
+  assert np.mean(diff == 0) > 0.3  # most tokens bit-equal
+  # The mismatch KL a PPO step would see had it taken the sampler's log-probs: float noise.
+  assert abs(float(np.mean(sampler - trainer))) <= 1e-7
+  # The update's first mini-batch takes its own forward as the behaviour policy.
+  assert metrics["actor/ppo_kl_first_minibatch"] == 0.0
+  assert metrics["actor/pg_clipfrac_first_minibatch"] == 0.0
+  assert mask.sum() > 40  # three model turns of several rows each
+
+
+def test_trajectory_first_minibatch_within_bf16_rounding(monkeypatch):
+  """bf16 compute: the sampler's log-probs are within bf16 rounding of the trainer's
+  recomputed ones (the decode step and the packed pass round their bf16 matmuls apart),
+  and the update's first mini-batch is still exactly on-policy (its behaviour policy is
+  the recomputed pass, see update_engine.FRESH).
+
+  The bound: bf16 keeps 8 significant bits, so a matmul output of magnitude ~1 rounds by
+  up to 2^-9 ~ 0.002, and the two paths round different partial sums; a log-prob moves
+  by at most twice its logits' largest move. Measured here: max 0.002, mean 0.0003; the
+  test allows 0.01 and 0.002 (a few such roundings), well under what a real bug (a
+  wrong token, position or mask: differences of order 1) gives."""
+  sampler, trainer, _, metrics = trajectory_update("bfloat16", monkeypatch)
+  diff = np.abs(sampler - trainer)
+  assert diff.max() <= 0.01, diff.max()
+  assert diff.mean() <= 0.002, diff.mean()
+  assert diff.max() > 0  # the bf16 paths really round apart
+  assert metrics["actor/ppo_kl_first_minibatch"] == 0.0
+  assert metrics["actor/pg_clipfrac_first_minibatch"] == 0.0
+

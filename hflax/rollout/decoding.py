@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hflax import platforms
+from hflax.models.chunked_head import softmax_stats
 from hflax.models.transformer import Attention, init_cache, positions_from_mask
 
 
@@ -29,6 +30,9 @@ class SamplingParams:
   n: int = 1  # samples per prompt, interleaved: row i * n + j is sample j of prompt i
   eos_ids: tuple[int, ...] = ()
   pad_id: int = 0
+  # Mixture of experts: also return each token's experts ("routes", hflax.rollout.routes)
+  # for the trainer to replay.
+  record_routes: bool = False
 
   def __post_init__(self):
     checks = [(self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
@@ -181,33 +185,36 @@ def pick_with_keys(logits_BxV, keys_B, params: SamplingParams):
 
 def greedy_pick(logits_BxV):
   """(argmax_rows(logits), chosen_log_probs(logits, argmax)): each row's first maximum and
-  its log-prob, -log(sum(exp(logits - max))).
+  its log-prob.
 
-  On CPU both come from one difference logits - max: the maximum is the first entry
-  where it is 0 (XLA:CPU then reads the logits twice, not four times). A row where no
-  difference is 0 or whose log-prob is NaN (a NaN or +inf logit) sends the batch to
-  argmax_rows."""
+  On CPU the maximum is the first entry where logits - max is 0 (cheaper than an argmax
+  there). A row where no difference is 0 or whose log-prob is NaN (a NaN or +inf logit)
+  sends the batch to argmax_rows (its log-prob is NaN either way)."""
   logits_BxV = logits_BxV.astype(jnp.float32)
-  top_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
-  diff_BxV = logits_BxV - top_Bx1
-  log_prob_B = -jnp.log(jnp.sum(jnp.exp(diff_BxV), axis=-1))
   if not platforms.argmax_is_slow():
-    return argmax_rows(logits_BxV).astype(jnp.int32), log_prob_B
-  first_B = _first_true(diff_BxV == 0)
+    tokens_B = argmax_rows(logits_BxV).astype(jnp.int32)
+    return tokens_B, chosen_log_probs(logits_BxV, tokens_B)
+  V = logits_BxV.shape[-1]
+  first_B = _first_true(logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True) == 0)
+  log_prob_B = chosen_log_probs(logits_BxV, jnp.minimum(first_B, V - 1))
   # A NaN logit: XLA:CPU's max may skip it, but the sum does not.
-  found = (first_B < logits_BxV.shape[-1]) & ~jnp.isnan(log_prob_B)
+  found = (first_B < V) & ~jnp.isnan(log_prob_B)
   tokens_B = jax.lax.cond(jnp.all(found), lambda: first_B,
                           lambda: argmax_rows(logits_BxV).astype(jnp.int32))
   return tokens_B, log_prob_B
 
 
 def chosen_log_probs(logits_BxV, tokens_B):
-  """log_softmax(logits_BxV)[b, tokens_B[b]], computed as log_softmax computes it, without
-  writing the [B, V] log-probs out (12.5 MB a decode step at 64 rows of a 49k vocabulary)."""
-  top_Bx1 = jax.lax.stop_gradient(jnp.max(logits_BxV, axis=-1, keepdims=True))
-  log_total_B = jnp.log(jnp.sum(jnp.exp(logits_BxV - top_Bx1), axis=-1))
-  chosen_B = jnp.take_along_axis(logits_BxV, tokens_B[:, None], -1)[:, 0]
-  return (chosen_B - top_Bx1[:, 0]) - log_total_B
+  """log_softmax(logits_BxV)[b, tokens_B[b]] by the very operations of the trainer's
+  teacher-forced pass (chunked_head.softmax_stats: one max, one variadic sum, then
+  picked - (max + log sum)), without writing the [B, V] log-probs out (12.5 MB a decode
+  step at 64 rows of a 49k vocabulary).
+
+  Why not a log-softmax of its own: (picked - max) - log sum and picked - (max + log sum)
+  round differently, and a plain sum adds in another order than the variadic reduction;
+  each cost the sampler's float32 log-probs an ulp against the trainer's for the same
+  logits (tests/test_rollout_agents.py measures what is left)."""
+  return softmax_stats(logits_BxV[:, None, :], tokens_B[:, None], 1.0)[0][:, 0]
 
 
 def first_max(x_V):
@@ -289,10 +296,12 @@ def segment_ends(max_new_tokens: int, segments: int) -> list[int]:
   return sorted({-(-max_new_tokens * (i + 1) // segments) for i in range(segments)})
 
 
-def outputs(prompts, prompt_mask, out_tokens, out_logp, out_mask) -> dict:
-  """The sampler's result fields from its prompt rows and response arrays."""
+def outputs(prompts, prompt_mask, out_tokens, out_logp, out_mask, routes=None) -> dict:
+  """The sampler's result fields from its prompt rows and response arrays (and, given
+  prompt and response routes, their "routes" field)."""
   attention_mask = jnp.concatenate([prompt_mask, out_mask], axis=1)
-  return {
+  extra = {} if routes is None else {"routes": jnp.concatenate(routes, axis=1)}
+  return extra | {
       "prompts": prompts,
       "prompt_mask": prompt_mask,
       "responses": out_tokens,
