@@ -1,4 +1,5 @@
 """Multi-turn agents on the rollout engine: token in and token out, exactly on-policy."""
+import os
 import threading
 import time
 
@@ -442,4 +443,29 @@ def test_trajectory_first_minibatch_within_bf16_rounding(monkeypatch):
   assert diff.max() > 0  # the bf16 paths really round apart
   assert metrics["actor/ppo_kl_first_minibatch"] == 0.0
   assert metrics["actor/pg_clipfrac_first_minibatch"] == 0.0
+
+
+def test_tool_config_is_loaded_once_per_run(tmp_path, monkeypatch):
+  """multi_turn_rollout's environments read a tool file once: later steps share its tool
+  objects, until the file changes on disk."""
+  from hflax.rollout.agents import rollout as rollout_module
+  from hflax.rollout.agents.rollout import MultiTurn, environments
+  path = tmp_path / "tools.yaml"
+  path.write_text(VERL_TOOL_CONFIG)
+  reads = []
+  real = rollout_module.load_tools
+  monkeypatch.setattr(rollout_module, "load_tools", lambda p: reads.append(p) or real(p))
+  settings = MultiTurn(tool_config_path=str(path))
+  first = environments(settings, ["gsm8k"] * 3)
+  second = environments(settings, ["gsm8k"] * 2)
+  assert len(reads) == 1
+  assert second[0].tools["calculator"] is first[2].tools["calculator"]
+  path.write_text(VERL_TOOL_CONFIG.replace('name: "code_interpreter"', 'name: "python"'))
+  os.utime(path, ns=(1, 1))  # a different modification time, whatever the clock's grain
+  third = environments(settings, ["gsm8k"])
+  assert len(reads) == 2 and "python" in third[0].tools
+  assert third[0].tools["calculator"] is not first[0].tools["calculator"]
+  path.unlink()
+  with pytest.raises(ValueError, match="no such file"):
+    environments(settings, ["gsm8k"])
 

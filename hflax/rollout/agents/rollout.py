@@ -12,6 +12,7 @@ turns, tool calls, errors, stop reason and final turn's text, for reward functio
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
 from hflax.models.tokenizer import Tokenizer
@@ -42,10 +43,30 @@ class MultiTurn:
   slots: int = 0
 
 
+# A tool config file's tools, kept across steps: path -> ((mtime_ns, size), tools).
+_LOADED: dict[str, tuple[tuple[int, int], list]] = {}
+
+
+def config_tools(path: str) -> list:
+  """load_tools(path), read once per run: every later step gets the same tool objects (a
+  Python tool's sandbox pool, a client's connection are built once) until the file
+  changes on disk (its modification time or size), when it is read again."""
+  path = os.path.abspath(path)
+  try:
+    st = os.stat(path)
+  except OSError:
+    return load_tools(path)  # its one-line error
+  stamp = (st.st_mtime_ns, st.st_size)
+  cached = _LOADED.get(path)
+  if cached is None or cached[0] != stamp:
+    _LOADED[path] = cached = (stamp, load_tools(path))
+  return cached[1]
+
+
 def environments(settings: MultiTurn, data_sources: Sequence[str]) -> list[ToolEnvironment]:
-  """One tool environment per trajectory, with the config file's tools or the data
-  source's built-in ones."""
-  shared = load_tools(settings.tool_config_path) if settings.tool_config_path else None
+  """One tool environment per trajectory, with the config file's tools (loaded once, see
+  config_tools) or the data source's built-in ones."""
+  shared = config_tools(settings.tool_config_path) if settings.tool_config_path else None
   out = []
   for source in data_sources:
     if shared is None and source not in BUILTIN_TOOLS:
