@@ -469,3 +469,88 @@ def test_tool_config_is_loaded_once_per_run(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="no such file"):
     environments(settings, ["gsm8k"])
 
+
+def dropped_reasoning_trajectory(seed: int):
+  """A hand-built 2-turn trajectory under a Qwen3-style template that drops an earlier
+  turn's <think> reasoning: the second turn's context renders the first answer without
+  it, so the history is two segments sharing the system and user prompt."""
+  rs = np.random.RandomState(seed)
+  messages = [{"role": "system", "content": "Use the calculator."},
+              {"role": "user", "content": f"What is {rs.randint(100, 999)}*{rs.randint(10, 99)}?"}]
+  prompt = TOKENIZER.encode_chat(messages, add_generation_prompt=True)
+  answer = '<tool_call>{"name": "calculator"}</tool_call>'
+  turn1 = TOKENIZER.encode("<think>multiply it</think>" + answer) + [TOKENIZER.eos_ids[0]]
+  tool = {"role": "tool", "content": "42"}
+  first = Trajectory(0, [], [], [], [], len(prompt))
+  first.append(prompt, model=False)
+  first.append(turn1, model=True, log_probs=[-1.0] * len(turn1), versions=[0] * len(turn1))
+  first.append(MessageDelta(TOKENIZER).ids([tool]), model=False)
+  # The template renders turn 1 again without its reasoning: a context of its own.
+  context = TOKENIZER.encode_chat(messages + [{"role": "assistant", "content": answer}, tool],
+                                  add_generation_prompt=True)
+  turn2 = TOKENIZER.encode(f"It is {rs.randint(1000, 99999)}.") + [TOKENIZER.eos_ids[0]]
+  second = Trajectory(0, [], [], [], [], len(context))
+  second.append(context, model=False)
+  second.append(turn2, model=True, log_probs=[-1.0] * len(turn2), versions=[0] * len(turn2))
+  assert second.token_ids[:len(first.token_ids)] != first.token_ids  # not append-only
+  return [first, second], len(prompt)
+
+
+def test_a_non_append_only_history_trains_as_its_segments_computed_separately(model):
+  """Two trajectories whose templates dropped earlier reasoning, as segments sharing their
+  prompt: packed with the prompt once (the trainer's packed pass with shared prefixes),
+  the loss and its gradient equal those of every segment run as a row of its own."""
+  from hflax.controller.packing import micro_batch_plans, prompt_groups
+  from hflax.controller.update_engine import packed_fields
+  from hflax.models.logprobs import packed_log_probs
+  from hflax.rollout.agents.segments import segment_rows, shared_prefix
+  graphdef, state = model
+  trajectories, prompt_lens = zip(*(dropped_reasoning_trajectory(s) for s in (0, 1)))
+  assert [shared_prefix(t) for t in trajectories] == list(prompt_lens)
+  rows, owner = segment_rows(trajectories)
+  assert owner == [0, 0, 1, 1]
+  fields = to_batch_fields(rows, TOKENIZER.pad_id)
+  ids, mask = fields["input_ids"], fields["attention_mask"]
+  P, W = fields["prompts"].shape[1], fields["responses"].shape[1]
+  # Each row is its segment's ids exactly, the loss mask on its model tokens.
+  for b, s in enumerate(rows):
+    assert ids[b][mask[b]].tolist() == s.token_ids
+    assert fields["responses"][b][fields["response_mask"][b]].tolist() == [
+        x for x, m in zip(s.token_ids, s.model_mask) if m]
+  plan = micro_batch_plans(mask, multiple=1, prompts=prompt_groups(ids, mask, P),
+                           prompt_width=P)[0]
+  assert plan.shared_prompt_tokens == sum(prompt_lens)  # each prompt packed once, not twice
+  arrays = {k: jnp.asarray(v) for k, v in plan.arrays(True).items()}
+  slot_mask = jnp.asarray(mask)[arrays["seq_rows"]] * arrays["member"][:, None]
+  packed = packed_fields(jnp.asarray(ids), slot_mask, arrays, W)
+  weights = np.random.RandomState(0).randn(*fields["responses"].shape).astype(np.float32)
+  weights = weights * fields["response_mask"]  # an advantage per model token
+
+  def packed_loss(state):
+    logp, _ = packed_log_probs(graphdef, state, packed["packed_tokens"], packed["segment_ids"],
+                               packed["response_index"], packed["response_valid"],
+                               positions_RxL=packed["positions"],
+                               prefix_ids_RxL=packed["prefix_ids"],
+                               before_index_BxW=packed["response_before"])
+    return -jnp.sum(logp * jnp.asarray(weights)[arrays["seq_rows"]] *
+                    arrays["member"][:, None])
+
+  def separate_loss(state):  # each segment alone: its whole ids, no padding, no sharing
+    total = 0.0
+    for b, s in enumerate(rows):
+      tokens = jnp.asarray([s.token_ids])
+      logp, _ = sequence_log_probs(graphdef, state, tokens, jnp.ones_like(tokens))
+      w = np.zeros(len(s.token_ids), np.float32)
+      w[s.prompt_len:] = weights[b][:len(s.token_ids) - s.prompt_len]
+      total = total - jnp.sum(logp[0] * w)
+    return total
+
+  got, got_grad = jax.value_and_grad(packed_loss)(state)
+  want, want_grad = jax.value_and_grad(separate_loss)(state)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  flat_got = jax.tree.leaves(got_grad)
+  flat_want = jax.tree.leaves(want_grad)
+  assert len(flat_got) == len(flat_want) > 0
+  for a, b in zip(flat_got, flat_want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=2e-6)
+  assert max(float(jnp.abs(a).max()) for a in flat_got) > 1e-3  # a real gradient
