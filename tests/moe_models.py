@@ -3,10 +3,11 @@ import torch
 import transformers
 
 
-def tiny_moe(seed: int = 0, **overrides):
+def tiny_moe(seed: int = 0, router_std: float = 0.5, **overrides):
   """3 layers (the middle one dense, as mlp_only_layers makes it), 8 experts, top-2,
   renormalised weights. The router is drawn wide (std 0.5) so that top-k choices have
-  clear margins, and the norms are perturbed so parity exercises them."""
+  clear margins (a narrow one makes near-ties, which rounding flips), and the norms are
+  perturbed so parity exercises them."""
   kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -22,7 +23,7 @@ def tiny_moe(seed: int = 0, **overrides):
       if "norm" in name:
         p.add_(0.1 * torch.randn_like(p))
       if name.endswith("mlp.gate.weight"):
-        p.normal_(0.0, 0.5)
+        p.normal_(0.0, router_std)
   return model.eval()
 
 

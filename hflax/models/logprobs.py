@@ -56,16 +56,19 @@ def hidden_log_probs(model, hidden_BxTxD, targets_BxT, *, temperature: float = 1
 
 
 def sequence_log_probs(graphdef, state, tokens_BxT, mask_BxT, *, temperature: float = 1.0,
-                       chunk: int | None = None, last: int | None = None, compute_kernels=None):
+                       chunk: int | None = None, last: int | None = None, compute_kernels=None,
+                       routes_BxTxLxK=None):
   """Teacher-forced log p(tokens[:, t] | tokens[:, :t]) and entropy at t, shape [B, T].
 
   Column 0 (no context) and masked positions are 0. Response log-probs of a rollout with
   prompt width P are `log_probs[:, P:]`, or, cheaper, `last=T - P`: then only the last
   `last` columns ([B, last]) are projected onto the vocabulary, which a prompt-heavy batch
   would otherwise spend most of its LM-head matmuls and log-softmax on. compute_kernels:
-  see transformer.compute_kernels.
+  see transformer.compute_kernels. routes_BxTxLxK: a mixture of experts' routes to replay
+  (transformer.forward).
   """
-  model, hidden = forward(graphdef, state, tokens_BxT, mask_BxT, compute_kernels=compute_kernels)
+  model, hidden = forward(graphdef, state, tokens_BxT, mask_BxT, compute_kernels=compute_kernels,
+                          routes_BxTxLxK=routes_BxTxLxK)
   T = tokens_BxT.shape[1]
   whole = last is None or last >= T
   start = 1 if whole else T - last  # the first column scored
@@ -123,7 +126,7 @@ def _kernel_projection(model):
     return None  # a packed decoding copy's head: Dense computes it (the CPU kernel)
   dtype = model.lm_head.dtype  # Dense computes and returns its dtype; logits() upcasts
   # A decoding copy stores the head [V, D], as the tied table is.
-  return model.lm_head.kernel[...], model.lm_head.out_in, dtype, dtype
+  return model.lm_head.kernel[...], getattr(model.lm_head, "out_in", False), dtype, dtype
 
 
 def model_log_probs(model, hidden_BxTxD, targets_BxT, temperature: float = 1.0, **config):

@@ -51,13 +51,15 @@ class SparseMoE(nnx.Module):
   def __call__(self, x_BxTxD):
     logits = dense_dot(x_BxTxD, self.router[...], self.dtype)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    if self.replay is None:
-      weights, routes = jax.lax.top_k(probs, self.top_k)
-    else:
-      routes = jnp.asarray(self.replay, jnp.int32)
-      if routes.shape != probs.shape[:-1] + (self.top_k,):
-        raise ValueError(f"replayed routes have shape {routes.shape}, the tokens need "
-                         f"{probs.shape[:-1] + (self.top_k,)}")
+    weights, routes = jax.lax.top_k(probs, self.top_k)
+    if self.replay is not None:
+      replay = jnp.asarray(self.replay, jnp.int32)
+      if replay.shape != routes.shape:
+        raise ValueError(f"replayed routes have shape {replay.shape}, the tokens need "
+                         f"{routes.shape}")
+      # A token whose recorded route is -1 (never fed to the model by the rollout: a
+      # response's last token, padding) is routed afresh.
+      routes = jnp.where(replay[..., :1] >= 0, replay, routes)
       weights = jnp.take_along_axis(probs, routes, axis=-1)
     if self.norm_topk_prob:
       weights = weights / weights.sum(axis=-1, keepdims=True)
@@ -87,7 +89,8 @@ def sparse_modules(model) -> list[SparseMoE]:
 
 def set_replay(model, routes_LxBxTxK) -> None:
   """Makes each sparse layer route by the given experts ([sparse layers, ..., k] int32, in
-  layer order; what `recorded` returned for the same tokens); None: route afresh."""
+  layer order, -1 for a token to route afresh; what `stacked` returned for the same
+  tokens); None: route afresh."""
   modules = sparse_modules(model)
   if routes_LxBxTxK is not None and len(routes_LxBxTxK) != len(modules):
     raise ValueError(f"replayed routes cover {len(routes_LxBxTxK)} layers, the model has "
@@ -118,6 +121,12 @@ def stacked(record):
   if not record:
     return None, None
   return jnp.stack([r for r, _ in record]), jnp.stack([lg for _, lg in record])
+
+
+def rows_first(routes_LxBxTxK):
+  """[sparse layers, B, T, k] -> [B, T, sparse layers, k]: a batch field's layout (rows
+  first, so it splits, packs and pads like the tokens)."""
+  return jnp.moveaxis(routes_LxBxTxK, 0, 2)
 
 
 def load_balancing_loss(router_logits_LxBxTxE, top_k: int, mask_BxT=None):

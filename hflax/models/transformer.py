@@ -20,7 +20,7 @@ from hflax import platforms
 from hflax.models.attention import attention
 from hflax.models.config import ROW_AXES, ModelConfig
 from hflax.models.matmul import compute_copy, dense_dot, step_logits, tied_head, tied_logits
-from hflax.models.moe import SparseMoE
+from hflax.models.moe import SparseMoE, set_replay
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.models.tracing import one_trace_per_call
@@ -29,11 +29,8 @@ _INIT = jax.nn.initializers.normal(0.02)
 
 
 class Dense(nnx.Module):
-  """x W (+ bias); with `lora`, plus (alpha / rank) x A B, A and B being LoRAParams."""
-
-  # The kernel is stored [din, dout]; the CPU decoding copy's modules store it [dout, din]
-  # (hflax.platforms.cpu.copy_modules.CopyDense).
-  out_in = False
+  """x W (+ bias), the kernel W stored [din, dout]; with `lora`, plus (alpha / rank) x A B,
+  A and B being LoRAParams."""
 
   def __init__(self, din, dout, axes, *, bias, cfg: ModelConfig, rngs: nnx.Rngs,
                lora: bool = False):
@@ -141,8 +138,8 @@ def _write_slots(cache, new, slot0, axis):
 
 def _widened_on_cpu(cache) -> bool:
   """XLA:CPU widens bfloat16 data movement (dynamic-update-slice, select) to float32: a
-  one-column write converted the whole cache, 55 of 165 ms a decode step for SmolLM2 at
-  64 rows. On its uint16 bits the same select runs at memory speed (4 ms a step)."""
+  one-column write converted the whole cache, a third of a many-row decode step. On its
+  uint16 bits the same select runs at memory speed."""
   return _bfloat16_on_cpu(cache.dtype)
 
 
@@ -167,9 +164,8 @@ def key_cache_dtype(dtype):
   Why: XLA:CPU widens a bfloat16 dynamic-update-slice to float32, so each decode step
   rewrote every cached key through a select (cache_where), done twice: into the cache and
   into the float32 copy the scores' loop reads. On the bits, the new column is written in
-  place (the float32 copy stays: XLA makes it for the loop either way). SmolLM2 in
-  bfloat16, 64 chat prompts x 128 greedy tokens on two devices of a 2-core AMD EPYC (Zen 5):
-  8.47-8.82 against 9.10-9.50 s, the same tokens. The values stay bfloat16: their weighted
+  place (the float32 copy stays: XLA makes it for the loop either way); a bfloat16
+  generate call runs faster, with the same tokens. The values stay bfloat16: their weighted
   sum is a matmul, which wants a bfloat16 buffer (a view of bits was copied every step)."""
   return jnp.dtype(KEY_BITS if _bfloat16_on_cpu(dtype) else dtype)
 
@@ -203,24 +199,22 @@ class MLP(nnx.Module):
   def __call__(self, x):
     plain = self.gate.bias is None and self.gate.lora_a is None and self.up.lora_a is None
     if x.shape[-2] == 1 and plain:
-      # Decoding one token from kernels kept apart (the training layout, or the hybrid
-      # engine's copy): stacked here ([embed, 2, mlp], or [mlp, 2, embed] stored [out, in]);
-      # XLA hoists the stack out of the decode loop.
-      out_in = self.gate.out_in
+      # Decoding one token: gate and up stacked [embed, 2, mlp] for one product (a step's
+      # small products are bound by reading kernels); XLA hoists the stack out of the
+      # decode loop.
       kernels = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1)
-      pair = dense_dot(x, kernels, self.gate.dtype, out_in=out_in)
-      gate, up = jnp.moveaxis(pair, -1 if out_in else -2, 0)
+      gate, up = jnp.moveaxis(dense_dot(x, kernels, self.gate.dtype), -2, 0)
       return self.down(swiglu(gate, up))
     return self.down(swiglu(self.gate(x), self.up(x)))
+
 
 def swiglu(gate, up):
   """silu(gate) * up; for a 16-bit dtype computed in float32 and rounded once.
 
-  In bfloat16, XLA:CPU widened each of silu's steps to float32 and rounded it back: a
-  prefill's [4096, 1536] took 5.9 ms that way against 2-3 ms, and a 64-row decode step's
-  0.21 ms a layer against 0.11 (2-core AMD EPYC, Zen 5). Rounding once is also closer to
-  the float32 result. float32 keeps autodiff's plain form (the replayed fp32 update was
-  3% slower recomputing it).
+  In bfloat16, XLA:CPU widened each of silu's steps to float32 and rounded it back, about
+  twice the time of one widening in a prefill and in a decode step alike. Rounding once is
+  also closer to the float32 result. float32 keeps autodiff's plain form (the fp32 update
+  was slower recomputing it).
   """
   if jnp.dtype(gate.dtype).itemsize >= 4:  # float32 (float64 too: never narrowed)
     return jax.nn.silu(gate) * up
@@ -396,7 +390,7 @@ def compute_kernels(graphdef, state) -> dict:
   its 106M float32 kernel weights once per micro-batch."""
   out = {}
   for path, m in nnx.iter_modules(nnx.merge(graphdef, state)):
-    if isinstance(m, Dense) and not m.out_in:
+    if isinstance(m, Dense):  # a training state's: a decoding copy is never trained
       low = compute_copy(m.kernel[...], m.dtype)
       if low is not None:
         out[path] = low
@@ -413,17 +407,21 @@ def _use_compute_kernels(model, kernels: dict):
 
 
 def forward(graphdef, state, tokens_BxT, mask_BxT, *, segment_ids_BxT=None, positions_BxT=None,
-            prefix_ids_BxT=None, compute_kernels=None):
+            prefix_ids_BxT=None, compute_kernels=None, routes_BxTxLxK=None):
   """Hidden states [B, T, D] of full sequences (teacher forcing); pads are masked out.
 
   With segment_ids_BxT (packed rows, see DecoderLM.__call__) the mask is segment_ids > 0
   and mask_BxT is not read; positions_BxT, if given, replace positions_from_segments (a
   response packed after a shared prompt, prefix_ids_BxT, continues the prompt's).
   compute_kernels: what the function of that name made from the same graphdef and state.
+  routes_BxTxLxK (mixture of experts): each token's experts in each sparse layer to
+  replay (moe.set_replay; -1: route afresh), e.g. those the rollout recorded.
   """
   model = nnx.merge(graphdef, state)
   if compute_kernels:
     _use_compute_kernels(model, compute_kernels)
+  if routes_BxTxLxK is not None:
+    set_replay(model, jnp.moveaxis(routes_BxTxLxK, 2, 0))
   if segment_ids_BxT is None:
     hidden, _ = model(tokens_BxT, positions_from_mask(mask_BxT), mask_BxT.astype(bool))
   else:

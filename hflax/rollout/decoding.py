@@ -92,8 +92,7 @@ def filter_logits(logits_BxV, top_k: int = 0, top_p: float = 1.0):
   """
   if top_k > 0:
     # The k-th largest as the least of the top k: asked for top_k's last value alone, XLA
-    # sorts the whole row (64 rows of a 49k vocabulary on a 2-core AMD EPYC: 448 ms against
-    # 5 ms a decode step).
+    # sorts the whole row, many times the cost of the rest of a decode step.
     top_BxK = jax.lax.top_k(logits_BxV, min(top_k, logits_BxV.shape[-1]))[0]
     kth = jnp.min(top_BxK, axis=-1, keepdims=True)
     logits_BxV = jnp.where(logits_BxV < kth, -jnp.inf, logits_BxV)
@@ -133,8 +132,8 @@ def nucleus_by_bisection(logits_BxV, top_p):
   unsorted, so a nucleus whose mass lies within rounding of top_p may differ in its last
   tokens from the sorted cumulative sum's.
 
-  Why: XLA:CPU sorts each 49k-id row in about 8 ms (a decode step of 64 rows: 528 ms);
-  the 32 masked sums took 24-42 ms (2-core AMD EPYC, Zen 5)."""
+  Why: XLA:CPU sorts a row of a large vocabulary with scalar code, so a many-row decode
+  step spent most of its time sorting; the 32 masked sums take a small fraction of it."""
   top = jnp.max(logits_BxV, axis=-1, keepdims=True)
   weights = jnp.exp(logits_BxV - top)
   total = jnp.sum(weights, axis=-1, keepdims=True)
@@ -225,9 +224,8 @@ def first_max(x_V):
 def _first_maxima(x_BxV):
   """Per row, the index of the first maximum (the first NaN if any): a max, then a min over
   the indices where it is reached. The indices are counted in float32 where they are
-  exact (V <= 2^24): XLA:CPU vectorizes a float32 min, not an int32 one; over 64 rows of a
-  49k vocabulary (2-core AMD EPYC, Zen 5) 1.2 ms against 3.6 for int32 indices 8 rows at a
-  time and 6.4 for jnp.argmax."""
+  exact (V <= 2^24): XLA:CPU vectorizes a float32 min, not an int32 one, and either beats
+  jnp.argmax's scalar reduction."""
   return _first_true((x_BxV == jnp.max(x_BxV, axis=-1, keepdims=True)) | jnp.isnan(x_BxV))
 
 
@@ -255,8 +253,8 @@ def gumbel_max(keys_B, logits_BxV):
   Why not categorical itself: XLA:CPU fuses the Gumbel noise into argmax's reduction,
   which runs as scalar code (argmax alone is as fast as a max), and the noise of 64 rows
   of a 49k vocabulary does not fit in cache; a max and a min over the noisy logits are
-  vectorized, and rows taken 8 at a time stay in cache: 4 against 15 ms at 16 rows, 16
-  against 91 ms at 64 rows on a 2-core CPU. Nothing is reshaped along the vocabulary,
+  vectorized, and rows taken 8 at a time stay in cache, several times faster (the more so
+  the more rows). Nothing is reshaped along the vocabulary,
   which tensor-parallel generation splits across devices.
   """
   def row(key_and_logits):
@@ -284,8 +282,8 @@ def kernel_attends(model) -> bool:
   """Whether every layer's decode step attends through the CPU decode-attention kernel
   (hflax.platforms.cpu.attention), which reads each row only up to its last visible slot:
   a cache grown once to its full width then costs it no reads, and one loop saves the
-  copies of the whole cache that growing it between segments makes (SmolLM2, 64 rows x 128
-  tokens on two devices: 183 copies a device a call, 0.65 s of a 15.5 s float32 call)."""
+  copies of the whole cache that growing it between segments makes (a few percent of a
+  call)."""
   layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, Attention)]
   return (bool(layers) and all(getattr(m, "kernel_decodes", False) for m in layers)
           and platforms.decode_attention_kernel_usable(model.cfg.dtype))

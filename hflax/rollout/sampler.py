@@ -20,8 +20,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hflax.platforms.decoding import for_decoding
+from hflax.models import moe
 from hflax.models.transformer import positions_from_mask
-from hflax.rollout import continuous
+from hflax.rollout import continuous, routes
 from hflax.rollout.decoding import (SamplingParams, decode_segments, grow, kernel_attends,
                                     outputs, pick, prefill, segment_ends)
 
@@ -31,9 +32,8 @@ def length_bucket(length: int, minimum: int = 8) -> int:
   quarters of one (..., 32, 48, 64, 96, 128, ...) that holds it, at least `minimum`.
 
   Why the three-quarter steps: every padded column is prefilled and read by every decode
-  step. SmolLM2's 45-token chat prompts went to 64 columns with powers of two alone; at
-  48, 64 prompts x 128 greedy tokens (fp32, 2-core Zen 5 EPYC) took 11.9-12.4 s against
-  12.5-13.5. The cost: up to twice as many widths to compile."""
+  step. SmolLM2's 45-token chat prompts went to 64 columns with powers of two alone, and
+  a generate call runs faster at 48. The cost: up to twice as many widths to compile."""
   power = 1 << max(0, length - 1).bit_length()
   three_quarters = power // 4 * 3
   return max(minimum, three_quarters if power % 4 == 0 and length <= three_quarters else power)
@@ -85,6 +85,9 @@ def _generate(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, params: Sampli
   live_B = jnp.ones((B,), bool) if live_B is None else live_B.astype(bool)
   args = (state, prompts_BxP, prompt_mask_BxP.astype(bool), rng, live_B,
           first_row + jnp.arange(B))
+  if slots and params.record_routes:
+    raise ValueError("record_routes: continuous batching (slots) does not record routes yet; "
+                     "use waves (slots=0)")
   if slots:
     decode = functools.partial(continuous.decode_slots, graphdef, params=params,
                                segments=segments, slots=slots, shared=shared)
@@ -106,14 +109,19 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
   """Prefill and decode loop for one device's rows (rows_B: their indices in the batch);
   shared: decoding.prefill's."""
   model = nnx.merge(graphdef, state)
+  routes.check(model.cfg, params)
   B, P = prompts_BxP.shape
   N, n, R = params.max_new_tokens, params.n, B * params.n
   rows_R = (rows_B[:, None] * n + jnp.arange(n)).reshape(R)  # sample j of prompt i: i*n + j
   prompt_pos_BxP = positions_from_mask(prompt_mask_BxP)
 
   # The n samples of a prompt share one prefill; the cache is copied after it.
-  last_BxD, cache, kv_valid = prefill(model, prompts_BxP, prompt_mask_BxP, shared)
+  with moe.recording() as record:
+    last_BxD, cache, kv_valid = prefill(model, prompts_BxP, prompt_mask_BxP, shared)
   widen = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
+  # Routing replay's record: the prompts' routes, then one response column a step.
+  recorded = ((widen(routes.of_call(record, prompt_mask_BxP)), routes.unrecorded(R, N, model.cfg))
+              if params.record_routes else ())
   cache, kv_valid, logits = jax.tree.map(widen, (cache, kv_valid, model.step_logits(last_BxD)))
 
   eos = jnp.asarray(params.eos_ids or (-1,), jnp.int32)
@@ -125,10 +133,14 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
   pos = widen(prompt_pos_BxP[:, -1] + 1)
 
   def body(carry):
-    step, cache, kv_valid, tok, pos, done, out_tokens, out_logp, out_mask = carry
+    step, cache, kv_valid, tok, pos, done, out_tokens, out_logp, out_mask, *recorded = carry
     slot = P + step - 1  # where the previous token's K/V go
     kv_valid = jax.lax.dynamic_update_slice(kv_valid, jnp.ones((R, 1), bool), (0, slot))
-    hidden, cache = model(tok[:, None], pos[:, None], kv_valid, cache=cache, slot0=slot)
+    with moe.recording() as record:
+      hidden, cache = model(tok[:, None], pos[:, None], kv_valid, cache=cache, slot0=slot)
+    if recorded:  # the routes of the token just fed: response column step - 1
+      recorded = [recorded[0], jax.lax.dynamic_update_slice(
+          recorded[1], routes.of_call(record, ~done[:, None]), (0, step - 1, 0, 0))]
     tok, logp = pick(model.step_logits(hidden[:, 0]), jax.random.fold_in(rng, step), params,
                       rows_R)
     tok = jnp.where(done, params.pad_id, tok)
@@ -137,20 +149,23 @@ def _decode(graphdef, state, prompts_BxP, prompt_mask_BxP, rng, live_B, rows_B, 
     out_logp = write(out_logp, jnp.where(done, 0.0, logp))
     out_mask = write(out_mask, ~done)
     done = done | jnp.isin(tok, eos)
-    return step + 1, cache, kv_valid, tok, pos + 1, done, out_tokens, out_logp, out_mask
+    return (step + 1, cache, kv_valid, tok, pos + 1, done, out_tokens, out_logp, out_mask,
+            *recorded)
 
   # The cache grows between segments of the decode loop, so early steps do not read (and
   # mask) slots that cannot hold anything yet; each segment is its own compiled loop.
   # Where the kernel attends (it skips the unfilled tail) one loop over the whole cache.
-  carry = (jnp.int32(1), cache, kv_valid, tok, pos, done, out_tokens, out_logp, out_mask)
+  carry = (jnp.int32(1), cache, kv_valid, tok, pos, done, out_tokens, out_logp, out_mask,
+           *recorded)
   for end in segment_ends(N, 1 if kernel_attends(model) else segments):
     step, cache, kv_valid, *rest = carry
     cache, kv_valid = grow(cache, kv_valid, P + end)
     cond = lambda c, end=end: (c[0] < end) & ~jnp.all(c[5])  # noqa: E731
     carry = jax.lax.while_loop(cond, body, (step, cache, kv_valid, *rest))
-  *_, out_tokens, out_logp, out_mask = carry
+  out_tokens, out_logp, out_mask, *recorded = carry[6:]
 
-  return outputs(widen(prompts_BxP), widen(prompt_mask_BxP), out_tokens, out_logp, out_mask)
+  return outputs(widen(prompts_BxP), widen(prompt_mask_BxP), out_tokens, out_logp, out_mask,
+                 recorded or None)
 
 
 def _partly_elsewhere(x) -> bool:
@@ -207,7 +222,8 @@ def generate(graphdef, state, prompts, params: SamplingParams, *, rng=None, devi
   _check_slots(slots)
   if devices is None or len(devices) == 1:
     tokens, mask, cut = without_shared_padding(tokens, mask)
-    shared = shared_prefix_length(tokens, mask)
+    # A shared prefix is prefilled for one row: its routes would need spreading out.
+    shared = 0 if params.record_routes else shared_prefix_length(tokens, mask)
     if devices:
       state = placed(state, jax.sharding.SingleDeviceSharding(devices[0]))
       tokens, mask = jax.device_put((tokens, mask), devices[0])
@@ -280,6 +296,8 @@ def with_columns_back(out: dict, cut_BxC, n: int) -> dict:
   none = np.zeros(head.shape, bool)
   front = {"prompts": head, "input_ids": head, "prompt_mask": none, "attention_mask": none,
            "position_ids": np.zeros(head.shape, np.int32)}
+  if "routes" in out:
+    front["routes"] = np.full(head.shape + out["routes"].shape[2:], routes.UNRECORDED, np.int32)
   return {k: jnp.concatenate([front[k], v], axis=1) if k in front else v
           for k, v in out.items()}
 
@@ -320,7 +338,7 @@ def generate_over_rows(graphdef, state, tokens_BxP, mask_BxP, rng, params: Sampl
   rows = NamedSharding(mesh, PartitionSpec("data"))
   slots = _waiting_slots(slots, size // mesh.shape["data"] * params.n)
   segments = decode_segments(params.max_new_tokens)
-  shared = shared_prefix_length(tokens_BxP, mask_BxP)
+  shared = 0 if params.record_routes else shared_prefix_length(tokens_BxP, mask_BxP)
   collect = collect or (lambda x: x)
   waves = []
   for start in range(0, count + pad, size):
