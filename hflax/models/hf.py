@@ -158,14 +158,15 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
       raise KeyError(f"checkpoint {path!r} lacks tensor {hf_name!r} (needed for {'/'.join(map(str, key))})")
     tensor = index.slice(hf_name)
     stored = tuple(tensor.get_shape())
-    expected = shape[::-1] if transposed else shape
+    expected = _swap_last(shape) if transposed else shape
     if stored != expected:
       raise ValueError(f"{index.file_of[hf_name]}: tensor {hf_name!r} has shape {stored}, "
                        f"but config.json implies {expected}")
 
     def read(idx):
       idx = tuple(idx) + (slice(None),) * (len(shape) - len(idx))
-      block = tensor[idx[::-1]].T if transposed else tensor[idx]
+      # An expert stack (GGUF's) keeps its expert axis first: only [out, in] is swapped.
+      block = np.swapaxes(tensor[_swap_last(idx)], -1, -2) if transposed else tensor[idx]
       return np.asarray(block).astype(want)
 
     return var.replace(jax.make_array_from_callback(shape, target_sharding, read))
@@ -174,6 +175,13 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
       load_leaf, abstract, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
   _check_unused(index, names, abstract, path)
   return cfg, graphdef, state
+
+
+def _swap_last(seq) -> tuple:
+  """seq with its last two entries swapped (a shape or index of a transposed matrix, or
+  of a stack of them)."""
+  seq = tuple(seq)
+  return seq[:-2] + seq[:-3:-1]
 
 
 def _load_experts(index, name: str, shape, want, target_sharding, path: str):
