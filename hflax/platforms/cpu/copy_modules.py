@@ -26,8 +26,9 @@ from hflax.platforms.leaf_copy import kv_grouped
 class CopyDense(Dense):
   """A plain (adapter-free) Dense whose kernel is stored [out, in]."""
 
+  out_in = True  # the layout, for readers that cannot import this module (models/logprobs)
+
   def become_copy(self, packed: bool, kernel_left: bool):
-    self.out_in = True
     # True where the kernel is also in the CPU matmul kernel's packed layout.
     self.packed = packed
     # The kernel goes on the left for a few rows (matmul.rows_by_kernel): for a product
@@ -67,7 +68,7 @@ class CopyAttention(Attention):
       return self._grouped_projections(
           x_BxTxD, self.qkv[...], None if self.qkv_bias is None else self.qkv_bias[...],
           self.packed)
-    if x_BxTxD.shape[1] == 1 and self.q.out_in and self.k.out_in and self.v.out_in:
+    if x_BxTxD.shape[1] == 1 and _copies(self.q, self.k, self.v):
       # The hybrid engine's copy keeps q, k and v apart (its transfer moves leaves one to
       # one): grouped here, XLA hoists the concatenation out of the decode loop.
       return self._grouped_projections(
@@ -78,9 +79,8 @@ class CopyAttention(Attention):
     """q, k and v from a decoding copy's kernel [KV, (G + 2) * Dh, D] (q, k and v
     concatenated per KV group, so a tensor-parallel split of the heads stays aligned with
     the groups) in one matmul instead of three: a decode step's small products are bound
-    by reading the kernels and by per-call overhead, not by FLOPs. On a 2-core AMD EPYC
-    (AVX2), SmolLM2 in float32: 16 chat prompts x 128 greedy tokens took 23.45 against
-    25.04 s (same tokens); at 64 rows, bound by FLOPs, no change."""
+    by reading the kernels and by per-call overhead, not by FLOPs: few rows gain, the
+    same tokens; many rows, bound by FLOPs, neither gain nor lose."""
     cfg = self.cfg
     B, T, _ = x_BxTxD.shape
     KV, G, Dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
@@ -104,9 +104,15 @@ class CopyMLP(MLP):
 
   def __call__(self, x):
     if self.pair is None:
+      if x.shape[-2] == 1 and _copies(self.gate, self.up) and self.gate.bias is None:
+        # The hybrid engine's copy keeps gate and up apart (its transfer moves leaves one
+        # to one): stacked here [mlp, 2, embed]; XLA hoists the stack out of the decode loop.
+        kernels = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=1)
+        gate, up = jnp.moveaxis(dense_dot(x, kernels, self.gate.dtype, out_in=True), -1, 0)
+        return self.down(swiglu(gate, up))
       return super().__call__(x)
-    # out_in: down is a decoding copy's kernel too (never an adapted one: decoding_copy)
-    if (kernel_on_left(x.size // x.shape[-1], self.down.dtype) and self.down.out_in
+    # down is a decoding copy's kernel too (never an adapted one: decoding_copy)
+    if (kernel_on_left(x.size // x.shape[-1], self.down.dtype) and _copies(self.down)
         and not self.packed):
       return self._columns(x)
     pair = dense_dot(x, self.pair[...], self.down.dtype, out_in=True, packed=self.packed)
@@ -116,10 +122,9 @@ class CopyMLP(MLP):
   def _columns(self, x):
     """The decoding copy's MLP for a few rows on CPU, both kernels the left operands
     (matmul.rows_by_kernel). float32 keeps the activation transposed ([mlp, rows]) between
-    them, down taking it as it lies. On a 2-core AMD EPYC (Zen 5), SmolLM2 at 64 rows: the
-    pair's product 0.68 against 0.71 ms a layer, down 0.38 against 0.51. bfloat16 writes
+    them, down taking it as it lies (both products gain, down the more). bfloat16 writes
     the activation out [rows, mlp] first: XLA:CPU widens a bfloat16 dot whose right
-    operand contracts its first axis to float32 (the MLP ran 1.6x slower that way). Both
+    operand contracts its first axis to float32 (the MLP ran much slower that way). Both
     products are rounded to the compute dtype as the plain order rounds them."""
     # The kernel's axis 1 contracted with the right operand's `axis`.
     contract = lambda axis: (((1,), (axis,)), ((), ()))  # noqa: E731
@@ -153,9 +158,14 @@ class CopyLM(DecoderLM):
     head = self.lm_head
     if head is not None and getattr(head, "packed", False):
       return platforms.packed_matmul(hidden_BxD, head.kernel[...])
-    if head is not None and head.out_in and head_on_left(hidden_BxD.shape[0], head.dtype):
+    if _copies(head) and head_on_left(hidden_BxD.shape[0], head.dtype):
       return step_logits(hidden_BxD, head.kernel[...], head.dtype)
     return super().step_logits(hidden_BxD)
+
+
+def _copies(*denses) -> bool:
+  """Whether every one of `denses` is a copy's, its kernel stored [out, in]."""
+  return all(isinstance(d, CopyDense) for d in denses)
 
 
 def _grouped(denses, groups):

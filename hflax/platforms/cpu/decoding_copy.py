@@ -3,16 +3,14 @@
 A decode step multiplies a few rows (one token per sequence) by every kernel, so it
 streams all weights from memory each step. XLA:CPU's matmul library reads a kernel laid
 out [out, in] (each output's weights contiguous) faster than the training layout
-[in, out]: SmolLM2-135M's layer matmuls, bfloat16 on a 2-core Xeon, took 14.5 against
-20.9 ms a step for 16 rows and 23.7 against 29.7 for 64 (float32: 33.8 against 39.8 for
-16). A transpose written inside the decode program does not get there: XLA folds it back
-into the dot and keeps the [in, out] layout. So a program of its own writes the copy
-(about 0.15 s for SmolLM2's fp32 kernels, cast on the way), with each layer's gate and up
-stacked and its q, k and v grouped into one kernel (decoding_plan), and the sampler
-decodes from it; in an RL job the hybrid engine writes it as the actor's generation copy
-(hflax.sharding.hybrid_engine; its kernels kept apart, stacked in each decode step), and
-the sampler finds nothing left to copy. GPUs and TPUs keep their measured path: the copy
-is CPU-only.
+[in, out], in bfloat16 and float32 alike (bench/generate.py measures whole calls). A
+transpose written inside the decode program does not get there: XLA folds it back into
+the dot and keeps the [in, out] layout. So a program of its own writes the copy (cast on
+the way), with each layer's gate and up stacked and its q, k and v grouped into one
+kernel (decoding_plan), and the sampler decodes from it; in an RL job the hybrid engine
+writes it as the actor's generation copy (hflax.sharding.hybrid_engine; its kernels kept
+apart, stacked in each decode step), and the sampler finds nothing left to copy. GPUs and
+TPUs keep XLA's own path (hflax.platforms.decoding): the copy is CPU-only.
 The copy lives beside the weights while the sampler runs, one per device holding a
 replica; where it would take more than half of the memory this process can still use,
 the weights are decoded as they are, with a warning logged once. So are weights that
@@ -20,8 +18,8 @@ span processes: every process must then decide alike, and a memory reading is lo
 The copy is the sampler's own: a checkpoint or export of it would be transposed.
 The last copy written for a set of devices is kept while the arrays it was made from
 live, and a call on those same arrays reuses it: generating again from unchanged weights
-(an evaluation loop, a benchmark's repetitions) skips the ~0.15 s copy of SmolLM2's fp32
-kernels each call. `forget_decoding_copy` drops it sooner.
+(an evaluation loop, a benchmark's repetitions) skips writing the copy each call.
+`forget_decoding_copy` drops it sooner.
 """
 from __future__ import annotations
 
@@ -72,9 +70,9 @@ def decoding_plan(graphdef, state, fuse: bool = True, pack: tuple = (), attend: 
 
   Why stacked and concatenated kernels: a decode step multiplies one token per row by each
   kernel, and its small products are bound by reading kernels and by per-call overhead, so
-  q, k and v are one matmul and so are gate and up (on CPU the pair ran 1.6x (64 rows) to
-  2.7x (8 rows) faster than two). Written into the copy, the stack is made once; made
-  inside the generate program, it was rewritten on every call (SmolLM2 fp32: ~0.1 s)."""
+  q, k and v are one matmul and so are gate and up (on CPU the pair runs faster than two
+  products, the more so the fewer the rows). Written into the copy, the stack is made
+  once; made inside the generate program, it was rewritten on every call."""
   if pack and not fuse:
     # Kernels kept apart are stacked or grouped in each decode step (MLP, Attention),
     # which a packed layout does not survive.
@@ -125,7 +123,7 @@ def leafwise_plan(graphdef, abstract, devices, replicas: int | None) -> Decoding
   """decoding_plan for a copy written leaf by leaf from sharded training weights (the
   hybrid engine's transfer moves leaves one to one, so kernels stay apart: fuse=False),
   or None where `devices` (the generation mesh's and the sources') are not all this
-  process's CPU devices: accelerators keep their measured path, and processes would
+  process's CPU devices: accelerators keep XLA's own path, and processes would
   decide apart. replicas: how many devices each hold the whole weights (None where they
   are split); decode steps then attend through the attention kernel on for_decoding's
   terms (one device per core)."""
@@ -150,7 +148,8 @@ def _become_copies(model):
 
 def _plain(*denses) -> bool:
   """Dense modules of the training layout without an adapter (those stay as they are)."""
-  return all(isinstance(d, Dense) and not d.out_in and d.lora_a is None for d in denses)
+  return all(isinstance(d, Dense) and not isinstance(d, CopyDense) and d.lora_a is None
+             for d in denses)
 
 
 def _packs(dense, shape, pack) -> bool:
@@ -311,9 +310,8 @@ def forget_decoding_copy():
 @functools.lru_cache(maxsize=16)
 def _cached_plan(graphdef, treedef, structs, pack, attend) -> DecodingPlan | None:
   """decoding_plan by the state's structure, once: merging the model and splitting its copy
-  in every generate call cost Python time (SmolLM2: for_decoding 79-97 ms a call, 53-57
-  with the plan cached), and a fresh copy graphdef cost the sampler's compiled-program
-  lookup a deep comparison with the one it had compiled for."""
+  in every generate call cost Python time, and a fresh copy graphdef cost the sampler's
+  compiled-program lookup a deep comparison with the one it had compiled for."""
   return decoding_plan(graphdef, jax.tree.unflatten(treedef, structs), pack=pack,
                        attend=attend)
 
