@@ -259,9 +259,9 @@ def pack(mask_BxT, bins, *, length: int | None = None, slots: int | None = None,
 
 # fill_fewest cuts each micro-batch in this many packed ones of 1/FILL_SPLIT the length
 # where the batch's longest sequence fits that (_fill_cuts): a shorter batch then pads its
-# last filled one to half as much. On SmolLM2-135M (GRPO, 8 x 8 x 128, fp32, 2-core CPU)
-# 8 micro-batches cost what 4 did per packed token (10.9 ms) and a later step computed
-# 2304 tokens instead of 3072 for 2230 real ones.
+# last filled one to half as much. On SmolLM2-135M (GRPO, 8 x 8 x 128, fp32) 8
+# micro-batches cost what 4 did per packed token, and a later step computed 2304 tokens
+# instead of 3072 for 2230 real ones.
 FILL_SPLIT = 2
 
 
@@ -370,7 +370,7 @@ def shape_floor(plans: list[PackedPlan], floor: tuple[int, ...] = (0, 0, 0)
                 ) -> tuple[int, int, int]:
   """The (length, slots, micro-batches) high-water mark of `floor` and these plans'
   shape. A run whose packed lengths drift (each step's responses differ) would otherwise
-  compile a program for every new bucket, tens of seconds each for a 135M model on a CPU;
+  compile a program for every new bucket, each a long compile for a real model on a CPU;
   packing later micro-batches at least this large costs a little padding instead."""
   floor = (*floor, 0)[:3]
   return (max(floor[0], plans[0].token_index.shape[1]), max(floor[1], len(plans[0].seq_rows)),

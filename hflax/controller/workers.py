@@ -34,17 +34,15 @@ from hflax.sharding.layouts import TRAIN_RULES, data_parallel_size, state_shardi
 from hflax.sharding.placement import RolePlacement
 
 # A packed micro-batch costs a fixed time besides its matmuls (gathers, per-row slots, the
-# loss, the skipped chunks' conditionals): on the 2-layer toy model (2-core CPU) the second
-# micro-batch of packing.FILL_SPLIT cost about 75 ms a step and saved nothing. Finer cuts
-# only where each still holds this much compute (a few hundred ms on that CPU; SmolLM2-135M:
-# 124 tokens).
+# loss, the skipped chunks' conditionals): on the 2-layer toy model the second micro-batch
+# of packing.FILL_SPLIT cost time and saved nothing. Finer cuts only where each still
+# holds this much compute (SmolLM2-135M: 124 tokens).
 MIN_SPLIT_FLOPS = 1e11
-# bfloat16 matmuls on a CPU (AMX or AVX512-BF16: 1.0-1.7 TFLOP/s against 0.3-0.35 in
-# float32 on that CPU; float16 has no such path) do that compute four times sooner and
-# run well below their rate on a few hundred rows, so a micro-batch must hold four times
-# as much. SmolLM2-135M, GRPO 8 x 8 x 128, bfloat16, one rollout batch replayed: 4 packed
-# micro-batches of about 620 tokens updated in 4.45 s against 5.13 s for 8 of about 340
-# (float32: 10.01 against 11.03 s, the same time per computed token).
+# bfloat16 matmuls on a CPU with AMX or AVX512-BF16 (float16 has no such path) do that
+# compute several times sooner than float32 and run well below their rate on a few
+# hundred rows, so a micro-batch must hold four times as much: SmolLM2-135M's bf16 update
+# ran faster in 4 packed micro-batches than in 8 (float32 took the same time per computed
+# token either way).
 BF16_CPU_SPLIT_FACTOR = 4
 
 

@@ -58,12 +58,10 @@ def one_query(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
 
   Why: XLA:CPU runs the scores' dot as B x kv_heads separate [groups, head_dim] x
   [head_dim, S] matmul calls, each too small to stream its keys at memory speed; the
-  unrolled sum fuses into one loop vectorized along S. SmolLM2's 30 layers at 64 rows,
-  float32 on a 2-core AMD EPYC, 96 and 128 slots: 20 against 38 ms a decode step (K is
-  165 MB a step: 18 ms at the 9 GB/s that reading it alone ran at). The weighted sum
-  of values stays a dot: it already streams V at memory speed, and every unrolled form
-  of it measured slower in the decode loop. Products are the dot's (a bfloat16 product
-  is exact in float32), their order of summation is not.
+  unrolled sum fuses into one loop vectorized along S, which reads the keys at about
+  memory speed. The weighted sum of values stays a dot: it already streams V at memory
+  speed, and every unrolled form of it ran slower in the decode loop. Products are the
+  dot's (a bfloat16 product is exact in float32), their order of summation is not.
   """
   B, T, H, Dh = q_BxTxHxDh.shape
   if T != 1:
@@ -102,8 +100,7 @@ def _dense_forward(q, k, v, mask):
 def _dense_backward(residuals, d_out):
   """The softmax Jacobian's correction as rowsum(dO * O) over head_dim, not autodiff's
   sum(dP * P) over the keys: XLA:CPU handed that [.., T, S] multiply-reduce to its matmul
-  library, where it took 6.6 ms per layer of a 448-token packed row (2-core Xeon, bf16),
-  1.2 s of a 7.5 s update."""
+  library, where it took a large share of a bf16 update."""
   q, k, v, mask, probs, out = residuals
   dt, scale = q.dtype, q.shape[-1] ** -0.5
   d_o = d_out.astype(dt)
@@ -137,18 +134,15 @@ def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
   none before the first key of its lowest segment, and none between a response and its
   shared prompt that holds only other responses. Packing writes nonzero segment ids in
   non-decreasing order along a row, so one row of many short sequences costs about
-  sum(len_i^2) / 2 score pairs (up to block edges), not T^2 / 2 (rows of a batch share
-  the blocks: a layout differing per row skips less). On a 2-core Xeon (fp32, one layer's
-  forward + backward) a 1000-token prompt shared by 8 responses of 150-250 tokens took
-  158 ms against 205 before the last rule. A query that
-  sees no key outputs 0, not the reference's mean over all values: either is finite, and
-  neither feeds a real token.
-  Block sizes: 64 x 128 ran a 2048-token forward + backward of SmolLM2-135M-shaped
-  attention in ~0.45 s on this loaded CPU, 128 x 256 in 0.7 s, 256 x 512 in 1.8 s
-  (less causal skipping, larger live blocks). With `short_k_block` (what `attention`
+  sum(len_i^2) / 2 score pairs (up to block edges), not T^2 / 2 (rows of a batch share the
+  blocks: a layout differing per row skips less); the last rule is what makes a long
+  prompt shared by several responses cheap. A query that sees no key outputs 0, not the
+  reference's mean over all values: either is finite, and neither feeds a real token.
+  Block sizes: 64 x 128 ran a long forward + backward fastest; larger blocks skip less
+  of the causal triangle and keep larger blocks live. With `short_k_block` (what `attention`
   passes), packed rows whose sequences are all at most SHORT_SEGMENT_KEYS long take key
   blocks that narrow instead (a run-time choice: both are compiled), in 16-bit dtypes
-  only (measured: see chunked_head.KEPT_LOGITS_BYTES for float32).
+  only (float32: see chunked_head.KEPT_LOGITS_BYTES).
   """
   if (short_k_block and short_k_block < k_block and q_seg_BxT is not None
       and jnp.dtype(q_BxTxHxDh.dtype).itemsize < 4):
@@ -178,14 +172,11 @@ def blockwise(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_slot_BxT,
 
 
 # Packed rows of sequences no longer than this take key blocks of attention's
-# SHORT_K_BLOCK instead of 128. One SmolLM2-135M-shaped layer, bf16, forward + backward
-# (2-core AMD EPYC, Zen 5), 64 x 128 against 64 x 64 key blocks: GRPO-style rows (shared
-# 45-token prompts, 10-60-token responses) 8.3 against 7.0 ms at 768 tokens and 18.1
-# against 15.1 at 1536; 100-300-token responses in 2048: 22.6 against 19.6; one sequence
-# of 1024: 24.5 against 25.8, of 2048: 92.7 against 104.0 (fewer, wider blocks win there).
-# float32 keeps 128: alone its attention was faster 64-wide too (8.8 against 6.8 ms at
-# 768 tokens), but the replayed fp32 update measured slower with both of this session's
-# changes (see chunked_head.KEPT_LOGITS_BYTES), which have not been told apart there.
+# SHORT_K_BLOCK instead of 128. In bf16, narrower key blocks made GRPO-style rows (short
+# prompts and responses packed together) faster, while one long sequence keeps fewer,
+# wider blocks. float32 keeps 128: alone its attention was faster 64-wide too, but the
+# fp32 update ran slower with this and chunked_head.KEPT_LOGITS_BYTES together, and the
+# two have not been told apart there.
 SHORT_SEGMENT_KEYS = 1024
 SHORT_K_BLOCK = 64
 
@@ -386,10 +377,8 @@ def splash(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, kv_valid_BxS, q_seg_BxT=None, **o
 
 
 # Up to this many key slots "auto" keeps the dense reference: its scores are small there.
-# One SmolLM2-135M-shaped layer on a shared 2-core CPU (load ~12, best of 3): forward
-# 49/74/236/3392 ms dense vs 36/80/314/1743 ms blockwise at T = 128/256/512/2048, forward
-# + backward 240/545/1392/9872 vs 193/430/1146/6412 ms: even up to 512, apart from two
-# times the load makes unreliable, clearly faster blockwise beyond.
+# For one SmolLM2-135M-shaped layer, dense and blockwise run about even up to 512 keys,
+# and blockwise is clearly faster beyond.
 REFERENCE_MAX_KEYS = 512
 IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "splash")
 

@@ -26,20 +26,17 @@ from hflax import platforms
 from hflax.platforms.xla import logits_cotangent
 
 # Tokens per logits block (rows x columns of a chunk). The head's backward matmuls contract
-# over these tokens: on a 2-core Xeon (fp32, SmolLM2's 49152 x 576 head) the input and
-# weight gradients ran at 184 and 156 GFLOP/s over 128 tokens, 249 and 247 over 512, and a
-# replayed bench/rl_step.py update went 14.42 -> 13.96 s (fp32) and 7.93 -> 7.45 s (bf16).
-# 1024 was no faster. The price is memory: four [512, V] float32 blocks in the backward.
+# over these tokens, and run faster over 512 than over 128 (the update too, in fp32 and
+# bf16); 1024 was no faster. The price is memory: four [512, V] float32 blocks in the
+# backward.
 BLOCK_TOKENS = 512
 # On CPU, computing in 16 bits, the forward keeps the chunks' logits for the backward,
 # instead of recomputing them there, when all N chunks' logits fit in this many bytes
 # (else it recomputes, holding one chunk at a time as on accelerators, where the
 # recompute is cheap and memory is not). The
 # backward then runs two of the head's matmuls per chunk instead of three, on the same
-# logits (bit-equal gradients). SmolLM2-135M, bf16, bench/rl_step.py's update replayed
-# (four 768-token packed micro-batches, two 512-token chunks each): see bench/README.md.
-# Not in float32: there the replayed update measured slower with this and 64-wide key
-# blocks (8.47-9.26 s before against 9.00-9.92 after, three alternating rounds).
+# logits (bit-equal gradients); bench/rl_step.py's bf16 update runs faster for it. Not in
+# float32: there the update ran slower with this and 64-wide key blocks together.
 KEPT_LOGITS_BYTES = 1 << 30
 
 
@@ -56,8 +53,7 @@ def softmax_stats(logits_BxCxV, targets_BxC, temperature):
   top = lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
   e = jnp.exp(z - top)
   # One variadic reduction, which XLA keeps: a lone sum(e * z) XLA:CPU hands to its matmul
-  # library (YNNPACK) as a reduction fusion, which took 66 ms where XLA takes about 2 for a
-  # 128-token chunk of a 49k vocabulary (2-core Xeon).
+  # library (YNNPACK) as a reduction fusion, many times slower than XLA's own.
   zero = jnp.zeros((), jnp.float32)
   total, weighted = lax.reduce((e, e * z), (zero, zero),
                                lambda a, b: (a[0] + b[0], a[1] + b[1]), (z.ndim - 1,))

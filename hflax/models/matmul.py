@@ -3,10 +3,9 @@ gradients laid out for XLA:CPU's matmul library in every dtype.
 
 Why not a plain `jnp.dot` of two bfloat16 arrays: XLA:CPU sends a dot to its fast library
 (YNNPACK, AMX tiles where the CPU has them) only when it reads bfloat16 and writes float32.
-Asked for a bfloat16 result, it runs its generic kernel: on a 2-core Xeon with AMX, a
-[1024, 576] x [576, 1536] product ran at 307 GFLOP/s that way against 1879 with a float32
-result, and a 64-row decode matmul at 158 against 996. The float32 sum is also what GPUs'
-GEMMs accumulate in. The result is rounded to the compute dtype once, as before.
+Asked for a bfloat16 result, it runs its generic kernel, several times slower (a
+prefill's products and a decode step's alike). The float32 sum is also what GPUs' GEMMs
+accumulate in. The result is rounded to the compute dtype once, as before.
 
 The gradient is written out so that its two matmuls read bfloat16 too: left to autodiff,
 the cotangent of the float32 product is float32, and a float32 x bfloat16 matmul runs in
@@ -14,9 +13,7 @@ float32. The weight gradient comes back in the weight's own dtype (float32 maste
 get a float32 gradient, not one rounded to bfloat16 on the way). It contracts over the
 rows, a layout the library does not take, so x is first written out transposed
 (`row_major_transpose`). float32 takes the same path on CPU: autodiff's weight gradients
-ran on XLA's generic dot there, and SmolLM2's replayed bench/rl_step.py update (fp32,
-four 576-token micro-batches) took 11.84 s this way against 12.26 s (2-core Xeon, two
-alternating rounds of 3).
+ran on XLA's generic dot there, and the fp32 update runs faster this way.
 """
 from __future__ import annotations
 
@@ -53,7 +50,7 @@ def dense_dot(x, w, dtype, *, out_in: bool = False, kernel_left: bool = False, l
     return y.reshape(x.shape[:-1] + w.shape[:-1]).astype(dtype)
   if not platforms.dots_want_library_forms():
     # GPUs and TPUs accumulate low-precision dots in float32 on their own; their path stays
-    # the one measured there (bench/accelerator.py).
+    # XLA's (bench/accelerator.py checks it there).
     return jnp.tensordot(x, w.astype(dtype), axes=1)
   return _cpu_dot(x, w, w.astype(dtype) if low is None else low)
 
@@ -78,20 +75,16 @@ def rows_by_kernel(x_RxK, w_NxK, preferred_element_type=None, *, left: bool = Tr
 
   On CPU with at most KERNEL_LEFT_ROWS rows, computed as (w x^T)^T: XLA:CPU's matmul
   library repacks its right operand on every call and reads the left one as it lies, so
-  the kernel goes on the left and the few rows are what gets repacked. On a 2-core AMD
-  EPYC (Zen 5), SmolLM2's down projection at 64 rows in float32 took 0.38 against 0.51
-  ms (at 16 rows 0.18 against 0.28). The barrier keeps XLA from folding the transpose
-  back into the dot (it did, restoring the slow order); the transpose then fuses into the
-  consumer, free for an addition, not for every consumer (the LM head at 64 rows gained
-  1.3 ms of 11.6 and its token pick lost it in a transposing copy; step_logits takes it
+  the kernel goes on the left and the few rows are what gets repacked (a float32
+  projection at a few dozen rows gains about a quarter). The barrier keeps XLA from
+  folding the transpose back into the dot (it did, restoring the slow order); the
+  transpose then fuses into the consumer, free for an addition, not for every consumer
+  (the LM head's gain went into its token pick's transposing copy; step_logits takes it
   for fewer rows), so callers choose (`left`).
-  Many rows (a prefill, a training chunk) keep the plain order: at 1536 rows it was as
-  fast or faster. So do fewer than LOW_LEFT_MIN_ROWS rows of a 16-bit dtype: 16 bf16
-  prompts x 128 greedy tokens took 3.09-3.39 s against 2.95-3.00 with it on Zen 5 (the RL
-  rollout's 16 slots), and on a 2-core AMD EPYC (Zen 4) 16 rows gained on some kernels and
-  lost on others; from 32 rows bf16 gains there: with both devices busy, SmolLM2's down
-  projection at 32 rows a device 0.44 against 0.89 ms, the MLP's pair 1.01 against 1.38,
-  the head 16.2 against 19.0."""
+  Many rows (a prefill, a training chunk) keep the plain order: there it was as fast or
+  faster. So do fewer than LOW_LEFT_MIN_ROWS rows of a 16-bit dtype: in bf16 a few rows
+  lost on some CPUs and gained or lost by kernel on others; from LOW_LEFT_MIN_ROWS rows
+  bf16 gains on every kernel."""
   dims = (((1,), (1,)), ((), ()))
   if not (left and kernel_on_left(x_RxK.shape[0], x_RxK.dtype)):
     return lax.dot_general(x_RxK, w_NxK, dims, preferred_element_type=preferred_element_type)
@@ -129,11 +122,8 @@ def step_logits(hidden_RxD, table_VxD, dtype):
   on CPU (rows_by_kernel), else that product itself.
 
   Why a limit of its own: the [V, R] product is read transposed by the token pick, a copy
-  that grows with the rows. SmolLM2's head and sampled pick on a 2-core AMD EPYC (Zen 3),
-  float32: 16 rows 18.4-20.7 against 24.2-25.2 ms, 32 rows 24.1-29.3 against 29.6-30.7,
-  64 rows 71.6-72.5 against 45.9-51.0. Whole calls: bench/rl_step.py's rollout (16 slots)
-  19.5-21.8 against 21.3-24.1 s, 64 greedy prompts on two devices 24.9-26.9 against
-  26.2-30.3 s, the same tokens."""
+  that grows with the rows, so the head and its pick gain at a few rows and lose at many;
+  whole generate calls gain, with the same tokens."""
   if not head_on_left(hidden_RxD.shape[0], dtype):
     return tied_logits(hidden_RxD, table_VxD, dtype)
   return rows_by_kernel(hidden_RxD.astype(dtype), table_VxD.astype(dtype), jnp.float32)
@@ -202,8 +192,7 @@ def tied_logits(hidden, embed_VxD, dtype):
 def tied_head(embed_VxD, dtype):
   """hidden -> tied_logits(hidden, embed, dtype), the table cast to `dtype` once here: a
   caller projecting chunk by chunk (under a conditional that skips dead chunks) would
-  otherwise cast all V x D entries again in every chunk, where XLA cannot hoist it (7.5 ms
-  per 128-token chunk of SmolLM2 on a 2-core Xeon)."""
+  otherwise cast all V x D entries again in every chunk, where XLA cannot hoist it."""
   low = embed_VxD.astype(dtype)
   if not platforms.dots_want_library_forms():
     return lambda hidden: jnp.einsum("...d,vd->...v", hidden.astype(dtype), low,
@@ -234,8 +223,8 @@ def _logits_backward(saved, g):
   V, D = embed.shape
   if g.dtype == jnp.float32:
     # XLA:CPU's generic dot contracts the cotangent's rows as they lie; the library first
-    # needed the [V, R] transposed copy autodiff's einsum got (SmolLM2's replayed fp32
-    # update, 2-core Xeon: 10.57 s against 10.92, two alternating rounds of 2).
+    # needed the [V, R] transposed copy autodiff's einsum got (the fp32 update runs faster
+    # without it).
     d_embed = lax.dot_general(g.reshape(-1, V), h.reshape(-1, D), (((0,), (0,)), ((), ())))
   else:
     # [V, R] x [R, D]: transposing the [R, V] cotangent (bf16) costs far less than

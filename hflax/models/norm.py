@@ -6,12 +6,11 @@ dx = r (gn - n mean(gn n)), r = 1 / sqrt(mean(x^2) + eps), gn = dy * scale; dsca
 sum of dy * n over the tokens.
 
 Why by hand: in a bf16 step XLA:CPU hands autodiff's lone multiply-reduce over hidden to
-its matmul library (YNNPACK) as a reduction fusion, which ran a [448, 576] bf16 gradient
-in 0.61 ms against 0.37 for this pass, which folds both of its sums over hidden (x^2,
-to recompute r instead of saving it, and gn x) into one variadic reduction that XLA
-keeps (as chunked_head.softmax_stats does). A replayed bf16 update of bench/rl_step.py
-(SmolLM2-135M, 2-core Xeon) went 5.07 -> 4.79 s; fp32 steps, whose reductions stay in
-XLA anyway, compute the same numbers as autodiff to rounding.
+its matmul library (YNNPACK) as a reduction fusion, slower than this pass, which folds
+both of its sums over hidden (x^2, to recompute r instead of saving it, and gn x) into
+one variadic reduction that XLA keeps (as chunked_head.softmax_stats does); a bf16
+update runs faster for it. fp32 steps, whose reductions stay in XLA anyway, compute the
+same numbers as autodiff to rounding.
 """
 from __future__ import annotations
 

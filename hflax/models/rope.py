@@ -84,9 +84,8 @@ def rope_tables(cfg: ModelConfig, positions_BxT: jnp.ndarray, num_positions: int
 
   Up to MAX_TABLE_POSITIONS they are looked up in tables built once at trace time.
   Computed in the graph instead, XLA fuses cos and sin into every layer's q and k rotation
-  and evaluates them again for each head, which made bench/generate.py's 64-prompt calls
-  7-8% slower on CPU (bench/README.md). A position outside the table reads NaN rather than
-  a wrong rotation.
+  and evaluates them again for each head, which made bench/generate.py's calls slower on
+  CPU. A position outside the table reads NaN rather than a wrong rotation.
   """
   inv_freq, attention_factor = inverse_frequencies(cfg)
   inv_freq = inv_freq.astype(np.float32)
@@ -129,8 +128,8 @@ def _rope_forward(x, cos, sin):
 
 def _rope_backward(saved, g):
   """The rotation's adjoint, g cos - rotate_half(g sin), as one more rotation-shaped pass:
-  autodiff's transpose of the slices and the concatenation took 1.6 ms against the
-  forward's 0.15 for a 448-token packed row of SmolLM2's queries (XLA:CPU, bf16)."""
+  autodiff's transpose of the slices and the concatenation took about ten times the
+  forward's time on XLA:CPU."""
   cos, sin = saved
   g32 = g.astype(jnp.float32)  # g has x's dtype, the output's
   dx = g32 * cos[:, :, None, :] - _rotate_half(g32 * sin[:, :, None, :])

@@ -24,12 +24,11 @@ def use_compile_cache(path: str) -> str | None:
   caller) is kept whatever `path` says, with its settings; "" leaves the cache off.
   Otherwise every program is written, not only those that took JAX's default of a second
   to compile (unless that setting was changed): a run compiles dozens of small programs
-  whose compiles add up (the toy GRPO job's rerun: 9.3 s wall against 13.0 s with the
-  default; the whole cache 1 MB). Nothing is evicted: JAX's size limit writes an
-  access-time file beside each entry, and a process killed between the two writes leaves
-  that cache refusing every later entry. JAX writes an entry in place, so one killed
-  mid-write is compiled afresh whenever it is needed (JAX warns that it could not read
-  it). Deleting the directory at any time is safe."""
+  whose compiles add up, and the whole cache stays small. Nothing is evicted: JAX's size
+  limit writes an access-time file beside each entry, and a process killed between the
+  two writes leaves that cache refusing every later entry. JAX writes an entry in place,
+  so one killed mid-write is compiled afresh whenever it is needed (JAX warns that it
+  could not read it). Deleting the directory at any time is safe."""
   import jax
   current = jax.config.jax_compilation_cache_dir
   if current:

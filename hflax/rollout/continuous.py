@@ -26,9 +26,9 @@ from hflax.rollout.decoding import (SamplingParams, grow, outputs, pick, pick_wi
                                     prefill, segment_ends)
 
 
-# On CPU a decode step's time follows its rows (SmolLM2, fp32, 2-core Zen 3: 47, 63 and 86
-# ms a step for 4, 8 and 16 rows), and a GRPO rollout's last rows run with most slots
-# idle (bench/rl_step.py: 45-95 of 202-237 steps with at most 8 of 16 slots busy).
+# On CPU a decode step's time follows its rows, and a GRPO rollout's last rows run with
+# most slots idle (bench/rl_step.py: a fifth to two fifths of the steps with at most half
+# of the slots busy).
 # Accelerators' small decode steps cost about the same whatever their rows: one size.
 TAIL_MIN_SLOTS = 4
 

@@ -3,13 +3,11 @@
 
 Why: attention.one_query, XLA's best decode step, ran as five programs a layer (the keys
 widened to float32 and written out, the scores, a max, a sum, the values' dot), each
-reading or writing the whole cache: SmolLM2 at 64 rows on two devices of a 2-core Zen 4
-spent about 13 ms of a 75 ms bfloat16 step there. The kernel reads each row's keys and
-values once, from the cache as it lies (the keys' bfloat16 bits), and keeps its scores
-in L1, prefetching the next head's keys and values into L2 meanwhile (without that it
-lost to XLA). Whole 64-prompt calls (bench/README.md): bfloat16 7.9-8.7 s against
-9.5-10.0 through XLA's attention, float32 16.1-16.5 against 18.2-19.0, the float32 tokens
-unchanged.
+reading or writing the whole cache, a sizeable share of a many-row decode step. The kernel
+reads each row's keys and values once, from the cache as it lies (the keys' bfloat16
+bits), and keeps its scores in L1, prefetching the next head's keys and values into L2
+meanwhile (without that it lost to XLA). Whole generate calls run faster through it in
+bfloat16 and float32, the float32 tokens unchanged (bench/generate.py measures them).
 
 Numerics: the scores are multiply-adds over head_dim in one_query's order with the same
 scale and mask (in bfloat16 the products are exact in float32, so the scores are

@@ -2,17 +2,13 @@
 AVX512-BF16, and float32), through a kernel of our own (matmul.cc) that XLA calls as a
 custom call (jax.ffi).
 
-Why: a decode step multiplies a few rows (32 a device for 64 prompts on two cores) by
-every kernel, and XLA:CPU's matmul library runs such products well under the CPU's peak.
-On a 2-core AMD EPYC (Zen 4; one core's vdpbf16ps peak about 220 GFLOP/s and float32 FMA
-peak about 113, measured with register-only loops), SmolLM2's kernels at 32 rows a device
-with both devices busy ran at 75-142 GFLOP/s a device in the library and 137-184 in this
-kernel in bfloat16 (float32: 63-81 against 67-101). The gain comes from the layout: the
-kernel is packed once, when the decoding copy is written, so that each step along K reads
-16 outputs' weights in one contiguous 64-byte load (for one pair of K indices in
-bfloat16, the operand vdpbf16ps takes); the library repacks its operand on every call.
-Whole 64-prompt calls: bfloat16 9.0-9.4 s against 13.5-15.5, float32 15.4-16.7 against
-20.0-21.0 (bench/README.md).
+Why: a decode step multiplies a few rows (a few dozen a device) by every kernel, and
+XLA:CPU's matmul library runs such products well under the CPU's peak; this kernel gets
+closer to it, in bfloat16 more than in float32 (bench/generate.py measures whole calls).
+The gain comes from the layout: the kernel is packed once, when the decoding copy is
+written, so that each step along K reads 16 outputs' weights in one contiguous 64-byte
+load (for one pair of K indices in bfloat16, the operand vdpbf16ps takes); the library
+repacks its operand on every call.
 
 The packed layout (`pack`): a kernel [N, K] ([out, in]) keeps its shape and dtype, and
 each block of 16 outputs (rows n0..n0+15) is stored [K / 2, 16, 2] in bfloat16 (pairs
@@ -26,7 +22,7 @@ Otherwise it is used for weights replicated on one device per core (`serves`; on
 bench/generate.py's fastest row runs), where the CPU has AVX-512 (AVX512-BF16 for
 bfloat16) and a C++ compiler (g++, or $CXX) builds matmul.cc (with attention.cc,
 one library), once, into a cache directory ($HFLAX_CACHE_DIR, else $XDG_CACHE_HOME/hflax,
-else ~/.cache/hflax; about 5 s); where it is not, `problem` says why and the reason is
+else ~/.cache/hflax); where it is not, `problem` says why and the reason is
 logged once.
 """
 from __future__ import annotations
@@ -55,8 +51,7 @@ PACKED = ("bfloat16", "float32")
 SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("matmul.cc", "attention.cc"))
 LANES = 16  # outputs per packed block: a 512-bit register of float32
 # By (operands' dtype, result's dtype): bfloat16 products may be rounded to bfloat16 in the
-# kernel (a separate convert of each decode-step product cost SmolLM2 ~4 ms a step at 32
-# rows a device).
+# kernel (a separate convert of each decode-step product is a pass over it of its own).
 _TARGETS = {("bfloat16", "float32"): ("hflax_cpu_matmul_bf16", "HflaxCpuMatmulBf16"),
             ("bfloat16", "bfloat16"): ("hflax_cpu_matmul_bf16_rounded",
                                        "HflaxCpuMatmulBf16Rounded"),
@@ -147,8 +142,7 @@ def serves(devices: int) -> bool:
   the kernel: where they keep every core busy, one device per core. The kernel runs on
   one thread; XLA's library spreads a lone device's matmuls over the cores. Threads of
   our own did not get there: inside the decode loop XLA hands a custom call no thread
-  pool, and a helper thread competed with XLA's spinning ones (64 SmolLM2 prompts on one
-  device of a 2-core Zen 4: 18-22 s a call against 15.4-15.9 through the library)."""
+  pool, and a helper thread competed with XLA's spinning ones (slower than the library)."""
   return devices >= cores()
 
 

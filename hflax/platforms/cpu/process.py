@@ -57,9 +57,9 @@ def keep_freed_memory() -> bool:
 
   XLA:CPU allocates each program's intermediates with malloc on its worker threads. By
   default those threads get their own arenas, whose big buffers are mapped fresh and
-  unmapped on free, so every training step touches new pages: a 10M-param model's step
-  took 360k minor page faults (1.4 GB), about 1 s of kernel time, and more right after
-  other work freed memory. With these settings the same steady step takes none. The cost:
+  unmapped on free, so every training step touches new pages: hundreds of thousands of
+  minor page faults a step even for a small model, paid in kernel time, and more right
+  after other work freed memory. With these settings a steady step takes none. The cost:
   the process keeps its peak heap size.
 
   HFLAX_CPU_MALLOC=0, any MALLOC_* / GLIBC_TUNABLES variable, or a libc other than glibc
@@ -74,7 +74,7 @@ def keep_freed_memory() -> bool:
   threshold = any(mallopt(_M_MMAP_THRESHOLD, v) for v in ((1 << 31) - 1, 32 << 20))
   # mallopt takes an int. Not -1 (glibc reads it as a size_t: never trim): a top freed
   # past 2 GiB then stays mapped, which saved the page faults but made bench/rl_step.py's
-  # generation 15-25% slower on both sides (bench/README, fifty-second session).
+  # generation slower on both sides.
   trim = bool(mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
   return bool(mallopt(_M_ARENA_MAX, 1)) and threshold and trim
 
@@ -87,9 +87,8 @@ def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
   """Whether this CPU has bfloat16 arithmetic instructions, read from cpuinfo's first
   flags (x86) or Features (Arm) line; None where it cannot tell (no such file or line).
 
-  Without them XLA:CPU converts every bfloat16 operand to float32 and back: on a 2-core
-  AVX2 EPYC (Zen 3) a bf16 matmul ran at 88 GFLOP/s against 117 in float32, so a bf16 run
-  is slower than a float32 one there, not faster."""
+  Without them XLA:CPU converts every bfloat16 operand to float32 and back, so a bf16
+  matmul runs slower than a float32 one there, not faster."""
   try:
     with open(cpuinfo) as f:
       for line in f:

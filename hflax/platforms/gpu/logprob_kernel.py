@@ -7,11 +7,10 @@ HFLAX_LOGPROB_KERNEL picks how `hflax.models.logprobs.hidden_log_probs` runs:
   "interpret"         the kernel in Pallas interpret mode on any backend (tests; slow)
 It is read when a function is traced, so set it before the first call of a jitted step.
 
-"auto" does not pick the kernel: on an H100 (bench/accelerator.py, 8192 tokens, a 32000-id
-vocabulary, hidden 2048, bf16) it took 3.45-3.58 ms against the chunked path's 2.47-2.60
-ms, and the chunked path does not hold the [tokens, vocab] logits either. XLA cannot
-partition a Pallas custom call, so with "1" a sharded program gathers the operands and
-every device computes every row.
+"auto" does not pick the kernel: on an H100 it ran slower than the chunked path
+(bench/accelerator.py's rows), and the chunked path does not hold the [tokens, vocab]
+logits either. XLA cannot partition a Pallas custom call, so with "1" a sharded program
+gathers the operands and every device computes every row.
 """
 from __future__ import annotations
 
