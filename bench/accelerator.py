@@ -307,8 +307,8 @@ def main(argv=None):
   device = jax.devices()[0]
   accelerated = jax.default_backend() in ("gpu", "tpu")
   if accelerated and not args.smoke:
-    # On an H100 the slowest of 20 SmolLM2 updates took 270-320 ms against medians of
-    # 38-46 ms, and a median of 3 once read 72.7 ms. Each row is milliseconds there.
+    # On a GPU a few of SmolLM2's updates take several times the median, and a median of 3
+    # can read one of them. Each row is milliseconds there.
     shape = {**shape, "reps": 15}
   dtype = "bfloat16" if accelerated else "float32"  # CPU matmuls in bf16 are emulated
   report = {"device": device.device_kind, "backend": jax.default_backend(),
@@ -318,8 +318,8 @@ def main(argv=None):
   report["peak_flops"] = {"table": table_peak(device.device_kind),
                           "measured": measured_matmul_peak(jnp.dtype(dtype), n, reps=5)}
   if args.smoke and not args.models:
-    report["skipped"]["smollm2-135m"] = ("not in --smoke: its GGUF load alone takes ~20 s on a "
-                                         "2-core CPU; --models smollm2-135m,tiny runs it")
+    report["skipped"]["smollm2-135m"] = ("not in --smoke: its GGUF load alone is slow on a "
+                                         "small CPU; --models smollm2-135m,tiny runs it")
   report["models"] = []
   for name in names:
     try:

@@ -11,7 +11,7 @@ import statistics
 import time
 
 REAL_MODEL = "smollm2-135m-instruct"
-# A converted copy is reused across runs: writing 135M fp32 weights takes ~20 s here.
+# A converted copy is reused across runs: writing 135M fp32 weights is slow.
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hflax", "bench")
 
 
@@ -34,8 +34,8 @@ def real_model_dir(name: str = REAL_MODEL) -> str:
 
 def widening_dot(a, b):
   """a @ b accumulated and returned in float32: for bfloat16 inputs the form XLA:CPU runs
-  fastest (its library path, AMX where the CPU has it: about 5x a bfloat16 result on a
-  Xeon with AMX), and the one hflax's bfloat16 matmuls use (hflax/models/matmul.py)."""
+  fastest (its library path, AMX where the CPU has it: several times a bfloat16 result),
+  and the one hflax's bfloat16 matmuls use (hflax/models/matmul.py)."""
   import jax.numpy as jnp
   return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
@@ -94,7 +94,7 @@ def load_average() -> str:
 def bf16_instructions() -> str:
   """A line saying whether this CPU has bfloat16 instructions (both benches print it)."""
   from hflax.platforms import cpu_has_bf16
-  return (f"bfloat16 instructions in this CPU (hflax.platforms.cpu.process.cpu_has_bf16): {cpu_has_bf16()} "
+  return (f"bfloat16 instructions in this CPU (hflax.platforms.cpu_has_bf16): {cpu_has_bf16()} "
           "(without them XLA and torch emulate bf16 and fp32 is each side's best setting)")
 
 

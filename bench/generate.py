@@ -30,8 +30,8 @@ import os
 # hardware, so hflax is held to the CPU too.
 os.environ["JAX_PLATFORMS"] = "cpu"
 # torch's OpenMP threads spin-wait by default: whenever another process used a core, that
-# made transformers' calls here 2-4x slower and erratic, which would flatter hflax. On an
-# idle machine spinning was about 2x faster, so set OMP_WAIT_POLICY=ACTIVE there.
+# made transformers' calls here several times slower and erratic, which would flatter
+# hflax. On an idle machine spinning is faster, so set OMP_WAIT_POLICY=ACTIVE there.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
@@ -44,9 +44,9 @@ import time  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/common.py
 
-# As hflax's launcher sets up a CPU process (hflax.platforms.cpu.process.configure_cpu), before XLA's
+# As hflax's launcher sets up a CPU process (hflax.platforms.configure_cpu), before XLA's
 # threads allocate: glibc keeps freed memory for reuse, so each call's KV cache is not
-# page-faulted in afresh (on 2 devices, 0.75 s of a 15.5 s float32 call went there).
+# page-faulted in afresh (a few percent of a call otherwise).
 # malloc is the process's: transformers runs with the same. HFLAX_CPU_MALLOC=0: off.
 from hflax.platforms import keep_freed_memory  # noqa: E402
 

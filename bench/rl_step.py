@@ -46,7 +46,8 @@ for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
   os.environ.setdefault(_var, "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch's OpenMP threads spin-wait by default; on a shared machine (other processes on the
-# same cores) that makes its 2-thread matmuls 10-40x slower, which would flatter hflax.
+# same cores) that makes its 2-thread matmuls an order of magnitude slower, which would
+# flatter hflax.
 # Passive waiting gives TRL its best times there (set OMP_WAIT_POLICY to override).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # TRL runs on torch's CPU backend (use_cpu=True): JAX on an accelerator would compare
@@ -462,7 +463,7 @@ def report(pair: dict, model_cfg, args) -> dict:
   compute = "bfloat16" if precision == "bf16" else "float32"
 
   # Each step's peak is measured right after it (older JSON: beside the pair only). A
-  # reading can come out low on its own (once 156 against 285-297 GFLOP/s), which would
+  # reading can come out low on its own (once about half the others), which would
   # inflate that step's fraction: no step is read against less than the pair's median.
   readings = [s["peaks"][compute] for s in pair["hflax"] + pair["trl"] if "peaks" in s]
   floor = statistics.median(readings + [pair["peaks"][compute]])
