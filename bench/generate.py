@@ -409,8 +409,8 @@ def main(argv=None) -> int:
           # Greedy paths part at near-ties of fp rounding; bf16 parts sooner: how far they agree.
           first = float(np.mean(np.where(same.all(1), new_tokens, np.argmin(same, axis=1))))
         hx_t = statistics.median(hx_times[name])
-        # Never against less than the median reading: one low reading (179 beside 344
-        # GFLOP/s in one run) would inflate its repetition's fraction, as in rl_step.py.
+        # Never against less than the median reading: one low reading (about half the others
+        # once) would inflate its repetition's fraction, as in rl_step.py.
         floor = statistics.median(peaks)
         frac = statistics.median(flops["total"] / t / max(p, floor)
                                  for t, p in zip(hx_times[name], peaks))
