@@ -2,6 +2,9 @@
 
 "sync": at the start of the step, by the weights about to train (today's loop).
 
+"async": streamed by a rollout engine between steps, partial rollouts, a staleness bound
+(hflax.launch.async_mode, whose schedule has this module's OneStepOff interface).
+
 "one_step_off": step k's driver gets the batch generated during step k - 1, and as its
 generation call returns, the batch of step k + 1 is dispatched with the same (pre-update)
 weights: with trainer.max_staleness = 1 (the default) every batch after the first lags one
