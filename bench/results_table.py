@@ -63,8 +63,17 @@ TARGETS = {
     "reward_worker_recipe": ("`reward_workers.py`: grpo_smollm2.py step, reward in a worker / "
                              "in the trainer (<= 1.05x)", "x"),
     "lora_generate": ("`lora.py`: LoRA generation time / full fine-tuning's", "x"),
+    "distill_steps_to_half": ("`distill.py`: RL steps to held-out accuracy 0.5, GRPO / "
+                              "on-policy distillation from the same start", "x"),
+    "distill_seconds_to_half": ("`distill.py`: training seconds to held-out accuracy 0.5, "
+                                "GRPO / on-policy distillation", "x"),
+    "distill_final_acc": ("`distill.py`: held-out accuracy after the run, on-policy "
+                          "distillation / GRPO", "x"),
     "learning_trl_time": ("`learning.py`: seconds to TRL's final held-out accuracy, TRL / "
                           "best hflax mode (>= 3x)", "x"),
+    "agents_slow_tools": ("`agents.py`: 64 trajectories, 100 ms tools / instant tools "
+                          "(<= 1.3x)", "x"),
+    "agents_reprefill": ("`agents.py`: turns re-prefilled / continuing the kept KV cache", "x"),
 }
 MACHINES = {
     "zen5": "Zen 5",

@@ -81,11 +81,31 @@ def test_generate_samples_with_filters_on_both_sides():
   assert "--top-k/--top-p: sampling only, set --temperature > 0" in greedy_filter.stderr
 
 
-def test_agents_quick_prints_every_run(tmp_path):
+def test_agents_smoke_prints_every_row_and_writes_a_results_record(tmp_path):
+  """bench/agents.py --smoke: the three runs (instant, slow tools, re-prefill) sample the
+  same tokens, the slow tools' ratio and the re-prefill cost are printed, and the record
+  has every key bench/results_table.py's table needs."""
+  import importlib.util
+  import json
   saved = tmp_path / "agents.json"
-  out = run("agents.py", "--toy", "--quick", "--json", str(saved))
-  for name in ("instant", "slow tools", "re-prefill"):
-    line = next(x for x in out.splitlines() if x.strip().startswith(name))
-    assert re.search(r"\d+\.\d+ s +\d+\.\d+x instant", line), line
-  figures = __import__("json").loads(saved.read_text())["figures"]
-  assert figures["instant"]["vs_instant"] == 1.0 and figures["slow tools"]["same_tokens"]
+  out = run("agents.py", "--smoke", "--machine", "vm", "--json", str(saved))
+  rows = [line for line in out.splitlines() if " | " in line and line.strip().startswith(
+      ("instant ", "slow tools ", "re-prefill "))]
+  assert len(rows) == 3 and all(line.endswith("same tokens: True") for line in rows)
+  assert re.search(r"slow tools / instant: [\d.]+x \(target <= 1.3x: (PASS|MISS)\)", out)
+  assert re.search(r"re-prefill / kept cache: [\d.]+x the time, [\d.]+x the prefilled", out)
+  assert "float32 matmul peak before/after" in out
+  spec = importlib.util.spec_from_file_location("results_table",
+                                                os.path.join(ROOT, "bench", "results_table.py"))
+  table = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(table)
+  record = json.loads(saved.read_text())
+  assert all(k in record for k in table.RUN_KEYS) and record["machine"] in table.MACHINES
+  assert [f["target"] for f in record["figures"]] == ["agents_slow_tools", "agents_reprefill"]
+  for figure in record["figures"]:
+    assert all(k in figure for k in table.FIGURE_KEYS) and figure["target"] in table.TARGETS
+    assert figure["hflax"] > 0 and figure["peer"] > 0 and figure["ratio"] > 0
+  runs = record["runs"]
+  # Re-prefilling prefills every turn's whole context: more tokens than the kept cache.
+  assert runs["re-prefill"]["prefilled_tokens"] > runs["instant"]["prefilled_tokens"]
+  assert runs["slow tools"]["tool_wait_seconds"] >= 0 and len(record["matmul_peak_fp32_gflops"]) == 2

@@ -165,11 +165,11 @@ class AgentLoop:
       return "max_turns"
     if len(trajectory.token_ids) + ids >= self.max_tokens:
       return "max_tokens"
+    if not self.reuse_cache:  # the whole context is the next request's prompt
+      return "context" if len(trajectory.token_ids) + ids > self.engine.prompt_width else ""
     # The engine's columns: the prompt's padded width, then every later token.
     used = self.engine.prompt_width + len(trajectory.token_ids) - trajectory.prompt_len
     if ids > self.engine.max_turn_len or used + ids >= self.engine.context_width:
-      return "context"
-    if not self.reuse_cache and len(trajectory.token_ids) + ids > self.engine.prompt_width:
       return "context"
     return ""
 
