@@ -216,6 +216,8 @@ class ActorRolloutWorker(RoleWorker):
       return {"old_log_probs": logp, "entropy": entropy}
     fn = self.update_engine.jit_rows(
         log_probs_fn(self.graphdef, response_width(batch), self.temperature))
+    if "routes" in self.loss_fields:  # routing replay: the rollout's experts
+      rows["routes"] = jax.device_put(batch["routes"], self.rows_sharding)
     logp, entropy = fn(self.params, rows)
     return {"old_log_probs": logp, "entropy": entropy}
 
@@ -290,7 +292,8 @@ class ActorRolloutWorker(RoleWorker):
     def loss_fn(params, fields, kernels):
       logp, entropy = sequence_log_probs(graphdef, params, fields["input_ids"],
                                          fields["attention_mask"], temperature=temperature,
-                                         last=width, compute_kernels=kernels)
+                                         last=width, compute_kernels=kernels,
+                                         routes_BxTxLxK=fields.get("routes"))
       return loss(logp, entropy, _fresh_behaviour(logp, fields))
 
     return self._train("update_actor", loss_fn, rows, batch, weight_fn, prepare)

@@ -78,7 +78,8 @@ def build_roles(plan: RunPlan, policy, *, devices=None, reward_fn: Callable | No
         placed["actor"], actor_graphdef, actor_state, sampling=a.sampling,
         loss_fn=actor_loss(a.train.loss, a.rollout_correction),
         loss_fields=(("ref_log_prob",) if a.use_kl_loss else ()) +
-        (("rollout_log_probs",) if a.rollout_correction is not None else ()),
+        (("rollout_log_probs",) if a.rollout_correction is not None else ()) +
+        (("routes",) if a.sampling.record_routes else ()),  # routing replay
         generate_dtype=a.generate_dtype, recompute_log_prob=a.recompute_log_prob,
         optimizer_offload=a.optimizer_offload, max_num_seqs=a.max_num_seqs,
         continuous_batching=a.continuous_batching, multi_turn=a.multi_turn,

@@ -23,7 +23,8 @@ from hflax.rollout.sampler import shared_padding_cut
 LIVE_ROWS = "live_rows"
 # The fields as wide as a whole sequence (prompt and response); the rest are per row or
 # per response token.
-SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
+# "routes": a mixture of experts' recorded experts, one entry a token (routing replay).
+SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids", "routes")
 
 
 class Protocol(enum.Enum):

@@ -93,6 +93,10 @@ def base_config() -> ml_collections.ConfigDict:
       # Optimizer state in host memory from generation until the next update (verl's
       # optimizer_offload, for the KV cache's sake on accelerators).
       optimizer_offload=False,
+      # Mixture-of-experts models: the rollout records each token's experts and the
+      # actor's log-prob and update forwards replay them (rollout routing replay, R3);
+      # padded passes only (use_remove_padding false), waves (no continuous batching).
+      router_replay=False,
       # Token-budget micro-batches (verl's use_dynamic_bsz): packed micro-batches of at most
       # ppo_max_token_len_per_gpu tokens per device (log_prob_max_token_len_per_gpu for
       # the log-prob passes) instead of ppo_micro_batch_size rows; needs use_remove_padding.
@@ -238,6 +242,7 @@ def _check_choices(c, fail):
   if not isinstance(c.rollout.get("continuous_batching", False), bool):
     fail("rollout.continuous_batching", f"must be True or False, got "
          f"{c.rollout.continuous_batching!r}")
+  _check_router_replay(c, fail)
   problem = generation_cap_problem(c, c.rollout.max_num_seqs)
   if problem:
     fail("rollout.max_num_seqs", problem)
@@ -450,6 +455,20 @@ def generation_cap_problem(c, cap) -> str | None:
     return (f"{cap} is less than the {samples} samples of one prompt (rollout.n / val_n), "
             "which are generated together")
   return None
+
+
+def _check_router_replay(c, fail) -> None:
+  """Routing replay's routes are recorded by the wave sampler and read by padded passes."""
+  replay = c.actor.get("router_replay", False)
+  if not isinstance(replay, bool):
+    fail("actor.router_replay", f"must be True or False, got {replay!r}")
+  conflicts = [("model.use_remove_padding", c.model.use_remove_padding),
+               ("rollout.continuous_batching", c.rollout.get("continuous_batching", False)),
+               ("rollout.multi_turn.enable", c.rollout.multi_turn.enable)]
+  for field, on in conflicts if replay else ():
+    if on:
+      fail("actor.router_replay", f"replaying routes does not work with {field}=True yet; "
+           "turn one of them off")
 
 
 def _check_multi_turn(c, fail) -> None:

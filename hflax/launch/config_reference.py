@@ -218,6 +218,7 @@ MEANINGS.update({
     "actor.kl_loss_type": "its estimator",
     "actor.recompute_log_prob": "always recompute old log-probs with a forward pass",
     "actor.optimizer_offload": "optimizer state in host memory between updates",
+    "actor.router_replay": "MoE: replay the rollout's experts in training (R3)",
     "actor.log_prob_max_token_len_per_gpu": "token budget per device of a log-prob pass",
     "critic.cliprange_value": "value clip range",
     "critic.model_path": "the critic's checkpoint ('': the policy's)",

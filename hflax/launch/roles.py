@@ -138,7 +138,8 @@ def make_plan(cfg, placement: dict, tokenizer) -> RunPlan:
   r = cfg.rollout
   sampling = SamplingParams(
       max_new_tokens=cfg.data.max_response_length, temperature=r.temperature, top_k=r.top_k,
-      top_p=r.top_p, n=n, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id)
+      top_p=r.top_p, n=n, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id,
+      record_routes=bool(cfg.actor.get("router_replay", False)))
   actor = ActorPlan(train=_train(cfg.actor, n, cfg.model), sampling=sampling, lora=lora_plan(cfg.model),
                     generate_dtype=r.dtype, recompute_log_prob=cfg.actor.recompute_log_prob,
                     optimizer_offload=cfg.actor.optimizer_offload, max_num_seqs=r.max_num_seqs,

@@ -21,10 +21,12 @@ from hflax.models.transformer import forward
 
 @functools.lru_cache(maxsize=None)
 def log_probs_fn(graphdef, width: int, temperature: float):
-  """(params, rows) -> (log-probs, entropy) [B, width] of the responses."""
+  """(params, rows) -> (log-probs, entropy) [B, width] of the responses; rows with
+  "routes" replay a mixture of experts' recorded routes."""
   def fn(params, rows):
     return sequence_log_probs(graphdef, params, rows["input_ids"], rows["attention_mask"],
-                              temperature=temperature, last=width)
+                              temperature=temperature, last=width,
+                              routes_BxTxLxK=rows.get("routes"))
   return fn
 
 
