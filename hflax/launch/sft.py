@@ -25,6 +25,7 @@ import optax
 
 from hflax.controller.training import train_compiler_options
 from hflax.launch.config import tokenizer_spec
+from hflax.launch.sft_tools import TOOL_SOURCES, tool_use_example
 from hflax.models import hf
 from hflax.models.logprobs import sequence_log_probs
 
@@ -66,14 +67,21 @@ def warmup_cache_dir(cfg, model_cfg) -> str:
 
 
 def _examples(rows, tokenizer, max_prompt: int, max_answer: int, template=None):
-  """Left-padded prompt + answer + end token; the loss mask covers the answer part."""
+  """Left-padded prompt + answer + end token; the loss mask covers the answer part (for
+  the tool task, its model turns: sft_tools)."""
   eos = tokenizer.eos_ids[0]
   seqs, loss = [], []
   for row in rows:
-    prompt = tokenizer.encode_chat(row["prompt"], **(template or {}))[-max_prompt:]
-    answer = (tokenizer.encode(str(row["reward_model"]["ground_truth"])) + [eos])[:max_answer]
+    if row.get("data_source") in TOOL_SOURCES:  # a whole tool conversation (sft_tools)
+      prompt, answer, answer_loss = tool_use_example(row, tokenizer, template)
+      prompt, answer = prompt[-max_prompt:], answer[:max_answer]
+      answer_loss = answer_loss[:max_answer]
+    else:
+      prompt = tokenizer.encode_chat(row["prompt"], **(template or {}))[-max_prompt:]
+      answer = (tokenizer.encode(str(row["reward_model"]["ground_truth"])) + [eos])[:max_answer]
+      answer_loss = [1] * len(answer)
     seqs.append(prompt + answer)
-    loss.append([0] * len(prompt) + [1] * len(answer))
+    loss.append([0] * len(prompt) + answer_loss)
   width = max_prompt + max_answer
   tokens = np.full((len(seqs), width), tokenizer.pad_id, np.int32)
   mask, loss_mask = np.zeros((len(seqs), width), bool), np.zeros((len(seqs), width), bool)

@@ -1,0 +1,39 @@
+"""GRPO with a calculator on SmolLM2-135M-Instruct: multi-turn trajectories with tools.
+
+The task (data source `arithmetic_tools`) asks 3-digit products ("What is 347*829? Use the
+calculator tool, then answer with just the number."), which the model cannot compute in
+its head; the reward is 1 for a trajectory that called the calculator and then answered
+with the right number (hflax.rewards.rules.arithmetic_tool_answer). Each sample is a
+trajectory of up to two model turns on the rollout engine, the calculator's message
+between them (rollout.multi_turn, docs/agents.md).
+
+The model as shipped never writes a tool call, so the run starts with a short supervised
+warm-up on procedurally generated tool conversations (hflax.launch.sft_tools: the call,
+the calculator's message, the answer; cached on disk), and RL's gain counts from there.
+Install the weights as for grpo_smollm2.py.
+
+  python -m hflax.launch --config hflax/configs/grpo_smollm2_tools.py
+"""
+from hflax.configs import packing_defaults
+from hflax.launch.config import base_config
+
+
+def get_config():
+  c = base_config()
+  c.algorithm.name, c.algorithm.adv_estimator = "grpo", "grpo"
+  c.model.path = "smollm2-135m-instruct"
+  c.data.builtin.update(data_source="arithmetic_tools", digits=(3, 3), ops="*",
+                        num_train=5000, num_val=200)
+  # The prompt holds the calculator's schema in the system message; a response holds the
+  # call, the calculator's message and the answer.
+  c.data.update(train_batch_size=8, val_batch_size=200, max_prompt_length=256,
+                max_response_length=96)
+  c.rollout.multi_turn.update(enable=True, max_assistant_turns=2, max_turn_tokens=48,
+                              max_tool_response_length=32, tool_timeout_s=5.0)
+  c.rollout.n, c.rollout.temperature = 8, 1.0
+  c.actor.update(ppo_mini_batch_size=8, ppo_micro_batch_size=16)
+  c.actor.optim.lr = 1e-5
+  c.trainer.sft_warmup.update(steps=100, lr=1e-4, batch_size=16, target_loss=0.02)
+  c.trainer.update(total_steps=12, val_every=6, save_every=6, run_dir="runs/grpo_smollm2_tools")
+  packing_defaults(c)
+  return c
