@@ -84,7 +84,8 @@ class ActorRolloutWorker(RoleWorker):
       abstract = split_adapters(abstract)[1]
       shardings = state_shardings(abstract, self.mesh, TRAIN_RULES)
     self.engine = HybridEngine(self.mesh, abstract, shardings, placement.generate_tensor,
-                               generate_dtype, placement.generate_strided, self.base_graphdef)
+                               generate_dtype, placement.generate_strided, self.base_graphdef,
+                               generate_on=placement.generate_on)
     # The hybrid engine reshards the weights; the rollout engine samples with them, each
     # token tagged with the version of the weights (the actor's update count).
     self.rollout = RolloutEngine(self.engine.graphdef, None, sampling, mesh=self.engine.mesh,
@@ -150,8 +151,9 @@ class ActorRolloutWorker(RoleWorker):
     # The hybrid engine reuses a training buffer wherever a device already holds its new
     # shard; the streaming engine keeps its weights through the updates, which donate
     # those buffers, so it gets a copy of its own.
-    gen_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False),
-                             gen_state)
+    if not self.engine.split:  # a split placement's copy is on other devices already
+      gen_state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False),
+                               gen_state)
     metrics["timing_s/weight_sync"] = time.perf_counter() - start
     metrics["rollout/weight_sync_bytes"] = float(sum(x.nbytes for x in jax.tree.leaves(gen_state)))
     return self.engine.graphdef, gen_state, self.updates, metrics

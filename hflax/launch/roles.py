@@ -77,10 +77,12 @@ def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_
     if actor is None or "generate_tensor" in actor:
       return spec
     actor["generate_tensor"] = tensor  # the actor generates with rollout.generate_tensor
-  pool = spec["pools"].get(spec["roles"].get("actor", {}).get("pool"))
+  # The actor generates on its own pool, or on role "rollout"'s (a split placement).
+  split = "rollout" in spec["roles"]
+  pool = spec["pools"].get(spec["roles"].get("rollout" if split else "actor", {}).get("pool"))
   if pool and int(pool) % tensor:  # named here: the placement's own check names its copy
     raise ValueError(f"config.rollout.generate_tensor: {tensor} does not divide the actor's "
-                     f"pool of {pool} devices")
+                     f"{'rollout ' if split else ''}pool of {pool} devices")
   return spec
 
 

@@ -228,8 +228,12 @@ class HybridEngine:
   """
 
   def __init__(self, train_mesh: Mesh, abstract_state, train_shardings, tensor: int = 1,
-               dtype: str | None = None, strided: bool = True, graphdef=None):
-    self.mesh = generate_mesh(train_mesh, tensor, strided)
+               dtype: str | None = None, strided: bool = True, graphdef=None,
+               generate_on: Mesh | None = None):
+    # generate_on: devices apart from the training mesh's (a split placement's rollout
+    # pool): each switch is then a weight sync, every byte copied to them.
+    self.split = generate_on is not None
+    self.mesh = generate_mesh(generate_on if self.split else train_mesh, tensor, strided)
     self.dtype = dtype
     self._copies = decoding([])  # the platform's decoding copy, once a plan is found
     cast = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype),
@@ -286,6 +290,9 @@ class HybridEngine:
                "reshard/bytes_moved": float(layout.moved["total"]),
                "reshard/max_bytes_per_device": float(layout.moved["max_per_device"]),
                "reshard/decoding_layout": float(decoding)}
+    if self.split:
+      metrics["timing_s/weight_sync"] = metrics["timing_s/reshard"]
+      metrics["rollout/weight_sync_bytes"] = metrics["reshard/bytes_moved"]
     return gen_state, metrics
 
 

@@ -13,6 +13,17 @@ Roles that share a pool are colocated (they run in turn); roles on different poo
 concurrently. Pools take consecutive devices in the order they are listed. The actor's
 optional generate_tensor, generate_strided and max_num_seqs set its generation layout and
 how many sequences each generation replica holds at once (see hybrid_engine, workers).
+
+Role "rollout" splits the actor's generation off its training devices (verl's one-step-off
+recipe, hybrid_engine=False, gives the rollout a resource pool of its own):
+
+  {"pools": {"train": 1, "rollout": 1},
+   "roles": {"actor": {"pool": "train"}, "rollout": {"pool": "rollout"}}}
+
+The actor then trains on its pool and generates on the rollout pool's devices (its
+generate_tensor and generate_strided laid over them), the weights copied there after each
+update; with trainer.mode one_step_off or async the two pools work at the same time. A
+rollout role on the actor's own pool is the colocated default.
 """
 from __future__ import annotations
 
@@ -25,8 +36,9 @@ from jax.sharding import Mesh
 
 from hflax.sharding.layouts import train_mesh
 
-ROLES = ("actor", "ref", "critic", "reward", "cost", "teacher")
-MESH_AXES = ("data", "fsdp", "tensor")
+ROLES = ("actor", "ref", "critic", "reward", "cost", "teacher", "rollout")
+# "expert": a mixture of experts' experts split over it (expert parallelism, see layouts).
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +59,9 @@ class RolePlacement:
   generate_tensor: int = 1
   generate_strided: bool = True  # False: node-local tensor groups (see hybrid_engine)
   max_num_seqs: int = 0  # sequences a generation replica holds at once (0: no cap)
+  # The actor's generation devices where role "rollout" has a pool apart from its training
+  # pool (a mesh over them in the training axes, laid out by generate_mesh); None: its own.
+  generate_on: Mesh | None = None
 
 
 def colocated(roles: Sequence[str], devices: int, generate_tensor: int = 1) -> dict:
@@ -63,6 +78,17 @@ def standalone(roles: Sequence[str], devices_per_role: int, generate_tensor: int
           "roles": {r: {"pool": r, "mesh": {"fsdp": devices_per_role},
                         **({"generate_tensor": generate_tensor} if r == "actor" else {})}
                     for r in roles}}
+
+
+def split_rollout(roles: Sequence[str], train: int, rollout: int, generate_tensor: int = 1) -> dict:
+  """Every role on pool "train" (FSDP over it) but the actor's generation, on pool
+  "rollout" (verl's one-step-off layout)."""
+  spec = colocated(roles, train, generate_tensor)
+  spec["pools"] = {"train": train, "rollout": rollout}
+  for r in spec["roles"].values():
+    r["pool"] = "train"
+  spec["roles"]["rollout"] = {"pool": "rollout"}
+  return spec
 
 
 ROLE_FIELDS = ("pool", "mesh", "generate_tensor", "generate_strided", "max_num_seqs")
@@ -101,6 +127,9 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
     if rspec.get("pool") not in pools:
       raise ValueError(f"{field}.pool: {rspec.get('pool')!r} is not one of {sorted(pools)}")
     pool = pools[rspec["pool"]]
+    if role == "rollout" and set(rspec) != {"pool"}:
+      raise ValueError(f"{field}: only 'pool' is set here; the generation layout is the "
+                       f"actor's (generate_tensor, generate_strided, max_num_seqs)")
     shape = dict(rspec.get("mesh") or {"fsdp": pool.size})
     unknown = set(shape) - set(MESH_AXES)
     if unknown:
@@ -110,16 +139,33 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
       raise ValueError(f"{field}.mesh: {shape} multiplies to {product} but pool "
                        f"{pool.name!r} has {pool.size} devices")
     tensor_g = int(rspec.get("generate_tensor", 1))
-    if pool.size % tensor_g:
+    generates_on = pool
+    if role == "actor" and "rollout" in roles_spec:
+      generates_on = pools.get(roles_spec["rollout"].get("pool"), pool)
+    if generates_on.size % tensor_g:
       raise ValueError(f"{field}.generate_tensor: {tensor_g} does not divide pool "
-                       f"{pool.name!r} of {pool.size} devices")
+                       f"{generates_on.name!r} of {generates_on.size} devices")
     cap = rspec.get("max_num_seqs", 0)
     if not isinstance(cap, (int, np.integer)) or isinstance(cap, bool) or cap < 0:
       raise ValueError(f"{field}.max_num_seqs: must be an integer >= 0 (0: no cap), got {cap!r}")
     if cap and role != "actor":
       raise ValueError(f"{field}.max_num_seqs: only the actor generates")
     mesh = train_mesh(pool.devices, int(shape.get("data", 1)), int(shape.get("fsdp", 1)),
-                      int(shape.get("tensor", 1)))
+                      int(shape.get("tensor", 1)), int(shape.get("expert", 1)))
     placed[role] = RolePlacement(role, pool, mesh, tensor_g,
                                  bool(rspec.get("generate_strided", True)), int(cap))
+  return _with_rollout(placed, where)
+
+
+def _with_rollout(placed: dict[str, RolePlacement], where: str) -> dict[str, RolePlacement]:
+  """The actor's generate_on from role "rollout" (a pool apart from the actor's)."""
+  rollout = placed.get("rollout")
+  if rollout is None:
+    return placed
+  actor = placed.get("actor")
+  if actor is None:
+    raise ValueError(f"{where}.roles.rollout: the rollout is the actor's generation; place "
+                     "the actor too")
+  if rollout.pool.name != actor.pool.name:
+    placed["actor"] = dataclasses.replace(actor, generate_on=rollout.mesh)
   return placed
