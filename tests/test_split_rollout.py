@@ -121,3 +121,18 @@ def test_rollout_without_actor_is_refused():
   spec = {"pools": {"a": 1, "b": 1}, "roles": {"ref": {"pool": "a"}, "rollout": {"pool": "b"}}}
   with pytest.raises(ValueError, match=r"^placement.roles.rollout: the rollout is the actor's"):
     build_placement(spec, jax.devices()[:2])
+
+
+def test_split_async_streams_on_the_rollout_device_within_the_bound(tmp_path):
+  c = config(tmp_path, "async", SPLIT, mode="async")
+  c.trainer.update(max_staleness=1, async_decode_steps=2, total_steps=4)
+  trainer, versions, m = run(c)
+  engine = trainer.schedule.stream.engine
+  train_devices = {d for x in jax.tree.leaves(trainer.roles.actor.params)
+                   for d in x.sharding.device_set}
+  assert set(engine.mesh.devices.flat).isdisjoint(train_devices)
+  for step, seen in versions.items():  # no trained row lags more than the bound
+    assert min(seen) >= step - 2, (step, seen)
+  weights = sum(x.nbytes for x in jax.tree.leaves(trainer.roles.actor.params))
+  for step in m:  # each step's sync hands the engine the whole model on its own device
+    assert m[step]["rollout/weight_sync_bytes"] == weights

@@ -148,7 +148,8 @@ MEANINGS = {
     "trainer.compile_cache_dir": "JAX's persistent compilation cache ('': off)",
     "placement.kind": "which devices each role uses",
     "placement.pools": "custom: pool name -> device count",
-    "placement.roles": "custom: role -> pool, mesh and generation width",
+    "placement.roles": "custom: role -> pool, mesh and generation width; role rollout: "
+                       "the actor's generation on a pool of its own",
     "reward.kind": "rule (by data_source or custom_fn) or model",
     "reward.model_path": "the reward model's checkpoint",
     "reward.custom_fn.path": "a Python file with the reward function",
