@@ -8,6 +8,7 @@ import pytest
 from hflax.algorithms.losses import ppo_clip_loss
 from hflax.models import forward, hf, moe
 from hflax.models.logprobs import sequence_log_probs
+from hflax.rollout import routes as replay
 from hflax.rollout.sampler import SamplingParams, generate
 from moe_models import tiny_moe
 
@@ -86,6 +87,17 @@ def test_replay_matches_the_rollout_where_recomputed_routes_differ(narrow):
   differ = (np.sort(off, -1) != np.sort(routes, -1))[recorded]
   assert differ.sum() >= 3, differ.sum()
   np.testing.assert_array_equal(on[recorded], routes[recorded])
+  # The trainer's metrics: agreement counts the tokens whose every layer's experts the
+  # moved router would pick as the rollout did; the load counts every replayed pick.
+  fn = replay.replay_log_probs_fn(graphdef, N_NEW, 1.0, 8)
+  _, _, stats = jax.jit(fn)(moved, {k: out[k] for k in ("input_ids", "attention_mask", "routes")})
+  tokens = recorded[..., 0, 0]
+  same = np.all(np.sort(off, -1) == np.sort(routes, -1), axis=(-2, -1)) & tokens
+  np.testing.assert_array_equal(np.asarray(stats["agree"]), same.sum(1))
+  np.testing.assert_array_equal(np.asarray(stats["tokens"]), tokens.sum(1))
+  assert float(np.asarray(stats["load"]).sum()) == tokens.sum() * 2 * 2  # layers x k
+  metrics = replay.replay_metrics(stats)
+  assert metrics["actor/route_agreement"] == same.sum() / tokens.sum() < 1.0
 
 
 def test_bfloat16_rollout_routes_replay_exactly_in_float32_training(narrow):
@@ -162,6 +174,10 @@ def test_trainer_replays_the_rollouts_routes_on_policy(tmp_path, monkeypatch):
     row = next(r for r in map(json.loads, f) if r.get("step") == 1)
   assert row["actor/ppo_kl_first_minibatch"] == 0.0
   assert row["actor/pg_clipfrac_first_minibatch"] == 0.0
+  # fp32 rollout and trainer on the same weights route alike; the load is uneven (a
+  # random router) but no expert takes every pick (8 experts: at most 8x an even share).
+  assert row["actor/route_agreement"] == 1.0
+  assert 1.0 < row["actor/expert_load_max"] < 8.0
 
 
 def test_router_replay_config_conflicts_are_one_line():

@@ -28,6 +28,7 @@ from hflax.models.forwards import (base_log_probs_fn, base_packed_log_probs_fn, 
 from hflax.models.logprobs import sequence_log_probs
 from hflax.models.lora import base_config, merged_kernels, split_adapters, split_for_merge
 from hflax.models.transformer import compute_kernels, create_abstract
+from hflax.rollout import routes
 from hflax.rollout.agents.rollout import MultiTurn, multi_turn_rollout
 from hflax.rollout.engine import RolloutEngine
 from hflax.rollout.sampler import SamplingParams
@@ -194,7 +195,13 @@ class ActorRolloutWorker(RoleWorker):
     ratio and rollout correction are taken against the weights about to train."""
     differ = self.recompute_log_prob or self._stale(batch)
     if differ and not self._update_reads_only_its_own(len(batch)):
-      return self.compute_log_prob(batch)
+      out = self.compute_log_prob(batch)
+      if "routes" not in self.loss_fields:
+        return out
+      # Routing replay: the pass's statistics become the step's metrics, not fields.
+      stats = {k: out[f"replay/{k}"] for k in ("agree", "tokens", "load")}
+      return Batch({k: out[k] for k in ("old_log_probs", "entropy")},
+                   meta={"metrics": routes.replay_metrics(stats)})
     return Batch({"old_log_probs": batch["rollout_log_probs"]})
 
   def _stale(self, batch: Batch) -> bool:
@@ -216,10 +223,15 @@ class ActorRolloutWorker(RoleWorker):
       logp, entropy = self._packed_forward(packed_log_probs_fn(self.graphdef, self.temperature),
                                            rows, batch)
       return {"old_log_probs": logp, "entropy": entropy}
-    fn = self.update_engine.jit_rows(
-        log_probs_fn(self.graphdef, response_width(batch), self.temperature))
     if "routes" in self.loss_fields:  # routing replay: the rollout's experts
       rows["routes"] = jax.device_put(batch["routes"], self.rows_sharding)
+      fn = self.update_engine.jit_rows(routes.replay_log_probs_fn(
+          self.graphdef, response_width(batch), self.temperature, self.cfg.num_experts))
+      logp, entropy, stats = fn(self.params, rows)
+      return {"old_log_probs": logp, "entropy": entropy,
+              **{f"replay/{k}": v for k, v in stats.items()}}
+    fn = self.update_engine.jit_rows(
+        log_probs_fn(self.graphdef, response_width(batch), self.temperature))
     logp, entropy = fn(self.params, rows)
     return {"old_log_probs": logp, "entropy": entropy}
 
