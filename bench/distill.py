@@ -83,6 +83,21 @@ def curve(rows: dict[int, dict]) -> list[dict]:
   return out
 
 
+def median_step_s(rows: dict[int, dict], chunk: int) -> float:
+  """The median of timing_s/step over the steps that do not start a chunk (those also
+  read the run's compiled programs back): what a step of the arm costs."""
+  import statistics  # noqa: PLC0415
+  return statistics.median(r["timing_s/step"] for step, r in rows.items()
+                           if "timing_s/step" in r and (step - 1) % chunk)
+
+
+def late_mean(points: list[dict], count: int = 10) -> float:
+  """Mean held-out accuracy over the last `count` validations: one validation swings by
+  several points from the next, the mean of the run's tail does not."""
+  tail = points[-count:]
+  return round(sum(p["acc"] for p in tail) / len(tail), 4)
+
+
 def first_reaching(points: list[dict], level: float) -> dict | None:
   return next((p for p in points if p["acc"] >= level), None)
 
@@ -144,6 +159,8 @@ def run_arms(args, work: pathlib.Path, teacher: str) -> dict[str, list[dict]]:
     print(f"  step {upto}: " + ", ".join(f"{a} {v:.3f}" if v is not None else f"{a} -"
                                           for a, v in accs.items()), flush=True)
   curves = {arm: curve(read_metrics(work / arm)) for arm in ARMS}
+  args.step_s = {arm: round(median_step_s(read_metrics(work / arm), args.chunk), 4)
+                 for arm in ARMS}
   for arm in ARMS:
     if not curves[arm] or curves[arm][0]["step"] != 0 or curves[arm][0]["acc"] != start_acc:
       raise SystemExit(f"{arm}: its step-0 accuracy {curves[arm][:1]} is not the start's "
@@ -194,7 +211,12 @@ def main():
   parser.add_argument("--quick", action="store_true", help="smoke: tiny steps everywhere")
   parser.add_argument("--out", default="", help="write a bench/results/ file here")
   parser.add_argument("--machine", default="vm", help="the machine's key in --out's file")
+  parser.add_argument("--refigure", default="",
+                      help="recompute an earlier run's figures from its record's curves (with "
+                      "--workdir: its step times from the runs kept there) and write --out")
   args = parser.parse_args()
+  if args.refigure:
+    return refigure(args)
   if args.teacher and args.teacher_acc is None:
     parser.error("--teacher needs --teacher-acc (its held-out accuracy, the ceiling)")
   if min(args.steps, args.chunk, args.val_every) < 1 or args.chunk % args.val_every:
@@ -219,9 +241,35 @@ def main():
   load = (f"{load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} at the start, "
           f"{load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} at the end (1/5/15 "
           f"min, {os.cpu_count()} cores)")
+  print("median step (each chunk's first step left out): " + ", ".join(
+      f"{arm} {args.step_s[arm]:.3f} s" for arm in ARMS))
   print(f"load average: {load}; the whole bench took {time.perf_counter() - started:.0f} s")
   if args.out:
     write_results(args, curves, teacher_acc, reach, load)
+
+
+def refigure(args):
+  """Figures again from a recorded run (its command, commit, date, machine and load kept)."""
+  record = json.loads(pathlib.Path(args.refigure).read_text())
+  notes = record["notes"]
+  for key in ("coef", "task_reward_coef", "start_steps", "teacher_steps", "teacher_seed",
+              "seed", "val_every", "chunk", "level"):
+    if key in notes:
+      setattr(args, key, notes[key])
+  curves = notes["curves"]
+  args.steps = curves["grpo"][-1]["step"]
+  args.step_s = notes.get("median_step_s")
+  if args.step_s is None and args.workdir:
+    args.step_s = {arm: round(median_step_s(read_metrics(pathlib.Path(args.workdir) / arm),
+                                            args.chunk), 4) for arm in ARMS}
+  reach = report(curves, notes["teacher_acc"], args.steps, args.level)
+  args.machine = record["machine"]
+  args.out = args.out or args.refigure
+  write_results(args, curves, notes["teacher_acc"], reach, record["load"])
+  fresh = json.loads(pathlib.Path(args.out).read_text())
+  fresh.update({k: record[k] for k in ("command", "commit", "date", "cpu")})
+  fresh["refigured_by"] = " ".join(["python", *sys.argv])
+  pathlib.Path(args.out).write_text(json.dumps(fresh, indent=1) + "\n")
 
 
 def reach_figure(target: str, unit: str, key: str, reach: dict, curves: dict, steps: int):
@@ -248,15 +296,16 @@ def write_results(args, curves, teacher_acc, reach, load):
   """One file of bench/results/ (bench/results_table.py's schema)."""
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=HERE).stdout.strip()
-  final = {arm: curves[arm][-1]["acc"] for arm in ARMS}
+  late = {arm: late_mean(curves[arm]) for arm in ARMS}
   figures = [
       reach_figure("distill_steps_to_half", f"RL steps to held-out accuracy {args.level}",
                    "step", reach, curves, args.steps),
       reach_figure("distill_seconds_to_half", "training seconds (sum of timing_s/step) to "
                    f"held-out accuracy {args.level}", "train_s", reach, curves, args.steps),
-      dict(target="distill_final_acc", unit=f"held-out accuracy after {args.steps} steps",
-           hflax=final["distill"], peer=final["grpo"], peer_name="GRPO alone from the same start",
-           ratio=round(final["distill"] / final["grpo"], 4) if final["grpo"] else None,
+      dict(target="distill_final_acc", unit="mean held-out accuracy over the run's last 10 "
+           f"validations (steps {curves['grpo'][-10:][0]['step']}-{args.steps})",
+           hflax=late["distill"], peer=late["grpo"], peer_name="GRPO alone from the same start",
+           ratio=round(late["distill"] / late["grpo"], 4) if late["grpo"] else None,
            ratio_is="hflax/peer: distillation / GRPO",
            note=f"teacher (the ceiling) {teacher_acc:.3f}, start {curves['grpo'][0]['acc']:.3f}"),
   ]
@@ -267,7 +316,8 @@ def write_results(args, curves, teacher_acc, reach, load):
       notes=dict(teacher_acc=teacher_acc, coef=args.coef, task_reward_coef=args.task_reward_coef,
                  start_steps=args.start_steps, teacher_steps=args.teacher_steps,
                  teacher_seed=args.teacher_seed, seed=args.seed, val_every=args.val_every,
-                 chunk=args.chunk, curves=curves))
+                 chunk=args.chunk, level=args.level,
+                 median_step_s=getattr(args, "step_s", None), curves=curves))
   pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 

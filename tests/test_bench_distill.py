@@ -48,6 +48,14 @@ def test_curve_sums_step_times_and_finds_the_first_step_at_the_level(tmp_path):
   assert distill.first_reaching(points, 0.6) is None
 
 
+def test_median_step_leaves_out_each_chunks_first_step():
+  rows = {0: {distill.ACC: 0.1}, 1: {"timing_s/step": 9.0}, 2: {"timing_s/step": 1.0},
+          3: {"timing_s/step": 8.0}, 4: {"timing_s/step": 2.0}, 5: {"timing_s/step": 7.0},
+          6: {"timing_s/step": 3.0}}
+  assert distill.median_step_s(rows, chunk=2) == 2.0  # steps 1, 3, 5 start chunks
+  assert distill.median_step_s(rows, chunk=6) == 3.0
+
+
 def _curves(tmp_path, grpo, dist):
   tmp_path = tmp_path / f"runs{len(list(tmp_path.glob('runs*')))}"
   tmp_path.mkdir()
@@ -79,7 +87,9 @@ def test_both_arms_reach_the_level(tmp_path, monkeypatch):
   assert (steps["peer"], steps["hflax"], steps["ratio"]) == (6, 2, 3.0)
   assert (seconds["peer"], seconds["hflax"], seconds["ratio"]) == (6.0, 4.0, 1.5)
   assert steps["ratio_is"] == "GRPO / distillation"  # not a bound
-  assert final["ratio"] == pytest.approx(0.7 / 0.6, abs=1e-4)
+  # the mean of the last 10 validations (here all 4 of each arm)
+  assert (final["peer"], final["hflax"]) == (0.3, 0.475)
+  assert final["ratio"] == pytest.approx(0.475 / 0.3, abs=1e-4)
   assert record["notes"]["curves"]["distill"][1] == {"step": 2, "train_s": 4.0, "acc": 0.5}
 
 
@@ -93,6 +103,24 @@ def test_an_arm_not_reaching_the_level_makes_the_ratio_a_bound(tmp_path, monkeyp
   steps = record["figures"][0]
   assert steps["hflax"] is None and steps["ratio"] == pytest.approx(2 / 6, abs=1e-4)
   assert "upper bound" in steps["ratio_is"]
+
+
+def test_refigure_recomputes_the_figures_and_keeps_the_run(tmp_path, monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["bench/distill.py"])
+  record = _record(tmp_path, _curves(tmp_path, [0.1, 0.2, 0.3, 0.6], [0.1, 0.5, 0.6, 0.7]))
+  record.update(command="python bench/distill.py --steps 6", commit="abcdef0", date="2026-01-01")
+  record["figures"] = []
+  old = tmp_path / "old.json"
+  old.write_text(json.dumps(record))
+  monkeypatch.setattr(sys, "argv", ["bench/distill.py", "--refigure", str(old), "--out",
+                                    str(tmp_path / "new.json")])
+  distill.main()
+  new = json.loads((tmp_path / "new.json").read_text())
+  assert [f["target"] for f in new["figures"]] == ["distill_steps_to_half",
+                                                   "distill_seconds_to_half", "distill_final_acc"]
+  assert (new["command"], new["commit"], new["date"]) == (record["command"], "abcdef0",
+                                                          "2026-01-01")
+  assert new["notes"]["curves"] == record["notes"]["curves"]
 
 
 def test_neither_arm_reaching_the_level_leaves_only_the_final_accuracy(tmp_path, monkeypatch):
