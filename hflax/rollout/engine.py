@@ -263,7 +263,7 @@ class RolloutEngine(SlotTable):
     finished = self._admit()
     if any(live is not None for live in self._live):
       self._carry, out = decode_steps(*self.weights, self._carry,
-                                 params=self.sampling, steps=self.steps_per_call)
+                                      params=self.sampling, steps=self.steps_per_call)
       tokens, logps, emitted, active = jax.device_get(
           (out["tokens"], out["log_probs"], out["emitted"], self._carry["active"]))
       for s, live in enumerate(self._live):

@@ -25,7 +25,7 @@ class SlotTable:
     graphdef, state = self.weights
     if self._carry is None:
       self._carry = self._place(empty_carry(nnx.merge(graphdef, state).cfg, self.slots,
-                                             self.context_width + self._slack))
+                                            self.context_width + self._slack))
     finished = self._continue([r for r in self._waiting if r.continues is not None])
     self._waiting = [r for r in self._waiting if r.continues is None]
     held = {h.slot for h in self._held.values()}
@@ -85,7 +85,7 @@ class SlotTable:
       del self._held[r.continues]
       self._ids.discard(r.continues)
     self._carry, (first, logp, going) = extend(*self.weights, self._carry, per_row,
-                                                params=self.sampling)
+                                               params=self.sampling)
     return self._started(requests, slots, (starts + lengths)[:len(requests)].tolist(),
                          first, logp, going)
 
