@@ -188,3 +188,25 @@ def test_router_replay_config_conflicts_are_one_line():
   c.model.use_remove_padding = True
   with pytest.raises(ValueError, match=r"^config\.actor\.router_replay: .*use_remove_padding"):
     validate(c)
+
+
+def test_remat_forward_records_and_replays_as_the_plain_one(wide):
+  """model.remat recomputes each layer in the backward pass (nnx.remat): the routes and
+  router logits recorded inside it still reach the caller, and the replayed gradients are
+  the plain forward's."""
+  _, graphdef, state = hf.load_checkpoint(wide)
+  _, remat_graphdef, remat_state = hf.load_checkpoint(wide, remat=True)
+  out = _rollout(graphdef, state)
+  rows = {k: out[k] for k in ("input_ids", "attention_mask", "routes")}
+
+  def run(g, s):
+    fn = replay.replay_log_probs_fn(g, N_NEW, 1.0, 8)
+    grad = jax.grad(lambda p: fn(p, rows)[0].sum())
+    return jax.jit(fn)(s, rows), jax.jit(grad)(s)
+
+  (plain, plain_grad), (remat, remat_grad) = run(graphdef, state), run(remat_graphdef, remat_state)
+  for key in ("agree", "tokens", "load"):
+    np.testing.assert_array_equal(np.asarray(plain[2][key]), np.asarray(remat[2][key]))
+  np.testing.assert_allclose(np.asarray(plain[0]), np.asarray(remat[0]), atol=1e-6)
+  for a, b in zip(jax.tree.leaves(plain_grad), jax.tree.leaves(remat_grad)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)

@@ -115,6 +115,23 @@ def recording():
     stack.pop()
 
 
+def remat_recorded(call):
+  """nnx.remat(call), whose sparse layers' records come out of the rematerialised trace
+  as its results and join the caller's recorder (appended from inside, they would be
+  tracers of that trace, leaked)."""
+  def inner(*args):
+    with recording() as record:
+      out = call(*args)
+    return out, list(record)
+
+  def outer(*args):
+    out, record = nnx.remat(inner)(*args)
+    if getattr(_recorders, "stack", None):
+      _recorders.stack[-1].extend(record)
+    return out
+  return outer
+
+
 def stacked(record):
   """(routes [sparse layers, ..., k] int32, router logits [sparse layers, ..., E]) of one
   model call's record; (None, None) for a dense model."""

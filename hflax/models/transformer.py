@@ -20,7 +20,7 @@ from hflax import platforms
 from hflax.models.attention import attention
 from hflax.models.config import ROW_AXES, ModelConfig
 from hflax.models.matmul import compute_copy, dense_dot, step_logits, tied_head, tied_logits
-from hflax.models.moe import SparseMoE, set_replay
+from hflax.models.moe import SparseMoE, remat_recorded, set_replay
 from hflax.models.norm import rms_norm
 from hflax.models.rope import apply_rope, rope_tables
 from hflax.models.tracing import one_trace_per_call
@@ -283,8 +283,9 @@ class DecoderLM(nnx.Module):
       for i, layer in enumerate(self.layers):
         x = rows_split(x)
         if self.cfg.remat and cache is None:
-          x, layer_cache = nnx.remat(Block.__call__)(layer, x, cos, sin, kv_valid_BxS, slot0,
-                                                     None, segment_ids_BxT, prefix_ids_BxT)
+          x, layer_cache = remat_recorded(Block.__call__)(layer, x, cos, sin, kv_valid_BxS,
+                                                          slot0, None, segment_ids_BxT,
+                                                          prefix_ids_BxT)
         else:
           x, layer_cache = layer(x, cos, sin, kv_valid_BxS, slot0,
                                  None if cache is None else cache[i], segment_ids_BxT,
