@@ -136,3 +136,11 @@ def test_split_async_streams_on_the_rollout_device_within_the_bound(tmp_path):
   weights = sum(x.nbytes for x in jax.tree.leaves(trainer.roles.actor.params))
   for step in m:  # each step's sync hands the engine the whole model on its own device
     assert m[step]["rollout/weight_sync_bytes"] == weights
+
+
+def test_split_on_ray_is_refused_before_ray_starts(tmp_path):
+  c = config(tmp_path, "ray", SPLIT)
+  c.cluster.backend = "ray"
+  with pytest.raises(ValueError, match=r"^config.placement.roles.rollout: a rollout pool apart "
+                                       r"from the actor's runs on cluster.backend='local' only"):
+    make_backend(c, log=lambda *_: None)
