@@ -267,7 +267,8 @@ def _moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
   """ModelConfig's mixture-of-experts fields from a Qwen3-MoE config.json (transformers 5
   writes num_experts as num_local_experts)."""
   experts = hf.get("num_experts", hf.get("num_local_experts"))
-  for key, value in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok")),
+  for key, value in (("num_experts", experts),
+                     ("num_experts_per_tok", hf.get("num_experts_per_tok")),
                      ("moe_intermediate_size", hf.get("moe_intermediate_size"))):
     if value is None:
       raise ValueError(f"{source}: missing required field {key!r}")

@@ -35,8 +35,10 @@ _INIT = jax.nn.initializers.normal(0.02)
 class SparseMoE(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    param = lambda shape, axes: nnx.Param(_INIT(rngs.params(), shape, cfg.param_dtype),  # noqa: E731
-                                          axes=axes)
+
+    def param(shape, axes):
+      return nnx.Param(_INIT(rngs.params(), shape, cfg.param_dtype), axes=axes)
+
     # Stored [in, out] like Dense's kernels; the expert axis first so it can be split.
     self.router = param((d, e), ("embed", None))
     self.gate = param((e, d, f), ("expert", "embed", "expert_mlp"))
@@ -44,8 +46,8 @@ class SparseMoE(nnx.Module):
     self.down = param((e, f, d), ("expert", "expert_mlp", "embed"))
     self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
     self.dtype = jnp.dtype(cfg.dtype)
-    # Inputs and outputs of one call, never part of the state: expert indices to replay
-    # ([..., k] int32, shaped like the tokens), and what the call used.
+    # An input of the next call, never part of the state: expert indices to replay
+    # ([..., k] int32, shaped like the tokens; set_replay).
     self.replay = nnx.data(None)
 
   def __call__(self, x_BxTxD):
