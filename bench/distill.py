@@ -23,11 +23,11 @@ teacher's accuracy as the ceiling. Everything runs through `python -m hflax.laun
 Accuracy is the job's held-out greedy exact match (val-core/arithmetic/reward/mean@1, 500
 questions) every --val-every steps. Training seconds are the sum of `timing_s/step` up
 to a step: validation, start-up and checkpoint writes are outside it; the first step of
-each chunk includes reading its compiled programs back (a run of each arm first fills the
-compilation cache and is not counted). Per-step curves do not depend on the machine's
-load; seconds do (the load is printed and recorded).
+each resumed chunk, which reads the compiled programs back, counts as the arm's median
+step (a run of each arm first fills the compilation cache and is not counted). Per-step
+curves do not depend on the machine's load; seconds do (the load is printed and recorded).
 
-  python bench/distill.py                      # teacher, start, 60 steps per arm
+  python bench/distill.py                      # teacher, start, 120 steps per arm
   python bench/distill.py --quick              # smoke: tiny steps everywhere
   python bench/distill.py --out bench/results/DATE-distill-MACHINE.json --machine vm
 
@@ -73,11 +73,16 @@ def read_metrics(run_dir: pathlib.Path) -> dict[int, dict]:
   return rows
 
 
-def curve(rows: dict[int, dict]) -> list[dict]:
-  """[{step, train_s (cumulative timing_s/step), acc}] for each validated step."""
+def curve(rows: dict[int, dict], chunk: int | None = None) -> list[dict]:
+  """[{step, train_s, acc}] for each validated step; train_s sums timing_s/step up to the
+  step. With `chunk`, the first step of each resumed chunk (reading the run's compiled
+  programs back: the bench's alternation, not the arm's cost) counts as the arm's median
+  step; the run's own first step counts as measured, as any run pays for it."""
   out, spent = [], 0.0
+  median = median_step_s(rows, chunk) if chunk else None
   for step in sorted(rows):
-    spent += rows[step].get("timing_s/step", 0.0)
+    resumed = chunk and step > 1 and (step - 1) % chunk == 0 and "timing_s/step" in rows[step]
+    spent += median if resumed else rows[step].get("timing_s/step", 0.0)
     if ACC in rows[step]:
       out.append(dict(step=step, train_s=round(spent, 3), acc=rows[step][ACC]))
   return out
@@ -158,7 +163,7 @@ def run_arms(args, work: pathlib.Path, teacher: str) -> dict[str, list[dict]]:
     accs = {arm: read_metrics(work / arm).get(upto, {}).get(ACC) for arm in ARMS}
     print(f"  step {upto}: " + ", ".join(f"{a} {v:.3f}" if v is not None else f"{a} -"
                                           for a, v in accs.items()), flush=True)
-  curves = {arm: curve(read_metrics(work / arm)) for arm in ARMS}
+  curves = {arm: curve(read_metrics(work / arm), args.chunk) for arm in ARMS}
   args.step_s = {arm: round(median_step_s(read_metrics(work / arm), args.chunk), 4)
                  for arm in ARMS}
   for arm in ARMS:
@@ -192,10 +197,10 @@ def report(curves: dict[str, list[dict]], teacher_acc: float, steps: int, level:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=60, help="RL steps per arm")
-  parser.add_argument("--chunk", type=int, default=20, help="steps per alternation")
+  parser.add_argument("--steps", type=int, default=120, help="RL steps per arm")
+  parser.add_argument("--chunk", type=int, default=40, help="steps per alternation")
   parser.add_argument("--val-every", type=int, default=2, help="validation interval (steps)")
-  parser.add_argument("--start-steps", type=int, default=275,
+  parser.add_argument("--start-steps", type=int, default=300,
                       help="supervised warm-up steps of the common start")
   parser.add_argument("--seed", type=int, default=0, help="the arms' trainer.seed")
   parser.add_argument("--teacher-steps", type=int, default=100)
@@ -257,6 +262,12 @@ def refigure(args):
     if key in notes:
       setattr(args, key, notes[key])
   curves = notes["curves"]
+  if args.workdir:  # the seconds again from the runs' metrics; the accuracies must agree
+    again = {arm: curve(read_metrics(pathlib.Path(args.workdir) / arm), args.chunk)
+             for arm in ARMS}
+    if any([p["acc"] for p in again[arm]] != [p["acc"] for p in curves[arm]] for arm in ARMS):
+      raise SystemExit(f"--workdir {args.workdir} holds other runs than {args.refigure}")
+    curves = again
   args.steps = curves["grpo"][-1]["step"]
   args.step_s = notes.get("median_step_s")
   if args.step_s is None and args.workdir:

@@ -67,8 +67,8 @@ TARGETS = {
                               "on-policy distillation from the same start", "x"),
     "distill_seconds_to_half": ("`distill.py`: training seconds to held-out accuracy 0.5, "
                                 "GRPO / on-policy distillation", "x"),
-    "distill_final_acc": ("`distill.py`: held-out accuracy after the run, on-policy "
-                          "distillation / GRPO", "x"),
+    "distill_final_acc": ("`distill.py`: held-out accuracy (mean of the last 10 "
+                          "validations), on-policy distillation / GRPO", "x"),
     "learning_trl_time": ("`learning.py`: seconds to TRL's final held-out accuracy, TRL / "
                           "best hflax mode (>= 3x)", "x"),
     "agents_slow_tools": ("`agents.py`: 64 trajectories, 100 ms tools / instant tools "

@@ -48,6 +48,14 @@ def test_curve_sums_step_times_and_finds_the_first_step_at_the_level(tmp_path):
   assert distill.first_reaching(points, 0.6) is None
 
 
+def test_a_resumed_chunks_first_step_counts_as_the_median_step():
+  rows = {0: {distill.ACC: 0.1}, 1: {"timing_s/step": 9.0}, 2: {"timing_s/step": 1.0},
+          3: {"timing_s/step": 20.0}, 4: {"timing_s/step": 3.0, distill.ACC: 0.4}}
+  assert distill.curve(rows)[-1]["train_s"] == 33.0
+  # chunks of 2: step 3 resumed (counted as the median of steps 2 and 4), step 1 as measured
+  assert distill.curve(rows, chunk=2)[-1] == {"step": 4, "train_s": 15.0, "acc": 0.4}
+
+
 def test_median_step_leaves_out_each_chunks_first_step():
   rows = {0: {distill.ACC: 0.1}, 1: {"timing_s/step": 9.0}, 2: {"timing_s/step": 1.0},
           3: {"timing_s/step": 8.0}, 4: {"timing_s/step": 2.0}, 5: {"timing_s/step": 7.0},
