@@ -8,7 +8,7 @@ import pytest
 
 from hf_models import tiny_hf_model
 from hflax.models import hf
-from hflax.platforms.cpu.decoding_copy import for_decoding
+from hflax.platforms.decoding import for_decoding
 from hflax.rollout import SamplingParams, generate, left_pad, replicate
 from hflax.rollout.decoding import decode_segments
 from hflax.rollout.sampler import (_generate, _rows_mesh, compiled_variants,
