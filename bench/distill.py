@@ -92,8 +92,9 @@ def median_step_s(rows: dict[int, dict], chunk: int) -> float:
   """The median of timing_s/step over the steps that do not start a chunk (those also
   read the run's compiled programs back): what a step of the arm costs."""
   import statistics  # noqa: PLC0415
-  return statistics.median(r["timing_s/step"] for step, r in rows.items()
-                           if "timing_s/step" in r and (step - 1) % chunk)
+  timed = {step: r["timing_s/step"] for step, r in rows.items() if "timing_s/step" in r}
+  later = [t for step, t in timed.items() if (step - 1) % chunk]
+  return statistics.median(later or timed.values())  # chunks of 1 step: every step
 
 
 def late_mean(points: list[dict], count: int = 10) -> float:
