@@ -33,7 +33,10 @@ def get_config():
   c.rollout.n, c.rollout.temperature = 8, 1.0
   c.actor.update(ppo_mini_batch_size=8, ppo_micro_batch_size=16)
   c.actor.optim.lr = 1e-5
-  c.trainer.sft_warmup.update(steps=100, lr=1e-4, batch_size=16, target_loss=0.02)
+  # The warm-up flips the model from never calling the tool to calling it and copying the
+  # answer within a step or two (held-out, 32 questions, 1 step of 4 rows: lr 2e-5 0%,
+  # 5e-5 3%, 1e-4 88%; 2 steps at 1e-4 8 of 8): one gentle step leaves RL the rest.
+  c.trainer.sft_warmup.update(steps=1, lr=5e-5, batch_size=4, target_loss=0.0)
   c.trainer.update(total_steps=12, val_every=6, save_every=6, run_dir="runs/grpo_smollm2_tools")
   packing_defaults(c)
   return c
