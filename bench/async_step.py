@@ -147,7 +147,7 @@ def main(argv=None):
     args.steps, args.repeats = 3, 1
 
   from common import matmul_peaks  # noqa: PLC0415
-  from reward_workers import cpu_description  # noqa: PLC0415
+  from common import cpu_description  # noqa: PLC0415
   peak = lambda: matmul_peaks()["float32"] / 1e9  # noqa: E731
   peak_before, load_before = peak(), os.getloadavg()[0]
   runs = {arm: [] for arm in ARMS}
@@ -191,7 +191,7 @@ def write_record(args, result: dict, runs: dict, peaks, loads) -> None:
   """One file of bench/results/ (bench/results_table.py's schema)."""
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=HERE).stdout.strip()
-  from reward_workers import cpu_description  # noqa: PLC0415
+  from common import cpu_description  # noqa: PLC0415
   figure = dict(target="async_step", unit="s per step (median over runs of each run's "
                 "median after its first step)",
                 hflax=result["medians"]["one_step_off"], peer=result["medians"]["sync"],

@@ -141,3 +141,18 @@ def window_peak_rss_mib() -> float:
   except OSError:
     pass
   return peak_rss_mib()
+
+
+def cpu_description() -> str:
+  """The CPU's model name (as /proc/cpuinfo gives it) and core count, for results files."""
+  import pathlib
+  import platform
+  name = platform.processor() or platform.machine()
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        name = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  return f"{name}, {os.cpu_count()} cores"

@@ -45,6 +45,7 @@ import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # for bench/common.py
 ACC = "val-core/arithmetic/reward/mean@1"
 ARMS = ("grpo", "distill")
 # Each launch writes metrics.jsonl only (no console table, no TensorBoard, no plot needs).
@@ -306,6 +307,7 @@ def reach_figure(target: str, unit: str, key: str, reach: dict, curves: dict, st
 
 def write_results(args, curves, teacher_acc, reach, load):
   """One file of bench/results/ (bench/results_table.py's schema)."""
+  from common import cpu_description  # noqa: PLC0415
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=HERE).stdout.strip()
   late = {arm: late_mean(curves[arm]) for arm in ARMS}
@@ -333,16 +335,6 @@ def write_results(args, curves, teacher_acc, reach, load):
   pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def cpu_description() -> str:
-  name = os.uname().machine
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        name = line.split(":", 1)[1].strip()
-        break
-  except OSError:
-    pass
-  return f"{name}, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

@@ -95,17 +95,6 @@ def run_job(job: str, arm: str, steps: int, workdir: pathlib.Path, cache: pathli
               rewards=[r.get("critic/score/mean", r.get("reward/mean")) for r in steps_logged])
 
 
-def cpu_description() -> str:
-  """The CPU's model name and core count, as /proc/cpuinfo gives it."""
-  name = platform.processor() or platform.machine()
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        name = line.split(":", 1)[1].strip()
-        break
-  except OSError:
-    pass
-  return f"{name}, {os.cpu_count()} cores"
 
 
 def median_after_first(step_s: list[float]) -> float:
@@ -147,7 +136,7 @@ def main():
   if args.quick:
     args.steps, args.repeats = 2, 1
 
-  from common import matmul_peaks  # noqa: PLC0415
+  from common import cpu_description, matmul_peaks  # noqa: PLC0415
   matmul_peak_gflops = lambda: matmul_peaks()["float32"] / 1e9  # noqa: E731
   peak_before = matmul_peak_gflops()
   load_before = os.getloadavg()[0]
