@@ -31,6 +31,11 @@ class Observation:
   # Counts the loop sums into the trajectory's metrics: tool_calls, tool_errors,
   # tool_timeouts, tool_seconds.
   counts: dict = dataclasses.field(default_factory=dict)
+  # The whole conversation the next turn continues from (`messages` included), where the
+  # environment rewrites its history (a compacted context, a dropped reasoning); None:
+  # the history so far, the turn and `messages`. The loop starts a new segment when its
+  # rendering is not the kept ids plus the new messages' (hflax.rollout.agents.segments).
+  context: list[dict] | None = None
 
 
 class Environment(Protocol):

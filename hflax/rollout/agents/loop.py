@@ -7,6 +7,12 @@ continues the trajectory's kept KV cache with only the ids of the messages that 
 (MessageDelta), so no turn is tokenized or prefilled twice. The ids the trainer sees are
 the ids sampled, and every model token carries the sampler's log-prob and weight version:
 with the trainer's weights and dtype, the rollout is on-policy across turns.
+
+Where the history is not append-only (a template that drops earlier reasoning when it
+renders a later turn, an environment that compacts its context), the next turn's context
+is the conversation rendered afresh: the trajectory closes its segment there and samples
+the next turn from that context in a fresh request, so each segment holds the exact ids
+its turns were sampled from (hflax.rollout.agents.segments makes them training rows).
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ class Trajectory:
   sampler's log-prob and weight version per token (0 and -1 off the model's tokens);
   rewards: each turn's reward where the environment gave one; stop: "done" (the
   environment ended it), "max_turns", "max_tokens" or "context" (the engine's cache
-  holds no more)."""
+  holds no more); segments: where the history was rewritten, the earlier segments (each a
+  Trajectory of the ids its turns were sampled from), in order: this object holds the
+  last one (its prompt_len is then that segment's context)."""
   index: int
   token_ids: list[int]
   model_mask: list[bool]
@@ -44,6 +52,7 @@ class Trajectory:
   rewards: list[float] = dataclasses.field(default_factory=list)
   stop: str = ""
   metrics: dict = dataclasses.field(default_factory=dict)
+  segments: list["Trajectory"] = dataclasses.field(default_factory=list)
 
   @property
   def reward(self) -> float:
@@ -63,12 +72,16 @@ class AgentLoop:
   as many as the engine's cache holds); threads: environment steps at once.
   reuse_cache=False prefills each turn's whole context afresh (the same ids, for
   comparison: what a loop without a kept cache pays).
+  rewrite_history: after each turn render the whole conversation with the chat template
+  (the model's turns as their text) and, where that is not the kept ids plus the new
+  messages' (a template that drops earlier reasoning), continue from the rendering as a
+  new segment. Off, only an environment's Observation.context starts one.
   template_vars: the chat template's switches (tools=[schemas] where it renders tools).
   """
 
   def __init__(self, engine: RolloutEngine, tokenizer: Tokenizer, *, max_turns: int = 4,
                max_tokens: int | None = None, threads: int = 16, reuse_cache: bool = True,
-               **template_vars):
+               rewrite_history: bool = False, **template_vars):
     if not engine.max_turn_len:
       raise ValueError("AgentLoop: the engine needs max_turn_len > 0 (turns continue its cache)")
     if max_turns < 1:
@@ -77,7 +90,7 @@ class AgentLoop:
     self.max_tokens = max_tokens or engine.context_width
     self.template_vars = template_vars
     self.delta = MessageDelta(tokenizer, **template_vars)
-    self.threads, self.reuse_cache = threads, reuse_cache
+    self.threads, self.reuse_cache, self.rewrite_history = threads, reuse_cache, rewrite_history
 
   def run(self, environments: Sequence[Environment], samples: Sequence[Any], *,
           first_row: int = 0) -> tuple[list[Trajectory], dict]:
@@ -87,13 +100,15 @@ class AgentLoop:
       raise ValueError(f"AgentLoop.run: {len(environments)} environments for {len(samples)} "
                        "samples")
     self._trajectories, self._envs = [], list(environments)
-    self._first_row, self._pending = first_row, {}
+    self._first_row, self._pending, self._messages = first_row, {}, []
     self._timing = {"decode_seconds": 0.0, "tool_wait_seconds": 0.0}
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(self.threads, "hflax-env") as pool:
       self._pool = pool
       for i, (env, sample) in enumerate(zip(environments, samples)):
-        prompt = self.tokenizer.encode_chat(env.reset(sample), add_generation_prompt=True,
+        messages = list(env.reset(sample))
+        self._messages.append(messages)  # the conversation, re-rendered where it is rewritten
+        prompt = self.tokenizer.encode_chat(messages, add_generation_prompt=True,
                                             **self.template_vars)
         trajectory = Trajectory(i, [], [], [], [], len(prompt))
         trajectory.append(prompt, model=False)
@@ -105,9 +120,9 @@ class AgentLoop:
     self._timing["seconds"] = time.perf_counter() - start
     return self._trajectories, self._summary()
 
-  def _request(self, i: int, ids, turn: int) -> Request:
+  def _request(self, i: int, ids, turn: int, fresh: bool = False) -> Request:
     row = self._first_row + i * self.max_turns + turn
-    if turn and not self.reuse_cache:  # the whole context again, in a fresh slot
+    if turn and (fresh or not self.reuse_cache):  # the whole context, in a fresh slot
       self.engine.release((i, turn - 1))
       return Request(self._trajectories[i].token_ids, id=(i, turn), keep=True, row=row)
     return Request(ids, id=(i, turn), keep=True, continues=None if turn == 0 else (i, turn - 1),
@@ -137,6 +152,7 @@ class AgentLoop:
     trajectory.metrics["model_tokens"] += len(c.token_ids)
     text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
     trajectory.turns.append(text)
+    self._messages[i].append({"role": "assistant", "content": text})
     future = self._pool.submit(self._envs[i].step, Turn(text, tuple(c.token_ids), turn))
     self._pending[future] = (i, turn)
 
@@ -147,22 +163,52 @@ class AgentLoop:
     for key, value in obs.counts.items():
       trajectory.metrics[key] = trajectory.metrics.get(key, 0) + value
     ids = [] if obs.done else self.delta.ids(obs.messages)
-    stop = self._stop(trajectory, turn, obs, len(ids))
+    context = None if obs.done else self._rewritten(i, obs, ids)
+    stop = self._stop(trajectory, turn, obs, len(ids), context)
     if stop:
       trajectory.stop = stop
       self.engine.release((i, turn))
       return
-    trajectory.append(ids, model=False)
     trajectory.metrics["tool_tokens"] += len(ids)
-    self.engine.submit(self._request(i, ids, turn + 1))
+    if context is None:
+      trajectory.append(ids, model=False)
+    else:  # the segment ends with its last turn; the next samples from the new context
+      trajectory.segments.append(Trajectory(i, trajectory.token_ids, trajectory.model_mask,
+                                            trajectory.log_probs, trajectory.versions,
+                                            trajectory.prompt_len))
+      trajectory.token_ids, trajectory.model_mask = [], []
+      trajectory.log_probs, trajectory.versions = [], []
+      trajectory.prompt_len = len(context)
+      trajectory.append(context, model=False)
+    self.engine.submit(self._request(i, ids, turn + 1, fresh=context is not None))
 
-  def _stop(self, trajectory: Trajectory, turn: int, obs: Observation, ids: int) -> str:
+  def _rewritten(self, i: int, obs: Observation, ids: list[int]) -> list[int] | None:
+    """The next turn's context where the history is rewritten (None: it is the kept ids
+    plus `ids`, today's append). The conversation is the environment's context, else the
+    history with the turn and the new messages."""
+    messages = self._messages[i]
+    messages[:] = list(obs.context) if obs.context is not None else messages + list(obs.messages)
+    if obs.context is None and not self.rewrite_history:
+      return None
+    rendered = self.tokenizer.encode_chat(messages, add_generation_prompt=True,
+                                          **self.template_vars)
+    kept = self._trajectories[i].token_ids
+    if rendered[:len(kept)] == kept and rendered[len(kept):] == ids:
+      return None
+    return rendered
+
+  def _stop(self, trajectory: Trajectory, turn: int, obs: Observation, ids: int,
+            context: list[int] | None = None) -> str:
     """Why the trajectory ends after this turn ("" if it goes on); ids: how many tokens
-    the messages after the turn would add."""
+    the messages after the turn would add; context: a new segment's context, if any."""
     if obs.done:
       return "done"
     if turn + 1 >= self.max_turns:
       return "max_turns"
+    if context is not None:  # a fresh request: its context is the prompt
+      if len(context) >= self.max_tokens:
+        return "max_tokens"
+      return "context" if len(context) > self.engine.prompt_width else ""
     if len(trajectory.token_ids) + ids >= self.max_tokens:
       return "max_tokens"
     if not self.reuse_cache:  # the whole context is the next request's prompt
@@ -179,6 +225,7 @@ class AgentLoop:
     out = {f"agent/{k}/mean": mean([t.metrics.get(k, 0) for t in ts])
            for k in COUNTS + ("model_tokens", "tool_tokens")}
     out["agent/turns/mean"] = mean([len(t.turns) for t in ts])
+    out["agent/segments/mean"] = mean([len(t.segments) + 1 for t in ts])
     for reason in ("done", "max_turns", "max_tokens", "context"):
       out[f"agent/stop/{reason}"] = mean([t.stop == reason for t in ts])
     out.update({f"timing_s/agent_{k}": v for k, v in self._timing.items()})

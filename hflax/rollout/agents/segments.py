@@ -6,7 +6,9 @@ turns by a summary. The context of such a turn is then not the previous context 
 what followed it, so one row of ids cannot hold the trajectory. Each stretch that is
 append-only (the contexts from one rewrite to the next, with the turns sampled in them)
 is a segment: a Trajectory of its own, holding the exact ids its turns were sampled
-from, its model tokens, their log-probs and versions.
+from, its model tokens, their log-probs and versions. The agent loop makes them itself
+(AgentLoop's rewrite_history, or an environment's Observation.context): a trajectory's
+`segments` are its earlier ones, and trajectory_rows turns its trajectories into rows.
 
 For training, a trajectory's segments become rows whose "prompt" is the prefix all of
 them share (typically the system prompt, the tools and the question) and whose
@@ -54,6 +56,14 @@ def segment_rows(trajectories: Sequence[Sequence[Trajectory]]) -> tuple[list[Tra
         raise ValueError(f"trajectory {i}: a segment's mask and ids differ in length")
       rows.append(dataclasses.replace(s, index=i, prompt_len=cut, token_ids=list(s.token_ids),
                                       model_mask=list(s.model_mask),
-                                      log_probs=list(s.log_probs), versions=list(s.versions)))
+                                      log_probs=list(s.log_probs), versions=list(s.versions),
+                                      segments=[]))
       owner.append(i)
   return rows, owner
+
+
+def trajectory_rows(trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], list[int]]:
+  """segment_rows of the agent loop's trajectories (each one's earlier segments, then
+  itself): the training rows and each row's trajectory. A trajectory the loop kept
+  append-only is its one row, as to_batch_fields takes it."""
+  return segment_rows([list(t.segments) + [t] for t in trajectories])
