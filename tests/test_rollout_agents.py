@@ -454,7 +454,8 @@ def test_tool_config_is_loaded_once_per_run(tmp_path, monkeypatch):
   path.write_text(VERL_TOOL_CONFIG)
   reads = []
   real = rollout_module.load_tools
-  monkeypatch.setattr(rollout_module, "load_tools", lambda p: reads.append(p) or real(p))
+  monkeypatch.setattr(rollout_module, "load_tools",
+                      lambda p, **kw: reads.append(p) or real(p, **kw))
   settings = MultiTurn(tool_config_path=str(path))
   first = environments(settings, ["gsm8k"] * 3)
   second = environments(settings, ["gsm8k"] * 2)

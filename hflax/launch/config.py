@@ -487,8 +487,9 @@ def _check_multi_turn(c, fail) -> None:
     fail("rollout.multi_turn.format", f"must be one of {sorted(PARSERS)}, got {m.format!r}")
   if m.enable and m.tool_config_path:
     from hflax.rollout.agents.tool_config import load_tools
-    try:
-      load_tools(m.tool_config_path)
+    from hflax.sandbox.class_tool import close_tools
+    try:  # a user's tool class is imported and built in a worker process, not here
+      close_tools(load_tools(m.tool_config_path, timeout_s=float(m.tool_timeout_s)))
     except ValueError as e:
       fail("rollout.multi_turn.tool_config_path", str(e))
 

@@ -104,8 +104,8 @@ class ToolEnvironment:
     tool = self.tools.get(name)
     if tool is None:
       return f"Error: unknown tool {name!r}; the tools are {sorted(self.tools)}", True, False
-    if self.tool_timeout_s is None:
-      return _run(tool, arguments)
+    if self.tool_timeout_s is None or getattr(tool, "limits_itself", False):
+      return _run(tool, arguments)  # a pooled tool kills its own worker at its limit
     executor = self._executor or _shared_executor()
     future = executor.submit(_run, tool, arguments)
     try:
@@ -117,6 +117,8 @@ class ToolEnvironment:
 def _run(tool: Tool, arguments: dict) -> tuple[str, bool, bool]:
   try:
     return str(tool.execute(arguments)), False, False
+  except TimeoutError as e:  # a tool that limits itself (hflax.sandbox.class_tool)
+    return f"Error: {e}", True, True
   except Exception as e:  # noqa: BLE001  a tool's failure is the model's observation
     return f"Error: {type(e).__name__}: {e}", True, False
 

@@ -22,6 +22,7 @@ from hflax.rollout.agents.tool_config import Calculator, load_tools
 from hflax.rollout.decoding import SamplingParams
 from hflax.rollout.engine import RolloutEngine
 from hflax.rollout.sampler import length_bucket
+from hflax.sandbox.class_tool import close_tools
 
 # data sources whose tools are built in (used when no tool config file is given)
 BUILTIN_TOOLS = {"arithmetic_tools": lambda: [Calculator()]}
@@ -43,30 +44,34 @@ class MultiTurn:
   slots: int = 0
 
 
-# A tool config file's tools, kept across steps: path -> ((mtime_ns, size), tools).
-_LOADED: dict[str, tuple[tuple[int, int], list]] = {}
+# A tool config file's tools, kept across steps: (path, timeout) -> ((mtime_ns, size), tools).
+_LOADED: dict[tuple[str, float], tuple[tuple[int, int], list]] = {}
 
 
-def config_tools(path: str) -> list:
-  """load_tools(path), read once per run: every later step gets the same tool objects (a
-  Python tool's sandbox pool, a client's connection are built once) until the file
-  changes on disk (its modification time or size), when it is read again."""
+def config_tools(path: str, timeout_s: float = 30.0) -> list:
+  """load_tools(path, timeout_s), read once per run: every later step gets the same tool
+  objects (a Python tool's sandbox pool, a user class's worker processes, a client's
+  connection are built once) until the file changes on disk (its modification time or
+  size), when it is read again and the old tools' workers end."""
   path = os.path.abspath(path)
   try:
     st = os.stat(path)
   except OSError:
-    return load_tools(path)  # its one-line error
+    return load_tools(path, timeout_s=timeout_s)  # its one-line error
   stamp = (st.st_mtime_ns, st.st_size)
-  cached = _LOADED.get(path)
+  cached = _LOADED.get((path, timeout_s))
   if cached is None or cached[0] != stamp:
-    _LOADED[path] = cached = (stamp, load_tools(path))
+    if cached is not None:
+      close_tools(cached[1])
+    _LOADED[path, timeout_s] = cached = (stamp, load_tools(path, timeout_s=timeout_s))
   return cached[1]
 
 
 def environments(settings: MultiTurn, data_sources: Sequence[str]) -> list[ToolEnvironment]:
   """One tool environment per trajectory, with the config file's tools (loaded once, see
   config_tools) or the data source's built-in ones."""
-  shared = config_tools(settings.tool_config_path) if settings.tool_config_path else None
+  shared = (config_tools(settings.tool_config_path, settings.tool_timeout_s)
+            if settings.tool_config_path else None)
   out = []
   for source in data_sources:
     if shared is None and source not in BUILTIN_TOOLS:

@@ -7,20 +7,25 @@ verl's multi-turn rollout reads a YAML file of tools:
         config: {type: native, ...}
         tool_schema: {type: function, function: {name: code_interpreter, ...}}
 
-Here `class_name` is a class hflax can import whose instances have `schema` and
-`execute(arguments) -> str` (hflax.rollout.agents.tools.Tool), built as
-`cls(config=..., tool_schema=...)`, or one of verl's tool classes that hflax has an
-equivalent of (VERL_EQUIVALENTS), which then takes the file's schema (its name and
-description are what the model sees).
+Here `class_name` is one of hflax's own tools (BUILTIN, or Calculator by its path), one
+of verl's tool classes that hflax has an equivalent of (VERL_EQUIVALENTS, which then
+takes the file's schema: its name and description are what the model sees), or a user's
+class whose instances have `schema` and `execute(arguments) -> str`
+(hflax.rollout.agents.tools.Tool), built as `cls(config=..., tool_schema=...)`. hflax's
+own tools run in the trainer; a user's class is imported, built and executed only in
+worker processes (hflax.sandbox.class_tool), so its crashes, hangs and memory come back
+to the model as the tool's error. An entry may add hflax's `sandbox:` settings for those
+workers: `workers` (calls at once, default 2) and `memory_limit_gb` (each worker's
+address space, default 4); a call's time limit is rollout.multi_turn.tool_timeout_s.
 """
 from __future__ import annotations
 
 import ast
-import importlib
 import operator
 import os
 
 from hflax.rollout.agents.tools import Tool, tool_name
+from hflax.sandbox.class_tool import PooledTool, close_tools
 
 
 class Calculator:
@@ -69,7 +74,8 @@ def _python_tool(config: dict | None = None, tool_schema: dict | None = None):
   return tool
 
 
-BUILTIN = {"calculator": Calculator, "python": _python_tool}
+BUILTIN = {"calculator": Calculator, "python": _python_tool,
+           f"{__name__}.Calculator": Calculator}
 # verl's tool classes -> hflax's tool doing the same job.
 VERL_EQUIVALENTS = {
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": _python_tool,
@@ -77,8 +83,9 @@ VERL_EQUIVALENTS = {
 }
 
 
-def load_tools(path: str) -> list[Tool]:
-  """The tools a verl-format YAML file lists (module docstring); one-line errors."""
+def load_tools(path: str, timeout_s: float = 30.0) -> list[Tool]:
+  """The tools a verl-format YAML file lists (module docstring); one-line errors.
+  timeout_s: a call's limit for user classes, which run in worker processes."""
   import yaml
   if not os.path.isfile(path):
     raise ValueError(f"tool config {path!r}: no such file")
@@ -90,29 +97,52 @@ def load_tools(path: str) -> list[Tool]:
   entries = spec.get("tools") if isinstance(spec, dict) else None
   if not isinstance(entries, list) or not entries:
     raise ValueError(f"tool config {path!r}: needs a non-empty 'tools:' list")
-  tools = [_tool(entry, f"tool config {path!r}, tool {i}") for i, entry in enumerate(entries)]
-  names = [tool_name(t) for t in tools]
-  if len(set(names)) != len(names):
-    raise ValueError(f"tool config {path!r}: tool names repeat: {names}")
+  tools = []
+  try:
+    for i, entry in enumerate(entries):
+      tools.append(_tool(entry, f"tool config {path!r}, tool {i}", timeout_s))
+    names = [tool_name(t) for t in tools]
+    if len(set(names)) != len(names):
+      raise ValueError(f"tool config {path!r}: tool names repeat: {names}")
+  except BaseException:
+    close_tools(tools)  # the workers of the tools already built
+    raise
   return tools
 
 
-def _tool(entry, where: str) -> Tool:
+def _tool(entry, where: str, timeout_s: float) -> Tool:
   if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
     raise ValueError(f"{where}: needs a class_name")
   name, config, schema = entry["class_name"], entry.get("config") or {}, entry.get("tool_schema")
   if schema is not None and not (isinstance(schema, dict) and
                                  isinstance(schema.get("function", {}).get("name"), str)):
     raise ValueError(f"{where}: tool_schema needs function.name")
+  if not isinstance(config, dict):
+    raise ValueError(f"{where}: config must be a mapping, got {type(config).__name__}")
   make = BUILTIN.get(name) or VERL_EQUIVALENTS.get(name)
-  if make is None:
-    module, _, attr = name.rpartition(".")
+  if make is None:  # a user's class: never imported here (module docstring)
+    workers, memory_gb = _sandbox_settings(entry.get("sandbox"), where)
     try:
-      make = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-      raise ValueError(f"{where}: cannot import class_name {name!r} ({e})") from None
+      return PooledTool(name, config, schema, timeout_s=timeout_s, workers=workers,
+                        memory_limit_bytes=int(memory_gb * 2**30))
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
   tool = make(config=config, tool_schema=schema)
   if not callable(getattr(tool, "execute", None)) or not isinstance(getattr(tool, "schema", None),
                                                                     dict):
     raise ValueError(f"{where}: {name} has no schema and execute(arguments)")
   return tool
+
+
+def _sandbox_settings(sandbox, where: str) -> tuple[int, float]:
+  """(workers, memory_limit_gb) from an entry's `sandbox:` mapping (module docstring)."""
+  sandbox = {} if sandbox is None else sandbox
+  if not isinstance(sandbox, dict) or set(sandbox) - {"workers", "memory_limit_gb"}:
+    raise ValueError(f"{where}: sandbox takes only workers and memory_limit_gb, got {sandbox!r}")
+  workers, memory_gb = sandbox.get("workers", 2), sandbox.get("memory_limit_gb", 4)
+  if not (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1):
+    raise ValueError(f"{where}: sandbox.workers must be an integer >= 1, got {workers!r}")
+  if not (isinstance(memory_gb, (int, float)) and not isinstance(memory_gb, bool)
+          and memory_gb > 0):
+    raise ValueError(f"{where}: sandbox.memory_limit_gb must be > 0, got {memory_gb!r}")
+  return workers, float(memory_gb)
