@@ -3,7 +3,8 @@ role worker's update minimises (policy loss, entropy bonus, KL loss; clipped val
 
 Sections are read with .get, so any mapping works:
   actor:  policy_loss, clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c,
-          loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type
+          loss_agg_mode, entropy_coeff, use_kl_loss, kl_loss_coef, kl_loss_type,
+          moe_aux_loss_coef
   critic: cliprange_value, loss_agg_mode
 The actor's rollout correction (hflax.algorithms.correction) comes apart from its section:
 it is verl's algorithm.rollout_correction.
@@ -22,14 +23,20 @@ def actor_loss(cfg, correction: RolloutCorrection | None = None):
 
   With `correction`, fields also hold "rollout_log_probs" and the policy loss per token is
   corrected from them against fields["old_log_probs"] (the behaviour policy's: in the
-  update's first mini-batch its own forward, see update_engine.FRESH)."""
+  update's first mini-batch its own forward, see update_engine.FRESH).
+
+  balance: a mixture of experts' load balance in the same forward (models.moe.balance: its
+  load-balancing loss "aux" and busiest expert "load_max"; None for a dense model). Both
+  become metrics, and moe_aux_loss_coef x aux joins the loss, as transformers adds
+  router_aux_loss_coef x aux_loss to a Qwen3-MoE's loss when it outputs router logits."""
   policy_loss = get_policy_loss(cfg.get("policy_loss", "vanilla"))
   mode = cfg.get("loss_agg_mode", "token-mean")
   entropy_coeff = cfg.get("entropy_coeff", 0.0)
   use_kl_loss, kl_coef = cfg.get("use_kl_loss", False), cfg.get("kl_loss_coef", 0.001)
   kl_type = cfg.get("kl_loss_type", "low_var_kl")
+  aux_coef = cfg.get("moe_aux_loss_coef", 0.0)
 
-  def loss(log_probs, entropy, f):
+  def loss(log_probs, entropy, f, balance=None):
     mask = f["response_mask"]
     per_token, metrics = policy_loss(
         {"log_probs": log_probs, "old_log_probs": f["old_log_probs"],
@@ -45,6 +52,11 @@ def actor_loss(cfg, correction: RolloutCorrection | None = None):
     if use_kl_loss:
       metrics["kl_loss"] = kl_loss(log_probs, f["ref_log_prob"], mask, kl_type, mode)
       total = total + kl_coef * metrics["kl_loss"]
+    if balance is not None:
+      metrics["moe_aux_loss"] = balance["aux"]
+      metrics["moe_expert_load_max"] = balance["load_max"]
+      if aux_coef:
+        total = total + aux_coef * balance["aux"]
     return total, metrics
 
   loss.micro_batch_weight = _weight(mode)

@@ -19,13 +19,13 @@ from flax import nnx
 
 from hflax.algorithms.correction import staleness_histogram
 
+from hflax.controller.actor_objective import packed_loss, padded_loss
 from hflax.controller.batch import Batch
 from hflax.controller.protocol import LIVE_ROWS, Protocol, transfer
-from hflax.controller.update_engine import FRESH, response_width
+from hflax.controller.update_engine import response_width
 from hflax.controller.workers import RoleWorker, packs_forward, packs_update
 from hflax.models.forwards import (base_log_probs_fn, base_packed_log_probs_fn, log_probs_fn,
                                    packed_log_probs_fn)
-from hflax.models.logprobs import sequence_log_probs
 from hflax.models.lora import base_config, merged_kernels, split_adapters, split_for_merge
 from hflax.models.transformer import compute_kernels, create_abstract
 from hflax.rollout import routes
@@ -295,27 +295,11 @@ class ActorRolloutWorker(RoleWorker):
     weight_fn = getattr(loss, "micro_batch_weight", None)
     # The kernels in the compute dtype, cast once per optimizer step for all its micro-batches.
     prepare = functools.partial(compute_kernels, graphdef)
+    top_k = self.cfg.num_experts_per_tok if self.cfg.num_sparse_layers else 0
     if self.update_cfg.packed:
-      packed = packed_log_probs_fn(graphdef, temperature)
+      return self._train_packed("update_actor", packed_loss(
+          graphdef, loss, temperature=temperature, top_k=top_k), rows, batch, weight_fn, prepare)
+    return self._train("update_actor", padded_loss(
+        graphdef, loss, width=width, temperature=temperature, top_k=top_k),
+        rows, batch, weight_fn, prepare)
 
-      def packed_loss(params, fields, kernels):
-        logp, entropy = packed(params, fields, kernels)
-        return loss(logp, entropy, _fresh_behaviour(logp, fields))
-      return self._train_packed("update_actor", packed_loss, rows, batch, weight_fn, prepare)
-
-    def loss_fn(params, fields, kernels):
-      logp, entropy = sequence_log_probs(graphdef, params, fields["input_ids"],
-                                         fields["attention_mask"], temperature=temperature,
-                                         last=width, compute_kernels=kernels,
-                                         routes_BxTxLxK=fields.get("routes"))
-      return loss(logp, entropy, _fresh_behaviour(logp, fields))
-
-    return self._train("update_actor", loss_fn, rows, batch, weight_fn, prepare)
-
-
-def _fresh_behaviour(logp, fields):
-  """The loss's fields with the update's own forward (without gradient) as old_log_probs
-  in its first mini-batch, which is exactly on-policy (see update_engine.FRESH)."""
-  fresh = fields[FRESH][:, None] > 0
-  return {**fields, "old_log_probs": jnp.where(fresh, jax.lax.stop_gradient(logp),
-                                               fields["old_log_probs"])}

@@ -97,6 +97,11 @@ def base_config() -> ml_collections.ConfigDict:
       # actor's log-prob and update forwards replay them (rollout routing replay, R3);
       # padded passes only (use_remove_padding false), waves (no continuous batching).
       router_replay=False,
+      # Mixture-of-experts models: the load-balancing (Switch) loss's weight in the actor's
+      # loss. 0 by default, as transformers adds router_aux_loss_coef x aux only when
+      # output_router_logits is set (Qwen3-MoE's configs leave it off) and verl's FSDP
+      # actor trains without it; the aux loss and experts' load are logged either way.
+      moe_aux_loss_coef=0.0,
       # Token-budget micro-batches (verl's use_dynamic_bsz): packed micro-batches of at most
       # ppo_max_token_len_per_gpu tokens per device (log_prob_max_token_len_per_gpu for
       # the log-prob passes) instead of ppo_micro_batch_size rows; needs use_remove_padding.

@@ -220,6 +220,7 @@ MEANINGS.update({
     "actor.recompute_log_prob": "always recompute old log-probs with a forward pass",
     "actor.optimizer_offload": "optimizer state in host memory between updates",
     "actor.router_replay": "MoE: replay the rollout's experts in training (R3)",
+    "actor.moe_aux_loss_coef": "MoE: load-balancing loss weight in the actor's loss",
     "actor.log_prob_max_token_len_per_gpu": "token budget per device of a log-prob pass",
     "critic.cliprange_value": "value clip range",
     "critic.model_path": "the critic's checkpoint ('': the policy's)",

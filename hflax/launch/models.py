@@ -82,7 +82,12 @@ def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
         raise ValueError(f"config.{field}: {e}") from None
   if cfg.model.lora_adapter_path:
     check_adapter(cfg)
-  return read.get("model.path")
+  policy = read.get("model.path")
+  coef = cfg.actor.get("moe_aux_loss_coef", 0.0)
+  if coef and not (policy is not None and policy.num_sparse_layers):
+    raise ValueError(f"config.actor.moe_aux_loss_coef: {coef} weighs a mixture of experts' "
+                     "load-balancing loss, but the policy has no sparse layers; set it to 0")
+  return policy
 
 
 def check_adapter(cfg) -> None:

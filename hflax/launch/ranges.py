@@ -103,6 +103,7 @@ RANGES: dict[str, Range] = {
     "algorithm.lambda_lr": non_negative("(safe_rlhf's Lagrange multiplier step size)"),
     "actor.entropy_coeff": non_negative(),
     "actor.kl_loss_coef": non_negative(),
+    "actor.moe_aux_loss_coef": non_negative(),
     "actor.tau_pos": positive(),  # SAPO's gate temperatures: the gate divides by them
     "actor.tau_neg": positive(),
     "trainer.sft_warmup.lr": positive(),

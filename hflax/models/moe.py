@@ -164,3 +164,23 @@ def load_balancing_loss(router_logits_LxBxTxE, top_k: int, mask_BxT=None):
   tokens_per_expert = (assigned * w).sum(axis=(0, 1, 2)) / rows
   prob_per_expert = (probs * w).sum(axis=(0, 1, 2)) / rows
   return n * jnp.sum(tokens_per_expert * prob_per_expert)
+
+
+def balance(record, top_k: int, mask_BxT):
+  """The load balance of one model call's record over its unpadded tokens (mask [B, T]),
+  for the actor's loss and metrics; None for a dense model (an empty record):
+    "aux": load_balancing_loss, which the actor adds times actor.moe_aux_loss_coef;
+    "load_max": the busiest expert's share of its layer's top-k picks (by the current
+      router, as the aux loss counts them) against an even share, the worst layer's
+      (1: balanced, E/k: one expert takes every token's first pick)."""
+  if not record:
+    return None
+  _, logits = stacked(record)
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  n = probs.shape[-1]
+  picks = jax.nn.one_hot(jax.lax.top_k(probs, top_k)[1], n, dtype=jnp.float32).sum(-2)
+  w = mask_BxT.astype(jnp.float32)[None, ..., None]
+  per_layer = (picks * w).sum(axis=(1, 2))  # [L, E]
+  even = per_layer.sum(-1, keepdims=True) / n
+  return {"aux": load_balancing_loss(logits, top_k, mask_BxT),
+          "load_max": jnp.max(per_layer / jnp.maximum(even, 1e-9))}
