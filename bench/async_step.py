@@ -41,21 +41,13 @@ sys.path.insert(0, str(HERE))
 ARMS = ("sync", "one_step_off")
 TARGET = 0.65
 
-# The job: the recipe, or the random byte-vocabulary model of the CLI tests (--quick).
+# The job: the recipe, or the random byte-vocabulary model of the CLI tests (--quick),
+# which bench/common.py defines for learning.py's smoke run too.
 RECIPE = "from hflax.configs.grpo_smollm2 import get_config as job"
-TOY = """\
-def job():
-  from hflax.launch.config import base_config
-  c = base_config()
-  c.algorithm.name, c.algorithm.adv_estimator = "grpo", "grpo"
-  c.model.builtin.update(hidden_size=32, intermediate_size=64, num_layers=1)
-  c.data.update(train_batch_size=4, max_response_length=8)
-  c.actor.ppo_mini_batch_size = 4
-  c.rollout.n = 2
-  c.data.builtin.update(num_train=64, num_val=8)
-  c.data.val_batch_size = 8
-  c.trainer.sft_warmup.update(steps=0)
-  return c
+TOY = f"""\
+import sys
+sys.path.insert(0, {str(HERE)!r})
+from common import toy_config as job
 """
 
 

@@ -15,6 +15,22 @@ REAL_MODEL = "smollm2-135m-instruct"
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "hflax", "bench")
 
 
+def toy_config(val_prompts: int = 8):
+  """The random byte-vocabulary GRPO job of the CLI tests (seconds a step), which the
+  benchmarks' smoke runs train: learning.py --toy and async_step.py --quick."""
+  from hflax.launch.config import base_config
+  c = base_config()
+  c.algorithm.name, c.algorithm.adv_estimator = "grpo", "grpo"
+  c.model.builtin.update(hidden_size=32, intermediate_size=64, num_layers=1)
+  c.data.update(train_batch_size=4, max_response_length=8)
+  c.actor.ppo_mini_batch_size = 4
+  c.rollout.n = 2
+  c.data.builtin.update(num_train=64, num_val=val_prompts)
+  c.data.val_batch_size = val_prompts
+  c.trainer.sft_warmup.update(steps=0)
+  return c
+
+
 def real_model_dir(name: str = REAL_MODEL) -> str:
   """An HF directory (fp32 weights, tokenizer, chat template) of a shipped model, written
   once from its GGUF by hflax.models.convert and reused while the GGUF is unchanged."""

@@ -63,15 +63,7 @@ TARGET = 3.0  # TRL's seconds to its final accuracy over the best hflax mode's
 
 def hflax_config(args, mode: str, run_dir: str, model_dir: str | None):
   if args.toy:  # the random byte-vocabulary model of the CLI tests: seconds a step
-    from hflax.launch.config import base_config
-    c = base_config()
-    c.algorithm.name, c.algorithm.adv_estimator = "grpo", "grpo"
-    c.model.builtin.update(hidden_size=32, intermediate_size=64, num_layers=1)
-    c.data.update(train_batch_size=4, max_response_length=8)
-    c.actor.ppo_mini_batch_size = 4
-    c.rollout.n = 2
-    c.data.builtin.update(num_train=64, num_val=args.val_prompts)
-    c.trainer.sft_warmup.update(steps=0)
+    c = common.toy_config(args.val_prompts)
   else:
     from hflax.configs.grpo_smollm2 import get_config
     c = get_config()
