@@ -152,3 +152,146 @@ def test_an_append_only_history_keeps_its_one_row(model):
       ids = ids + sampled + (delta.ids([{"role": "tool", "content": f"result {turn}"}])
                              if turn < 2 else [])
     assert t.token_ids == ids
+
+
+def test_segments_share_their_trajectorys_grpo_advantage():
+  """Advantages of segmented trajectories by hand: GRPO over the trajectories (each
+  counted once, with its last segment's score), then each segment row gets its
+  trajectory's advantage on its own response tokens, padding rows none."""
+  import jax.numpy as jnp
+  from hflax import algorithms as alg
+  from hflax.algorithms.segmented import trajectory_advantages
+  # Prompt 0: trajectories A (2 segments: rows 0, 1) and B (row 2); prompt 1: C (row 3)
+  # and D (3 segments: rows 4, 5, 6); row 7 pads.
+  head = np.asarray([1, 1, 2, 3, 6, 6, 6, -1])
+  scores = {1: 1.0, 2: 0.0, 3: 0.5, 6: 2.0}  # on each trajectory's last segment
+  T = 5
+  mask = np.ones((8, T), np.float32)
+  mask[0, 3:] = 0
+  mask[7] = 0
+  rewards = np.zeros((8, T), np.float32)
+  for r, s in scores.items():
+    rewards[r, T - 1] = s
+  rewards[0, 2] = 9.0  # an earlier segment's own score is not the trajectory's
+  fields = {"token_level_rewards": jnp.asarray(rewards), "response_mask": jnp.asarray(mask),
+            "group_ids": jnp.asarray([0, 0, 0, 1, 1, 1, 1, 0], jnp.int32)}
+  advantages, returns = trajectory_advantages(
+      lambda sub: alg.advantage_fn("grpo", {"num_groups": 4})(sub), fields, head)
+  eps = 1e-6
+  a, b = (1.0 - 0.5) / (np.std([1.0, 0.0], ddof=1) + eps), (0.0 - 0.5) / (
+      np.std([1.0, 0.0], ddof=1) + eps)
+  c, d = (0.5 - 1.25) / (np.std([0.5, 2.0], ddof=1) + eps), (2.0 - 1.25) / (
+      np.std([0.5, 2.0], ddof=1) + eps)
+  want = np.asarray([a, a, b, c, d, d, d, 0.0])[:, None] * mask
+  np.testing.assert_allclose(np.asarray(advantages), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(returns), np.asarray(advantages))
+  # A per-token reward: REINFORCE++'s return-to-go differs over the tokens, refused.
+  fields["token_level_rewards"] = fields["token_level_rewards"].at[1, 1].set(3.0)
+  with pytest.raises(ValueError, match="varies over a response's tokens"):
+    trajectory_advantages(lambda sub: alg.advantage_fn("reinforce_plus_plus", {})(sub),
+                          fields, head)
+
+
+class EveryTurnCalls:
+  """A test parser: every model turn reads as one calculator call."""
+
+  def parse(self, text):
+    from hflax.rollout.agents import tools as tools_module
+    return tools_module.ParsedTurn((tools_module.ToolCall("calculator", {"expression": "6*7"}),),
+                                   ())
+
+
+def test_segmented_trajectories_first_minibatch_is_the_samplers_in_float32(monkeypatch):
+  """The actor's path with rewrite_history under a template that drops earlier turns'
+  text: the rows are segments (more rows than trajectories, padded to the mini-batch),
+  the trainer's packed log-prob pass over them (each segment's prompt shared) equals the
+  sampler's within 1e-6, and the update's first mini-batch is exactly on-policy."""
+  import jax.numpy as jnp
+  from hflax.controller.actor import ActorRolloutWorker
+  from hflax.controller.batch import Batch
+  from hflax.controller.training import OptimConfig, UpdateConfig
+  from hflax.rollout.agents import tools as tools_module
+  from hflax.rollout.agents.rollout import MultiTurn
+  from hflax.sharding.placement import build_placement, colocated
+  from ppo_step import actor_loss
+  monkeypatch.setitem(tools_module.PARSERS, "every_turn", EveryTurnCalls)
+  placed = build_placement(colocated(["actor"], 1))
+  home = jax.sharding.SingleDeviceSharding(placed["actor"].pool.devices[0])
+  sampling = SamplingParams(max_new_tokens=60, temperature=1.0, n=2, eos_ids=TOKENIZER.eos_ids,
+                            pad_id=TOKENIZER.pad_id)
+  worker = ActorRolloutWorker(
+      placed["actor"], *create(CFG.replace(dtype="float32", param_dtype="float32"), seed=5),
+      sampling=sampling, loss_fn=actor_loss, optim=OptimConfig(lr=1e-2, grad_clip=1.0),
+      update=UpdateConfig(mini_batch_size=4, micro_batch_size=2, epochs=2), home=home,
+      multi_turn=MultiTurn(max_turns=3, turn_tokens=12, format="every_turn",
+                           rewrite_history=True), tokenizer="byte")
+  worker._tokenizer = DropsReasoning()
+  questions = ["What is 12*34?", "a", "Tell me about cats.", "What is 17 times 3?"]
+  encoded = [TOKENIZER.encode(q) for q in questions]
+  width = max(map(len, encoded))
+  batch = Batch({"prompts": jnp.asarray([[0] * (width - len(e)) + e for e in encoded]),
+                 "prompt_mask": jnp.asarray([[0] * (width - len(e)) + [1] * len(e)
+                                             for e in encoded], bool)},
+                {"raw_prompt": [[{"role": "user", "content": q}] for q in questions],
+                 "data_source": ["arithmetic_tools"] * 4,
+                 "extra_info": [{"index": i} for i in range(4)]})
+  batch = worker.generate_sequences(batch)
+  metrics = batch.meta["metrics"]
+  head = np.asarray(batch["segment_head"])
+  assert metrics["agent/segments/mean"] > 1.5 and len(batch) % 4 == 0
+  assert len(batch) >= 8 * metrics["agent/segments/mean"]
+  rows = int((head >= 0).sum())
+  assert rows == round(8 * metrics["agent/segments/mean"])
+  assert len(set(head[head >= 0].tolist())) == 8  # one last segment a trajectory
+  # A trajectory's rows share its prompt's group and extra_info.
+  groups = np.asarray(batch["group_ids"])
+  infos = batch["extra_info"]
+  for r in range(rows):
+    assert groups[r] == groups[head[r]] and infos[r] is infos[head[r]]
+  assert [i["index"] for i in infos[head[head >= 0]]] == sorted(
+      [i["index"] for i in infos[head[head >= 0]]])
+  trainer = np.asarray(worker.compute_log_prob(batch)["old_log_probs"])
+  sampler = np.asarray(batch["rollout_log_probs"])
+  loss_mask = np.asarray(batch["response_mask"], bool)
+  assert not loss_mask[rows:].any() and loss_mask.sum() > 40
+  diff = np.abs(trainer[loss_mask] - sampler[loss_mask])
+  assert diff.max() <= 1e-6, diff.max()
+  batch = batch.union(worker.old_log_probs(batch))
+  advantages = jnp.asarray(np.random.RandomState(0).randn(*loss_mask.shape).astype(np.float32))
+  out = worker.update_actor(batch.union(Batch({"advantages": advantages * loss_mask})))
+  metrics = {k: float(v) for k, v in out.meta["metrics"].items()}
+  assert metrics["actor/ppo_kl_first_minibatch"] == 0.0
+  assert metrics["actor/pg_clipfrac_first_minibatch"] == 0.0
+
+
+def test_grpo_trains_on_segments_through_the_launcher(tmp_path, monkeypatch):
+  """rollout.multi_turn.rewrite_history on the tiny GRPO job, whose template drops the
+  earlier turns' text: every trajectory is 2 segments, and one GRPO step trains on them
+  exactly on-policy in its first mini-batch."""
+  import json as json_
+  from hflax.launch import config as config_module
+  from hflax.launch.trainer import Trainer
+  from hflax.models import tokenizer as tokenizer_module
+  from hflax.rollout.agents import tools as tools_module
+  from tiny_config import get_config
+  monkeypatch.setitem(tools_module.PARSERS, "every_turn", EveryTurnCalls)
+  real = tokenizer_module.load_tokenizer
+  monkeypatch.setattr(tokenizer_module, "load_tokenizer",
+                      lambda spec, *a, **kw: DropsReasoning() if spec == "byte" else real(
+                          spec, *a, **kw))
+  c = get_config()
+  c.data.builtin.update(data_source="arithmetic_tools")
+  c.data.update(max_prompt_length=128, max_response_length=80)
+  c.rollout.multi_turn.update(enable=True, max_assistant_turns=2, format="every_turn",
+                              max_turn_tokens=20, rewrite_history=True)
+  c.trainer.update(total_steps=1, run_dir=str(tmp_path / "run"))
+  trainer = Trainer(c, log=lambda *_: None)
+  trainer.fit()
+  (row,) = [json_.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  assert row["agent/turns/mean"] == 2 and row["agent/tool_calls/mean"] == 2
+  assert row["agent/segments/mean"] > 1 and row["agent/segment_rows"] > 8
+  assert row["actor/ppo_kl_first_minibatch"] == 0.0
+  assert abs(row["actor/ppo_kl"]) < 1e-6
+  c.algorithm.adv_estimator = "gae"
+  with pytest.raises(ValueError, match="rollout.multi_turn.rewrite_history"):
+    config_module.validate(c)

@@ -29,7 +29,7 @@ from hflax.models.forwards import (base_log_probs_fn, base_packed_log_probs_fn, 
 from hflax.models.lora import base_config, merged_kernels, split_adapters, split_for_merge
 from hflax.models.transformer import compute_kernels, create_abstract
 from hflax.rollout import routes
-from hflax.rollout.agents.rollout import MultiTurn, multi_turn_rollout
+from hflax.rollout.agents.rollout import MultiTurn, multi_turn_rollout, segment_fields
 from hflax.rollout.engine import RolloutEngine
 from hflax.rollout.sampler import SamplingParams
 from hflax.rollout.waves import generation_slots, generation_waves
@@ -122,7 +122,7 @@ class ActorRolloutWorker(RoleWorker):
       rng = jax.random.fold_in(self._rng, self.calls)
       self.calls += 1
     if self.multi_turn is not None:
-      return self._trajectories(prompts, params, rng, metrics)
+      return self._trajectories(prompts, params, rng, metrics, train=sampling is None)
     out = self.rollout.generate((prompts["prompts"], prompts["prompt_mask"]), params, rng=rng,
                                 wave_rows=wave, slots=slots,
                                 collect=lambda x: jax.device_put(x, self.home))
@@ -166,9 +166,16 @@ class ActorRolloutWorker(RoleWorker):
     self.calls += 1
     return key
 
-  def _trajectories(self, prompts: Batch, params: SamplingParams, rng, metrics: dict) -> Batch:
+  def _trajectories(self, prompts: Batch, params: SamplingParams, rng, metrics: dict, *,
+                    train: bool = True) -> Batch:
     """generate_sequences for multi-turn trajectories (hflax.rollout.agents.rollout): one
-    row per trajectory, prompt i's n trajectories in rows i*n .. i*n + n - 1."""
+    row per trajectory, prompt i's n trajectories in rows i*n .. i*n + n - 1.
+
+    A trajectory whose history was rewritten trains as its segments: its rows follow
+    each other, "segment_head" ties them (one advantage a trajectory) and copies with an
+    empty loss mask pad the rows to a multiple of the mini-batch. A call with sampling of
+    its own (validation, ReMax's greedy baseline) is scored, not trained: it keeps each
+    trajectory's last segment, one row a trajectory, as it holds the final answer."""
     if self._tokenizer is None:
       from hflax.models.tokenizer import load_tokenizer
       self._tokenizer = load_tokenizer(self.tokenizer_spec or "byte")
@@ -181,12 +188,19 @@ class ActorRolloutWorker(RoleWorker):
         response_width=params.max_new_tokens)
     self.rollout.release_weights()
     count = len(prompts)
+    owner = np.arange(count * params.n)
+    if "segment_owner" in fields:
+      mini = self.update_cfg.mini_batch_size if train and self.update_cfg is not None else 1
+      fields, owner = segment_fields(fields, fields.pop("segment_owner"), mini)
+      if not train:
+        last = np.flatnonzero(fields.pop("segment_head") == np.arange(len(owner)))
+        fields, owner = {k: v[last] for k, v in fields.items()}, owner[last]
+      metrics["agent/segment_rows"] = float(len(owner))
     out = {k: jax.device_put(v, self.home) for k, v in fields.items()}
     out["rollout_version"] = out.pop("rollout_versions").max(axis=1)
-    out["group_ids"] = jax.device_put(
-        jnp.repeat(jnp.arange(count, dtype=jnp.int32), params.n), self.home)
-    objects = dict(prompts.repeat(params.n).objects)
-    objects["extra_info"] = np.asarray(infos, dtype=object)
+    out["group_ids"] = jax.device_put(jnp.asarray(owner // params.n, jnp.int32), self.home)
+    objects = {k: v[owner] for k, v in prompts.repeat(params.n).objects.items()}
+    objects["extra_info"] = np.asarray(infos, dtype=object)[owner]
     return Batch(out, objects, {"metrics": {**metrics, **agent_metrics}})
 
   def old_log_probs(self, batch: Batch) -> Batch:

@@ -120,7 +120,7 @@ def base_config() -> ml_collections.ConfigDict:
                    multi_turn=dict(enable=False, max_assistant_turns=4,
                                    max_tool_response_length=256, max_turn_tokens=0,
                                    tool_config_path="", format="hermes",
-                                   tool_timeout_s=30.0))
+                                   tool_timeout_s=30.0, rewrite_history=False))
   c.critic = dict(optim=_optim(1e-4), ppo_mini_batch_size=8, ppo_micro_batch_size=0,
                   ppo_epochs=1, shuffle=False, cliprange_value=0.5,
                   loss_agg_mode="token-mean", model_path="",
@@ -476,6 +476,10 @@ def _check_router_replay(c, fail) -> None:
            "turn one of them off")
 
 
+# Advantage estimators that give a sequence one advantage (segments share their trajectory's).
+SEGMENT_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
 def _check_multi_turn(c, fail) -> None:
   m = c.rollout.multi_turn
   if not isinstance(m.enable, bool):
@@ -487,6 +491,15 @@ def _check_multi_turn(c, fail) -> None:
              "(tokens one model turn samples; 0: as many as data.max_response_length leaves)")
   if not (isinstance(m.tool_timeout_s, (int, float)) and m.tool_timeout_s > 0):
     fail("rollout.multi_turn.tool_timeout_s", f"must be > 0 seconds, got {m.tool_timeout_s!r}")
+  if not isinstance(m.rewrite_history, bool):
+    fail("rollout.multi_turn.rewrite_history", f"must be True or False, got {m.rewrite_history!r}")
+  if m.enable and m.rewrite_history and c.algorithm.adv_estimator not in SEGMENT_ESTIMATORS:
+    fail("rollout.multi_turn.rewrite_history", "segments train with one advantage a "
+         f"trajectory: algorithm.adv_estimator must be one of {SEGMENT_ESTIMATORS}, got "
+         f"{c.algorithm.adv_estimator!r}")
+  if m.enable and m.rewrite_history and c.algorithm.name == "dapo":
+    fail("rollout.multi_turn.rewrite_history", "DAPO's dynamic sampling keeps rows by "
+         "group, which would split a trajectory's segments; use algorithm.name=grpo")
   from hflax.rollout.agents.tools import PARSERS
   if m.format not in PARSERS:
     fail("rollout.multi_turn.format", f"must be one of {sorted(PARSERS)}, got {m.format!r}")

@@ -114,6 +114,7 @@ MEANINGS = {
     "rollout.multi_turn.max_turn_tokens": "tokens one model turn samples (0: the response's)",
     "rollout.multi_turn.format": "how tool calls are written: hermes (<tool_call>{json})",
     "rollout.multi_turn.tool_timeout_s": "a tool call's time limit, in seconds",
+    "rollout.multi_turn.rewrite_history": "re-render each turn's history; a rewrite: segments",
     "trainer.total_steps": "RL steps",
     "trainer.critic_warmup": "first steps that train only the critic",
     "trainer.seed": "the run's seed",

@@ -174,7 +174,8 @@ def multi_turn(cfg) -> MultiTurn | None:
   return MultiTurn(max_turns=m.max_assistant_turns, max_turn_len=m.max_tool_response_length,
                    turn_tokens=m.max_turn_tokens,
                    tool_config_path=m.tool_config_path, format=m.format,
-                   tool_timeout_s=float(m.tool_timeout_s), slots=cfg.rollout.max_num_seqs)
+                   tool_timeout_s=float(m.tool_timeout_s), slots=cfg.rollout.max_num_seqs,
+                   rewrite_history=bool(m.get("rewrite_history", False)))
 
 
 def rollout_correction(cfg) -> RolloutCorrection | None:

@@ -102,7 +102,14 @@ def compute_advantage(batch: Batch, algo_cfg, state: StepState, rows_per_step: i
   fields = {"token_level_rewards": rewards, **{k: batch[k] for k in (
       "response_mask", "values", "group_ids", "reward_baselines") if k in batch}}
   cfg = {**dict(algo_cfg), "num_groups": len(batch)}
-  advantages, returns = alg.advantage_fn(algo_cfg.adv_estimator, cfg)(fields)
+  if "segment_head" in batch:  # trajectories as several rows: one advantage a trajectory
+    from hflax.algorithms.segmented import trajectory_advantages
+    advantages, returns = trajectory_advantages(
+        lambda sub: alg.advantage_fn(algo_cfg.adv_estimator, {
+            **cfg, "num_groups": len(sub["response_mask"])})(sub),
+        fields, batch["segment_head"])
+  else:
+    advantages, returns = alg.advantage_fn(algo_cfg.adv_estimator, cfg)(fields)
   out = Batch({"token_level_rewards": rewards, "advantages": advantages, "returns": returns},
               meta={"metrics": metrics})
   return batch.union(out)

@@ -8,6 +8,11 @@ first prompt (the chat messages with the tools rendered), "responses" every late
 (the model's turns and the messages between them) up to the response width,
 "response_mask" the model's tokens only. Each row's extra_info gains the trajectory's
 turns, tool calls, errors, stop reason and final turn's text, for reward functions.
+
+With rewrite_history a trajectory whose template rewrites its history (Qwen3's drops
+earlier reasoning) is several rows, its segments (hflax.rollout.agents.segments); the
+fields then carry "segment_owner", each row's trajectory, and segment_fields pads them to
+a row count the update takes and marks which rows make one trajectory.
 """
 from __future__ import annotations
 
@@ -15,9 +20,12 @@ import dataclasses
 import os
 from typing import Sequence
 
+import numpy as np
+
 from hflax.models.tokenizer import Tokenizer
 from hflax.rollout.agents.environment import ToolEnvironment
 from hflax.rollout.agents.loop import AgentLoop, to_batch_fields
+from hflax.rollout.agents.segments import trajectory_rows
 from hflax.rollout.agents.tool_config import Calculator, load_tools
 from hflax.rollout.decoding import SamplingParams
 from hflax.rollout.engine import RolloutEngine
@@ -34,7 +42,9 @@ class MultiTurn:
   the messages after one turn may add; tool_config_path a verl-format tool file (empty:
   the data source's built-in tools); format the tool-call parser; tool_timeout_s a call's
   limit; slots the engine's decode slots (0: every trajectory at once); turn_tokens the
-  most tokens one model turn samples (0: as many as the response width leaves)."""
+  most tokens one model turn samples (0: as many as the response width leaves);
+  rewrite_history: re-render the conversation after each turn and, where the template
+  rewrote it, continue as a new segment (AgentLoop's rewrite_history)."""
   max_turns: int = 4
   max_turn_len: int = 256
   turn_tokens: int = 0
@@ -42,6 +52,7 @@ class MultiTurn:
   format: str = "hermes"
   tool_timeout_s: float = 30.0
   slots: int = 0
+  rewrite_history: bool = False
 
 
 # A tool config file's tools, kept across steps: (path, timeout) -> ((mtime_ns, size), tools).
@@ -89,7 +100,9 @@ def multi_turn_rollout(graphdef, state, *, version: int, mesh, sampling: Samplin
                        response_width: int) -> tuple[dict, list[dict], dict]:
   """Trajectories for every prompt x sampling.n on (graphdef, state), the generation
   weights of `version` on `mesh`. Returns (the sampler's fields as numpy arrays, one row
-  per trajectory in prompt-major order, each row's extra_info, the loop's metrics)."""
+  per trajectory in prompt-major order, each trajectory's extra_info, the loop's
+  metrics). Where a history was rewritten the rows are the segments, in the same order,
+  and fields["segment_owner"] gives each row's trajectory."""
   n = sampling.n
   rows = len(raw_prompts) * n
   envs = environments(settings, [s for s in data_sources for _ in range(n)])
@@ -97,21 +110,47 @@ def multi_turn_rollout(graphdef, state, *, version: int, mesh, sampling: Samplin
   prompts = [tokenizer.encode_chat(env.reset(sample), add_generation_prompt=True)
              for env, sample in zip(envs, samples)]
   width = length_bucket(max(len(p) for p in prompts))
+  # A new segment's context is a fresh request's prompt: as long as a whole trajectory.
+  prompt_len = width + response_width if settings.rewrite_history else width
   replicas = mesh.shape.get("data", 1) if mesh is not None else 1
   slots = settings.slots or rows
   slots += -slots % replicas
   engine = RolloutEngine(graphdef, state, dataclasses.replace(
       sampling, n=1, max_new_tokens=min(settings.turn_tokens or response_width,
-                                        response_width)), slots=slots, max_prompt_len=width,
-      max_turn_len=settings.max_turn_len, max_context_len=width + response_width, mesh=mesh,
-      version=version, key=rng)
-  loop = AgentLoop(engine, tokenizer, max_turns=settings.max_turns)
+                                        response_width)), slots=slots,
+      max_prompt_len=prompt_len, max_turn_len=settings.max_turn_len,
+      max_context_len=prompt_len + response_width, mesh=mesh, version=version, key=rng)
+  loop = AgentLoop(engine, tokenizer, max_turns=settings.max_turns,
+                   max_tokens=width + response_width, rewrite_history=settings.rewrite_history)
   trajectories, metrics = loop.run(envs, samples)
-  fields = to_batch_fields(trajectories, tokenizer.pad_id, prompt_width=width,
-                           response_width=response_width)
+  segments, owner = trajectory_rows(trajectories)
+  if len(segments) == len(trajectories):  # every history append-only: one row a trajectory
+    fields = to_batch_fields(trajectories, tokenizer.pad_id, prompt_width=width,
+                             response_width=response_width)
+  else:  # a segment's prompt is its shared prefix, so its rest may outgrow the response
+    longest = max(len(r.token_ids) - r.prompt_len for r in segments)
+    fields = to_batch_fields(segments, tokenizer.pad_id, prompt_width=width,
+                             response_width=max(response_width, longest))
+    fields["segment_owner"] = np.asarray(owner, np.int32)
   infos = []
   for t, info in zip(trajectories, [x for x in extra_info for _ in range(n)]):
     agent = {"turns": len(t.turns), "stop": t.stop, "final_turn": t.turns[-1] if t.turns else "",
              **{k: t.metrics.get(k, 0) for k in ("tool_calls", "tool_errors", "tool_timeouts")}}
     infos.append({**(info or {}), "agent": agent})
   return fields, infos, metrics
+
+
+def segment_fields(fields: dict, owner, multiple: int) -> tuple[dict, np.ndarray]:
+  """Segment rows for the update: padded to a multiple of `multiple` rows (the
+  mini-batch) with copies of the last row whose loss mask is empty, and "segment_head",
+  each row's index of its trajectory's last segment row (-1 on padding rows: see
+  hflax.algorithms.segmented). Returns (the fields, each row's trajectory)."""
+  owner = np.asarray(owner)
+  rows = len(owner)
+  pad = -rows % max(multiple, 1)
+  index = np.concatenate([np.arange(rows), np.full(pad, rows - 1)])
+  out = {k: np.asarray(v)[index] for k, v in fields.items()}
+  out["response_mask"][rows:] = False
+  last = {o: r for r, o in enumerate(owner)}
+  out["segment_head"] = np.asarray([last[o] for o in owner] + [-1] * pad, np.int32)
+  return out, owner[index]
