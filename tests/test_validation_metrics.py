@@ -104,3 +104,21 @@ def test_bad_groupings_are_refused():
     validation_metrics([1, 0], ["a", "b"], 2)
   with pytest.raises(ValueError, match="2 scores for 1 data sources"):
     validation_metrics([1, 0], ["a"])
+
+
+def test_tool_use_rates_per_data_source_from_the_agent_records():
+  from hflax.launch.trainer import _fmt
+  from hflax.launch.validation import tool_use_metrics
+  agents = [{"tool_calls": 1, "tool_errors": 0},  # a call that ran
+            {"tool_calls": 2, "tool_errors": 2},  # two malformed calls
+            {"tool_calls": 0, "tool_errors": 0},  # answered without the tool
+            {"tool_calls": 2, "tool_errors": 1},  # one bad call, then one that ran
+            None]  # a single-turn sample: no agent record, not counted
+  sources = ["tools"] * 4 + ["plain"]
+  metrics = tool_use_metrics(agents, sources)
+  assert metrics == {"val-aux/tools/tool_call_rate": 0.75,
+                     "val-aux/tools/well_formed_call_rate": 0.5}
+  # The run's before/after line shows them beside the accuracy; other val-aux ones stay out.
+  line = _fmt({**metrics, "val-core/tools/reward/mean@1": 0.25, "val-aux/tools/x": 1.0})
+  assert line == ("val-core/tools/reward/mean@1 = 0.250, val-aux/tools/tool_call_rate = "
+                  "0.750, val-aux/tools/well_formed_call_rate = 0.500")

@@ -102,7 +102,7 @@ class Trainer:
     self.model_cfg = policy[0]
     if spec is None:  # local devices: an auto plan is made for the policy's shape
       devices = self.backend.device_list
-      spec = placement_spec(cfg, needed_roles(cfg), len(devices), policy[0], devices)
+      spec = placement_spec(cfg, needed_roles(cfg), len(devices), policy[0], devices, log=log)
     self.plan = make_plan(cfg, spec, self.tokenizer)
     self.roles = self.backend.build(self.plan, policy, reward_fn=self.reward_fn,
                                     cost_fn=self.cost_fn)
@@ -354,9 +354,11 @@ class Trainer:
 
 
 def _fmt(metrics: dict) -> str:
-  """The val-core metrics (val-aux ones are in the logs)."""
-  return ", ".join(f"{k} = {v:.3f}" for k, v in sorted(metrics.items())
-                   if k.startswith("val-core/"))
+  """The val-core metrics and, for tool tasks, the tool-call rates beside them (the other
+  val-aux ones are in the logs)."""
+  shown = sorted((not k.startswith("val-core/"), k) for k in metrics
+                 if k.startswith("val-core/") or k.endswith("_call_rate"))
+  return ", ".join(f"{k} = {metrics[k]:.3f}" for _, k in shown)
 
 
 def run(cfg, log=print) -> dict:

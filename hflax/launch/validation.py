@@ -25,6 +25,7 @@ def validate_policy(actor, val_loader: PromptLoader, reward_fn, tokenizer, cfg,
   sampling = dataclasses.replace(actor.sampling, n=r.val_n, temperature=r.val_temperature,
                                  top_k=r.val_top_k, top_p=r.val_top_p)
   scores, sources, preds, samples, extras, sizes = [], [], [], [], [], []
+  agents = []  # the agent loop's record of each multi-turn sample (None for single-turn)
   keep_samples = step is not None and (t.validation_data_dir or t.log_val_generations)
   # Not the rollouts' keys (seed, call): a tag of its own keeps the two apart.
   key = jax.random.fold_in(jax.random.key(t.seed), _VALIDATION_TAG)
@@ -41,6 +42,7 @@ def validate_policy(actor, val_loader: PromptLoader, reward_fn, tokenizer, cfg,
     sizes.append(len(scored["scores"]))
     preds += scored["pred"]
     sources += list(batch["data_source"])
+    agents += [(info or {}).get("agent") for info in host["extra_info"]]
   if samples and t.validation_data_dir:
     write_generations(t.validation_data_dir, step, samples)
   shown = None
@@ -52,7 +54,26 @@ def validate_policy(actor, val_loader: PromptLoader, reward_fn, tokenizer, cfg,
              for j in sorted(pick[:t.log_val_generations])]
   metrics = validation_metrics(np.concatenate(scores), sources, r.val_n, preds,
                                extra_info=concat_extra_info(extras, sizes))
+  metrics.update(tool_use_metrics(agents, sources))
   return metrics, shown
+
+
+def tool_use_metrics(agents, sources) -> dict:
+  """Per data source of multi-turn samples: the share of samples that called a tool
+  (tool_call_rate) and that made a well-formed call, one that parsed and ran without an
+  error (well_formed_call_rate). They say whether a tool task's accuracy is limited by
+  the model not calling the tool or by the calls it writes."""
+  by_source: dict = {}
+  for agent, source in zip(agents, sources):
+    if agent is not None:
+      calls, errors = agent.get("tool_calls", 0), agent.get("tool_errors", 0)
+      by_source.setdefault(source, []).append((calls >= 1, calls - errors >= 1))
+  metrics = {}
+  for source, rows in by_source.items():
+    called, well_formed = np.mean(rows, axis=0)
+    metrics[f"val-aux/{source}/tool_call_rate"] = float(called)
+    metrics[f"val-aux/{source}/well_formed_call_rate"] = float(well_formed)
+  return metrics
 
 
 def _full_pass(loader: PromptLoader, size: int):
