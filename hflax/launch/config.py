@@ -18,6 +18,7 @@ from hflax.algorithms.drivers import algorithm_names, get_algorithm
 from hflax.launch.ranges import check_numbers
 from hflax.models.lora import lora_targets
 from hflax.platforms.compile_cache import default_compile_cache_dir
+from hflax.sharding.automap.profile import PRESETS
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -146,7 +147,10 @@ def base_config() -> ml_collections.ConfigDict:
   # kind: "colocated" (every role on all devices), "standalone" (a pool per role), "auto"
   # (the auto-mapper's best plan, meshes and generation width t_g included: it overrides
   # rollout.generate_tensor) or "custom" (pools and roles as in hflax.sharding.placement).
-  c.placement = dict(kind="colocated", pools={}, roles={})
+  # With trainer.mode one_step_off or async, "auto" also weighs a rollout pool of its own
+  # against generating on the training devices (hflax.sharding.automap.split). profile:
+  # what "auto" plans with, "calibrate" (measured on the devices here, cached) or a preset.
+  c.placement = dict(kind="colocated", pools={}, roles={}, profile="calibrate")
   c.trainer = dict(
       total_steps=20, critic_warmup=0, seed=0, run_dir="runs/default", resume=True,
       save_every=10, keep=2, val_every=10, val_before_train=True,
@@ -419,6 +423,9 @@ def _check_models_and_rewards(c, fail) -> None:
   kinds = ("colocated", "standalone", "auto", "custom")
   if c.placement.kind not in kinds:
     fail("placement.kind", f"{c.placement.kind!r} is not one of {kinds}")
+  profiles = ("calibrate",) + tuple(sorted(PRESETS))
+  if c.placement.get("profile", "calibrate") not in profiles:
+    fail("placement.profile", f"{c.placement.profile!r} is not one of {profiles}")
   if c.placement.kind == "custom" and not (c.placement.pools and c.placement.roles):
     fail("placement", "kind='custom' needs placement.pools and placement.roles")
 

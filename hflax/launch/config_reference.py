@@ -148,6 +148,8 @@ MEANINGS = {
     "trainer.sft_warmup.target_loss": "stop the warm-up at this loss (0: run every step)",
     "trainer.compile_cache_dir": "JAX's persistent compilation cache ('': off)",
     "placement.kind": "which devices each role uses",
+    "placement.profile": "auto: the device profile it plans with (calibrate: measured "
+                         "here, cached)",
     "placement.pools": "custom: pool name -> device count",
     "placement.roles": "custom: role -> pool, mesh and generation width; role rollout: "
                        "the actor's generation on a pool of its own",

@@ -3,7 +3,9 @@
 Prints the auto-mapper's ranked plans for a config's models and workload: placement,
 devices per pool, mesh shapes, predicted step time per stage and peak memory, and the
 placement fragment that runs the best one. `--config.placement.kind=auto` in the main job
-runs that plan directly.
+runs that plan directly. For trainer.mode one_step_off or async (the config's, or --mode)
+the pick also weighs a rollout pool of its own against those plans (automap.split), and
+says which wins and why.
 """
 from __future__ import annotations
 
@@ -49,6 +51,18 @@ def profile(name: str, devices):
   return automap.calibrate(devices) if name == "calibrate" else automap.get_profile(name)
 
 
+def picked_plan(cfg, policy_cfg, devices, profile_name: str = "calibrate", mode: str = ""):
+  """The auto-mapper's pick for a run of trainer.mode `mode` (default: the config's): for
+  one_step_off and async it weighs a rollout split against the sync search's best."""
+  from hflax.sharding import automap
+  mode = mode or cfg.trainer.get("mode", "sync")
+  try:
+    return automap.pick(workload(cfg, policy_cfg), profile(profile_name, devices), len(devices),
+                        mode)
+  except ValueError as e:
+    raise ValueError(f"config.placement: {e} (profile {profile_name!r})") from None
+
+
 def ranked_plans(cfg, policy_cfg, devices, profile_name: str = "calibrate", top: int = 10):
   from hflax.sharding import automap
   plans = automap.search(workload(cfg, policy_cfg), profile(profile_name, devices), len(devices),
@@ -71,6 +85,9 @@ def main(argv=None):
   parser.add_argument("--devices", type=int, default=0, help="plan for this many devices "
                       "(default: the devices here; with a preset, any number)")
   parser.add_argument("--top", type=int, default=10)
+  parser.add_argument("--mode", default="", choices=("", "sync", "one_step_off", "async"),
+                      help="plan for this trainer.mode (default: the config's); one_step_off "
+                      "and async also weigh a rollout pool of its own against the sync plans")
   parser.add_argument("--infeasible", action="store_true",
                       help="also list each placement that cannot run, with the reason")
   args, overrides = parser.parse_known_args(argv)
@@ -120,7 +137,12 @@ def show_plans(args, overrides) -> int:
     print(f"error: no placement of these models fits on {count} devices ({args.profile})",
           file=sys.stderr)
     return 1
-  spec = plans[0].to_config()
+  mode = args.mode or cfg.trainer.get("mode", "sync")
+  chosen = automap.pick(workload(cfg, policy_cfg), prof, count, mode)
+  if chosen.split is not None:
+    print(f"\nbest rollout split ({mode}):\n     {chosen.split.describe()}")
+  print(f"\n{chosen.explanation}")
+  spec = chosen.plan.to_config()
   where = ("or --config.placement.kind=auto, which plans again on these devices"
            if args.profile == "calibrate" else f"on {count} {args.profile} devices")
   print(f"\nbest placement, as lines of a config file ({where}):")

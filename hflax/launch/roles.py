@@ -53,11 +53,14 @@ def check_placed(cfg, placed, roles) -> None:
   check_token_budgets(cfg, roles)
 
 
-def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_list=None) -> dict:
+def placement_spec(cfg, roles: list[str], devices: int, policy_cfg=None, device_list=None,
+                   log=print) -> dict:
   kind, tensor = cfg.placement.kind, cfg.rollout.generate_tensor
-  if kind == "auto":  # the auto-mapper's best plan on a profile measured here (cached)
-    from hflax.launch.plan import ranked_plans  # late: the plan CLI starts JAX in its own way
-    return ranked_plans(cfg, policy_cfg, device_list, top=1)[0].to_config()
+  if kind == "auto":  # the auto-mapper's pick for trainer.mode (a split for the async modes)
+    from hflax.launch.plan import picked_plan  # late: the plan CLI starts JAX in its own way
+    chosen = picked_plan(cfg, policy_cfg, device_list, cfg.placement.get("profile", "calibrate"))
+    log(chosen.explanation)
+    return chosen.plan.to_config()
   if kind == "colocated":
     spec = colocated(roles, devices, tensor)
   elif kind == "standalone":

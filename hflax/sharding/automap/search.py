@@ -51,8 +51,11 @@ class Planner:
   """Searches plans for one workload on one kind of device; memoises pool layouts."""
 
   def __init__(self, workload: Workload, profile: DeviceProfile,
-               overheads: Overheads | None = None):
+               overheads: Overheads | None = None, generates: bool = True):
     self.wl, self.prof = workload, profile
+    # False: the actor's pools train and score only; it generates on a rollout pool of its
+    # own, which split.py plans (the asynchronous modes' split).
+    self.generates = generates
     self.sim = Simulator(workload, profile, overheads)
     self._pools: dict[tuple[tuple[str, ...], int], PoolPlan] = {}
 
@@ -75,6 +78,8 @@ class Planner:
   def generate_layouts(self, mesh: MeshShape) -> list[tuple[int, bool]]:
     """(t_g, strided) choices for the actor. Node-local groups only differ from strided
     ones when the training shards span nodes."""
+    if not self.generates:
+      return [(1, True)]
     widths = [g for g in _powers_of_two(min(MAX_TENSOR, self.prof.devices_per_node,
                                             mesh.size)) if mesh.size % g == 0]
     local = mesh.shards > self.prof.devices_per_node
@@ -102,7 +107,7 @@ class Planner:
         calls.append(calls[0])
       if role in TRAINED:
         calls.append(("train", sim.train(role, mesh, free)))
-      if role == "actor":
+      if role == "actor" and self.generates:
         calls.append(("generate", sim.generate(mesh, generate_tensor, free, generate_strided)))
       for stage, cost in calls:
         if cost.reason:
