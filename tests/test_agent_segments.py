@@ -235,6 +235,13 @@ def test_segmented_trajectories_first_minibatch_is_the_samplers_in_float32(monke
                 {"raw_prompt": [[{"role": "user", "content": q}] for q in questions],
                  "data_source": ["arithmetic_tools"] * 4,
                  "extra_info": [{"index": i} for i in range(4)]})
+  # A call with sampling of its own (validation) is scored, not trained: one row a
+  # trajectory, its last segment, no segment_head.
+  scored = worker.generate_sequences(batch, sampling=sampling, rng=jax.random.key(3))
+  assert scored.meta["metrics"]["agent/segments/mean"] > 1.5
+  assert len(scored) == 8 and "segment_head" not in scored
+  assert [i["index"] for i in scored["extra_info"]] == [0, 0, 1, 1, 2, 2, 3, 3]
+  np.testing.assert_array_equal(np.asarray(scored["group_ids"]), [0, 0, 1, 1, 2, 2, 3, 3])
   batch = worker.generate_sequences(batch)
   metrics = batch.meta["metrics"]
   head = np.asarray(batch["segment_head"])
