@@ -7,6 +7,7 @@ import math
 import jax
 import pytest
 
+from hflax.launch.plan import picked_plan
 from hflax.launch.trainer import Trainer
 from hflax.sharding import automap
 from hflax.sharding.automap import split as split_mod
@@ -128,7 +129,13 @@ def test_launcher_runs_the_auto_split_for_one_step_off(tmp_path):
   trainer.fit()
   with open(tmp_path / "run" / "metrics.jsonl") as f:
     rows = [json.loads(line) for line in f]
-  assert rows[-1]["step"] == 1 and rows[-1]["rollout/weight_sync_bytes"] > 0
+  assert rows[-1]["step"] == 1
+  # The cost model's sync is the run's copy: the metric counts the copied arrays' bytes,
+  # of which each rollout device receives its t_g shard.
+  chosen = picked_plan(c, trainer.model_cfg, jax.devices()[:8], "h100-80gb")
+  assert chosen.plan.to_config() == spec
+  t_g = chosen.split.rollout.generate_tensor
+  assert rows[-1]["rollout/weight_sync_bytes"] == chosen.split.sync_bytes * t_g > 0
   assert math.isfinite(rows[-1]["actor/pg_loss"])
 
 
