@@ -75,6 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
       # prompt that several rows of a micro-batch repeat (GRPO's n samples) once, its
       # responses attending to it (the same results, fewer tokens).
       use_remove_padding=False, attention="auto", share_prompts=True,
+      # moe_dispatch: how a mixture of experts' sparse layers compute their experts:
+      # "dense" (every expert on every token; the default, faster on CPU) or "sorted"
+      # (tokens grouped by expert for jax.lax.ragged_dot's grouped matmul).
+      moe_dispatch="dense",
       # LoRA (verl's names): lora_rank 0 trains every weight; > 0 trains rank-r adapters
       # on target_modules ("all-linear", or HF names such as "q_proj,v_proj") and nothing
       # else, and the reference policy is the frozen base (no copy of its own).
@@ -214,8 +218,8 @@ def _check_choices(c, fail):
   from hflax.controller.training import SCHEDULES
   from hflax.data.arithmetic import TEMPLATES
   from hflax.metrics.logger import BACKENDS
-  from hflax.models.config import ATTENTION_IMPLEMENTATIONS
-  choices = {"model.attention": ATTENTION_IMPLEMENTATIONS,
+  from hflax.models.config import ATTENTION_IMPLEMENTATIONS, MOE_DISPATCHES
+  choices = {"model.attention": ATTENTION_IMPLEMENTATIONS, "model.moe_dispatch": MOE_DISPATCHES,
              "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
              "algorithm.kl_penalty": KL_KINDS, "actor.kl_loss_type": KL_KINDS,
              "actor.optim.schedule": SCHEDULES, "critic.optim.schedule": SCHEDULES,

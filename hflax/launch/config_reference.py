@@ -82,6 +82,7 @@ MEANINGS = {
     "model.dtype": "compute dtype",
     "model.param_dtype": "stored (master) weight dtype",
     "model.remat": "recompute layer activations in the backward pass",
+    "model.moe_dispatch": "MoE: experts computed dense or sorted (grouped matmul)",
     "model.use_remove_padding": "packed training and log-prob passes",
     "model.attention": "attention implementation",
     "model.share_prompts": "packed passes compute a repeated prompt once",

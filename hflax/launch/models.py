@@ -114,7 +114,8 @@ def policy_model(cfg, vocab_size: int, tokenizer=None):
     try:
       return hf.load_checkpoint(cfg.model.path, param_dtype=cfg.model.param_dtype,
                                 dtype=cfg.model.dtype, remat=cfg.model.remat,
-                                attention=cfg.model.get("attention", "auto"))
+                                attention=cfg.model.get("attention", "auto"),
+                                moe_dispatch=cfg.model.get("moe_dispatch", "dense"))
     except (OSError, ValueError) as e:
       raise ValueError(f"config.model.path: {e}") from None
   model_cfg = builtin_config(cfg, vocab_size, tokenizer)

@@ -18,6 +18,8 @@ ARCHITECTURES = {prefix + head: switches for prefix, switches in _FAMILIES.items
 # hflax.models.attention.IMPLEMENTATIONS ("cudnn", "splash": the GPU and TPU kernels),
 # kept here so that the config does not import jax.
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "splash")
+# How a mixture of experts' sparse layer computes its experts (hflax.models.moe).
+MOE_DISPATCHES = ("dense", "sorted")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The linear layers LoRA can adapt, by their HF module names (PEFT's "all-linear" is all
 # of them: the output layer is never adapted).
@@ -72,6 +74,10 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = 0.0
+  # How a sparse layer computes its experts (MOE_DISPATCHES, hflax.models.moe): "dense"
+  # runs every expert on every token; "sorted" groups tokens by expert for a grouped
+  # matmul. Equal results; which is faster depends on the backend's grouped matmul.
+  moe_dispatch: str = "dense"
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -86,6 +92,8 @@ class ModelConfig:
       raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_TYPES}")
     if self.attention not in ATTENTION_IMPLEMENTATIONS:
       raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+    if self.moe_dispatch not in MOE_DISPATCHES:
+      raise ValueError(f"moe_dispatch={self.moe_dispatch!r} is not one of {MOE_DISPATCHES}")
     unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
     if unknown:
       raise ValueError(f"lora_targets {unknown} are not among {LORA_TARGETS}")
