@@ -156,8 +156,9 @@ def test_coefficient_is_validated_in_one_line(tmp_path):
 
 
 def test_launched_moe_run_logs_the_aux_loss(tmp_path):
-  """The tiny GRPO job on the tiny MoE with packed micro-batches and the aux term on: its
-  step logs the aux loss and the experts' load."""
+  """The tiny GRPO job on the tiny MoE with packed micro-batches, sorted dispatch (in the
+  rollout and the update) and the aux term on: its step logs the aux loss and the experts'
+  load."""
   from hflax.launch.trainer import Trainer
   from hflax.models.tokenizer import ByteTokenizer
   from tiny_config import get_config
@@ -165,12 +166,15 @@ def test_launched_moe_run_logs_the_aux_loss(tmp_path):
   tiny_moe(vocab_size=ByteTokenizer().vocab_size, bos_token_id=None, eos_token_id=None,
            pad_token_id=None).save_pretrained(path)
   c = get_config()
-  c.model.update(path=str(path), tokenizer="byte", use_remove_padding=True)
+  c.model.update(path=str(path), tokenizer="byte", use_remove_padding=True,
+                 moe_dispatch="sorted")
   c.actor.update(moe_aux_loss_coef=0.01, use_kl_loss=False)
   c.data.max_response_length = 8
   c.trainer.update(total_steps=1, save_every=1, run_dir=str(tmp_path / "run"), export_hf=False,
                    compile_cache_dir="")
-  Trainer(c, log=lambda *_: None).fit()
+  trainer = Trainer(c, log=lambda *_: None)
+  assert trainer.roles.actor.cfg.moe_dispatch == "sorted"
+  trainer.fit()
   with open(tmp_path / "run" / "metrics.jsonl") as f:
     row = next(r for r in map(json.loads, f) if r.get("step") == 1)
   assert 0.0 < row["actor/moe_aux_loss"] < 8.0

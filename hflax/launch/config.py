@@ -76,8 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
       # responses attending to it (the same results, fewer tokens).
       use_remove_padding=False, attention="auto", share_prompts=True,
       # moe_dispatch: how a mixture of experts' sparse layers compute their experts:
-      # "dense" (every expert on every token; the default, faster on CPU) or "sorted"
-      # (tokens grouped by expert for jax.lax.ragged_dot's grouped matmul).
+      # "dense" (every expert on every token; the default: jax lowers the grouped matmul
+      # on CPU to k times dense's FLOPs) or "sorted" (tokens grouped by expert for
+      # jax.lax.ragged_dot's grouped matmul; docs/models.md).
       moe_dispatch="dense",
       # LoRA (verl's names): lora_rank 0 trains every weight; > 0 trains rank-r adapters
       # on target_modules ("all-linear", or HF names such as "q_proj,v_proj") and nothing
