@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from hflax.controller.batch import Batch
+from hflax.launch.modes import ServedOnce
 from hflax.models.transformer import positions_from_mask
 from hflax.rollout.stream import RolloutStream, response_fields
 
@@ -88,7 +89,13 @@ class AsyncRollouts:
     return prompts
 
   def actor(self, actor, prompt_iter):
-    return _Serving(actor, self)
+    """The actor as this step's driver sees it: its first sampling call returns the rows
+    the stream handed over."""
+    return ServedOnce(actor, lambda prompts: self._hand_over())
+
+  def _hand_over(self) -> Batch:
+    batch, self.batch = self.batch, None
+    return batch
 
   def after_update(self, actor, prompt_iter):
     """Decodes on with the pre-update weights (overlapping the update), then the weight
@@ -153,21 +160,3 @@ class AsyncRollouts:
     self.stream.load_state_dict(state["stream"])
     self._dropped_before = int(state["dropped_before"])
     self._synced = False
-
-
-class _Serving:
-  """The actor as the step's driver sees it: its first sampling call returns the rows the
-  stream handed over; another (ReMax's greedy baseline) samples now."""
-
-  def __init__(self, actor, schedule: AsyncRollouts):
-    self._actor, self._schedule, self._served = actor, schedule, False
-
-  def __getattr__(self, name):
-    return getattr(self._actor, name)
-
-  def generate_sequences(self, prompts, sampling=None, rng=None):
-    if self._served or sampling is not None or rng is not None:
-      return self._actor.generate_sequences(prompts, sampling=sampling, rng=rng)
-    self._served = True
-    batch, self._schedule.batch = self._schedule.batch, None
-    return batch
