@@ -1,7 +1,6 @@
 """trainer.mode = one_step_off (hflax.launch.modes) on the tiny GRPO config: its staleness-0
 form is sync exactly, its batches lag one version and are corrected, and a run stopped
 after a checkpoint resumes to the uninterrupted run's metrics and weights."""
-import json
 
 import jax
 import numpy as np
@@ -9,32 +8,15 @@ import pytest
 
 from hflax.launch.config import validate
 from hflax.launch.trainer import Trainer
-from tiny_config import get_config as tiny_config
-
-# Metrics that measure time, not the run.
-TIMED = ("timing_s/", "perf/throughput", "perf/time")
+from tiny_config import fit, mode_config, run_metrics as metrics
 
 
 def config(tmp_path, run, mode="sync", **trainer):
-  c = tiny_config()
-  c.trainer.update(total_steps=3, run_dir=str(tmp_path / run), mode=mode, keep=None)
-  c.trainer.update(**trainer)
-  return c
-
-
-def metrics(tmp_path, run) -> dict:
-  rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").open()]
-  return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMED)} for r in rows}
+  return mode_config(tmp_path, run, mode, **trainer)
 
 
 def leaves(trainer):
   return [np.asarray(x) for x in jax.tree.leaves(trainer.roles.actor.params)]
-
-
-def fit(c):
-  trainer = Trainer(c, log=lambda *_: None)
-  trainer.fit()
-  return trainer
 
 
 def assert_same_run(a, b, ma, mb, steps):

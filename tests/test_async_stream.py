@@ -2,40 +2,21 @@
 GRPO config: with a staleness bound of 0 it is sync's run; with a bound of 1 or 2 no
 trained token lags more than the bound, trajectories span weight updates (partial
 rollouts, several versions per trajectory) and are corrected; bad configs name the field."""
-import json
 
 import jax
 import numpy as np
 import pytest
 
 from hflax.launch.config import validate
-from hflax.launch.trainer import Trainer
-from tiny_config import get_config as tiny_config
+from tiny_config import fit, mode_config, run_metrics as metrics
 
-TIMED = ("timing_s/", "perf/throughput", "perf/time")
 # Metrics that read the rollout's recorded log-probs: the engine's and the batch sampler's
 # programs differ in shape, so these agree to float32 rounding, not bit for bit.
 READS_ROLLOUT_LOG_PROBS = ("actor/ppo_kl",)
 
 
 def config(tmp_path, run, mode="async", **trainer):
-  c = tiny_config()
-  c.trainer.update(total_steps=3, run_dir=str(tmp_path / run), mode=mode, keep=None)
-  c.trainer.update(**trainer)
-  return c
-
-
-def metrics(tmp_path, run) -> dict:
-  rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").open()]
-  return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMED)} for r in rows}
-
-
-def fit(c, *hooks):
-  trainer = Trainer(c, log=lambda *_: None)
-  for hook in hooks:
-    trainer.add_hook(hook)
-  trainer.fit()
-  return trainer
+  return mode_config(tmp_path, run, mode, **trainer)
 
 
 def test_async_with_staleness_0_is_sync(tmp_path):
