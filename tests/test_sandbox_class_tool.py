@@ -220,3 +220,23 @@ def test_the_run_keeps_stepping_through_the_launcher_while_a_class_kills_its_wor
     assert row["agent/tool_calls/mean"] == 2 and row["agent/tool_errors/mean"] == 2
     assert row["agent/tool_tokens/mean"] > 0  # the error message went back to the model
   assert module not in sys.modules
+
+
+def test_the_config_check_names_the_field_for_a_class_that_kills_its_worker_at_import(
+    tmp_path, monkeypatch):
+  """The launcher's config check (before any device work) loads the tool file: a class whose
+  module os._exits at import is one line naming rollout.multi_turn.tool_config_path."""
+  from hflax.launch.config import validate
+  from tiny_config import get_config
+  module = f"exits_in_check_{os.getpid()}"
+  (tmp_path / f"{module}.py").write_text("import os\nos._exit(0)\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  path = tmp_path / "tools.yaml"
+  path.write_text(f"tools:\n  - class_name: {module}.Tool\n")
+  c = get_config()
+  c.rollout.multi_turn.update(enable=True, tool_config_path=str(path))
+  with pytest.raises(ValueError) as e:
+    validate(c)
+  text = str(e.value)
+  assert "\n" not in text and text.startswith("config.rollout.multi_turn.tool_config_path: ")
+  assert "ended its worker process (exit status 0" in text and module not in sys.modules
