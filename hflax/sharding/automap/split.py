@@ -241,8 +241,7 @@ def explain(mode: str, devices: int, sync: Plan | None, split: SplitPlan | None,
   if split is None:
     why = ("sync steps generate, score and train in turn, so a rollout pool of its own "
            "would idle" if mode not in SPLIT_MODES else "no rollout split fits")
-    return (head + f"{sync.label} ({sync.describe().strip()}); {why}; its step is "
-            f"{_sync_terms(sync)} = {seconds(sync.step_time)}")
+    return head + f"{sync.label}, a step of {sync.describe().strip()}; {why}"
   if sync is None:
     return head + "split: " + _split_terms(split) + "; no placement generating where it " \
         "trains fits"
