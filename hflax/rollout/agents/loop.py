@@ -73,9 +73,9 @@ class AgentLoop:
   reuse_cache=False prefills each turn's whole context afresh (the same ids, for
   comparison: what a loop without a kept cache pays).
   rewrite_history: after each turn render the whole conversation with the chat template
-  (the model's turns as their text) and, where that is not the kept ids plus the new
-  messages' (a template that drops earlier reasoning), continue from the rendering as a
-  new segment. Off, only an environment's Observation.context starts one.
+  (the model's turns as their text) and, where that text is not the kept ids' text plus
+  the new messages' (a template that drops earlier reasoning), continue from the
+  rendering as a new segment. Off, only an environment's Observation.context starts one.
   template_vars: the chat template's switches (tools=[schemas] where it renders tools).
   """
 
@@ -100,7 +100,7 @@ class AgentLoop:
       raise ValueError(f"AgentLoop.run: {len(environments)} environments for {len(samples)} "
                        "samples")
     self._trajectories, self._envs = [], list(environments)
-    self._first_row, self._pending, self._messages = first_row, {}, []
+    self._first_row, self._pending, self._messages, self._texts = first_row, {}, [], []
     self._timing = {"decode_seconds": 0.0, "tool_wait_seconds": 0.0}
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(self.threads, "hflax-env") as pool:
@@ -108,8 +108,10 @@ class AgentLoop:
       for i, (env, sample) in enumerate(zip(environments, samples)):
         messages = list(env.reset(sample))
         self._messages.append(messages)  # the conversation, re-rendered where it is rewritten
-        prompt = self.tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                            **self.template_vars)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **self.template_vars)
+        self._texts.append(text)  # the kept ids' text, to compare with a re-rendering
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # encode_chat's ids
         trajectory = Trajectory(i, [], [], [], [], len(prompt))
         trajectory.append(prompt, model=False)
         trajectory.metrics = dict.fromkeys(COUNTS, 0) | {"model_tokens": 0, "tool_tokens": 0}
@@ -153,6 +155,7 @@ class AgentLoop:
     text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
     trajectory.turns.append(text)
     self._messages[i].append({"role": "assistant", "content": text})
+    self._texts[i] += self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
     future = self._pool.submit(self._envs[i].step, Turn(text, tuple(c.token_ids), turn))
     self._pending[future] = (i, turn)
 
@@ -162,8 +165,9 @@ class AgentLoop:
       trajectory.rewards.append(float(obs.reward))
     for key, value in obs.counts.items():
       trajectory.metrics[key] = trajectory.metrics.get(key, 0) + value
-    ids = [] if obs.done else self.delta.ids(obs.messages)
-    context = None if obs.done else self._rewritten(i, obs, ids)
+    text = "" if obs.done else self.delta.text(obs.messages)
+    ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+    context = None if obs.done else self._rewritten(i, obs, text)
     stop = self._stop(trajectory, turn, obs, len(ids), context)
     if stop:
       trajectory.stop = stop
@@ -182,20 +186,25 @@ class AgentLoop:
       trajectory.append(context, model=False)
     self.engine.submit(self._request(i, ids, turn + 1, fresh=context is not None))
 
-  def _rewritten(self, i: int, obs: Observation, ids: list[int]) -> list[int] | None:
-    """The next turn's context where the history is rewritten (None: it is the kept ids
-    plus `ids`, today's append). The conversation is the environment's context, else the
-    history with the turn and the new messages."""
+  def _rewritten(self, i: int, obs: Observation, text: str) -> list[int] | None:
+    """The next turn's context where the history is rewritten (None: the kept ids and the
+    new messages' `text` go on, today's append). The conversation is the environment's
+    context, else the history with the turn and the new messages; it is rewritten where
+    the template's text for it is not the kept ids' text plus `text` (text, not ids:
+    the model's turns are kept as sampled even where encoding their text would split it
+    into other tokens, so only a change the template makes starts a segment)."""
     messages = self._messages[i]
     messages[:] = list(obs.context) if obs.context is not None else messages + list(obs.messages)
     if obs.context is None and not self.rewrite_history:
+      self._texts[i] += text
       return None
-    rendered = self.tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                          **self.template_vars)
-    kept = self._trajectories[i].token_ids
-    if rendered[:len(kept)] == kept and rendered[len(kept):] == ids:
+    rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **self.template_vars)
+    if rendered == self._texts[i] + text:
+      self._texts[i] = rendered
       return None
-    return rendered
+    self._texts[i] = rendered
+    return self.tokenizer.encode(rendered, add_special_tokens=False)
 
   def _stop(self, trajectory: Trajectory, turn: int, obs: Observation, ids: int,
             context: list[int] | None = None) -> str:
