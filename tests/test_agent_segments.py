@@ -302,3 +302,47 @@ def test_grpo_trains_on_segments_through_the_launcher(tmp_path, monkeypatch):
   c.algorithm.adv_estimator = "gae"
   with pytest.raises(ValueError, match="rollout.multi_turn.rewrite_history"):
     config_module.validate(c)
+
+
+def ends_turns(model, column: int = 37, im_end: int = 260):
+  """The model with <|im_end|>'s head column a little above byte `column`'s: greedy turns
+  end where the model would write that byte, so they close as the template closes them."""
+  from flax import nnx
+  graphdef, state = model
+  flat = dict(nnx.to_flat_state(state))
+  head = flat[("lm_head", "kernel")]
+  kernel = np.asarray(head.get_value()).copy()
+  kernel[:, im_end] = 1.05 * kernel[:, column]
+  flat[("lm_head", "kernel")] = head.replace(jax.numpy.asarray(kernel))
+  return graphdef, nnx.from_flat_state(flat)
+
+
+def test_rewrite_history_keeps_an_append_only_template_on_its_one_row(model):
+  """rewrite_history with ChatML (append-only) and turns that end with <|im_end|>: the
+  rendering's text is the kept ids' text, so nothing is split and the rows are those of
+  the run without the option, although a turn's text encodes to other ids than sampled
+  (a byte that is not UTF-8 decodes to U+FFFD): the ids go on as sampled."""
+  assert TOKENIZER.decode([260], skip_special_tokens=False) == "<|im_end|>"
+  ended = ends_turns(model)
+  greedy = SamplingParams(max_new_tokens=24, temperature=0, eos_ids=TOKENIZER.eos_ids,
+                          pad_id=TOKENIZER.pad_id)
+  samples = ["a", "What is 17 times 3?", "Tell me a story about a cat."]
+  runs = {}
+  for rewrite in (False, True):
+    envs = [Scripted(3) for _ in samples]
+    trajectories, metrics = AgentLoop(engine_for(ended, greedy), TOKENIZER, max_turns=4,
+                                      rewrite_history=rewrite).run(envs, samples)
+    runs[rewrite] = trajectories, metrics, envs
+  trajectories, metrics, envs = runs[True]
+  turns = [ids for e in envs for ids in e.sampled]
+  assert all(ids[-1] == 260 for ids in turns) and metrics["agent/turns/mean"] == 3
+  assert any(TOKENIZER.encode(TOKENIZER.decode(ids[:-1])) != ids[:-1] for ids in turns)
+  assert metrics["agent/segments/mean"] == 1
+  got, want = to_batch_fields(trajectory_rows(trajectories)[0], 0), to_batch_fields(
+      runs[False][0], 0)
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  # The same turns under a template that drops earlier turns' text: a segment a turn.
+  _, metrics = AgentLoop(engine_for(ended, greedy), DropsReasoning(), max_turns=4,
+                         rewrite_history=True).run([Scripted(3) for _ in samples], samples)
+  assert metrics["agent/segments/mean"] == 3
