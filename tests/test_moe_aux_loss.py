@@ -140,6 +140,31 @@ def test_router_gradient_is_the_aux_losss_and_matches_finite_differences(ckpt):
   np.testing.assert_allclose(slope, fd, rtol=1e-3)
 
 
+def test_packed_rows_count_the_same_tokens_as_padded_ones(ckpt):
+  """The packed update's balance (segment ids) equals the padded one's (attention mask of
+  the trained rows) on the same sequences, and so does the loss with the term."""
+  from hflax.controller.actor_objective import packed_loss
+  from hflax.controller.packing import micro_batch_plans
+  from hflax.controller.update_engine import packed_fields
+  cfg, graphdef, state = hf.load_checkpoint(ckpt)
+  fields = _fields()
+  tokens = _trained_tokens(fields)
+  (plan,) = micro_batch_plans(tokens, multiple=1)  # every sequence in one packed plan
+  arrays = {k: jnp.asarray(v) for k, v in plan.arrays(False).items()}
+  slots = {k: jnp.take(v, arrays["seq_rows"], axis=0) for k, v in fields.items()}
+  slots["response_mask"] = slots["response_mask"] * arrays["member"][:, None]
+  packed = {**slots, **packed_fields(fields["input_ids"], jnp.asarray(tokens)[plan.seq_rows],
+                                     arrays, WIDTH)}
+  loss = actor_loss({"moe_aux_loss_coef": COEF})
+  got_total, got = jax.jit(packed_loss(graphdef, loss, temperature=1.0,
+                                       top_k=cfg.num_experts_per_tok))(state, packed)
+  want_total, want = jax.jit(padded_loss(graphdef, loss, width=WIDTH, temperature=1.0,
+                                         top_k=cfg.num_experts_per_tok))(state, fields)
+  for k in ("moe_aux_loss", "moe_expert_load_max", "pg_loss"):
+    np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-5, err_msg=k)
+  np.testing.assert_allclose(float(got_total), float(want_total), rtol=1e-5)
+
+
 def test_coefficient_is_validated_in_one_line(tmp_path):
   from hflax.launch.config import validate
   from hflax.launch.trainer import Trainer
