@@ -56,6 +56,13 @@ def pytest_configure_node(node):
   node.workerinput[_CACHE_KEY] = node.config.stash[_owned_cache]
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """Whole modules to each worker, slowest first (tests/xdist_modules.py says why)."""
+  from xdist_modules import make_scheduler
+  return make_scheduler(config, log)
+
+
 def pytest_unconfigure(config):
   path = config.stash.get(_owned_cache, None)
   if path is not None:
