@@ -10,7 +10,9 @@ between them (rollout.multi_turn, docs/agents.md).
 The model as shipped never writes a tool call, so the run starts with a short supervised
 warm-up on procedurally generated tool conversations (hflax.launch.sft_tools: the call,
 the calculator's message, the answer; cached on disk), and RL's gain counts from there.
-Install the weights as for grpo_smollm2.py.
+The run prints held-out accuracy before and after RL with the tool-call and well-formed
+call rates beside it. Install the weights as for grpo_smollm2.py. Whether RL raises the
+accuracy by the 20 points docs/agents.md asks for is not measured yet (see there).
 
   python -m hflax.launch --config hflax/configs/grpo_smollm2_tools.py
 """
@@ -23,20 +25,24 @@ def get_config():
   c.algorithm.name, c.algorithm.adv_estimator = "grpo", "grpo"
   c.model.path = "smollm2-135m-instruct"
   c.data.builtin.update(data_source="arithmetic_tools", digits=(3, 3), ops="*",
-                        num_train=5000, num_val=200)
+                        num_train=5000, num_val=100)
   # The prompt holds the calculator's schema in the system message; a response holds the
   # call, the calculator's message and the answer.
-  c.data.update(train_batch_size=8, val_batch_size=200, max_prompt_length=256,
+  c.data.update(train_batch_size=8, val_batch_size=100, max_prompt_length=256,
                 max_response_length=96)
   c.rollout.multi_turn.update(enable=True, max_assistant_turns=2, max_turn_tokens=48,
                               max_tool_response_length=32, tool_timeout_s=5.0)
-  c.rollout.n, c.rollout.temperature = 8, 1.0
+  # At temperature 1.0 the warmed-up model's sampled calls are malformed JSON (64 of 64 in
+  # a measured step: every group scored 0, no gradient); at 0.7 a fifth are well-formed.
+  c.rollout.n, c.rollout.temperature = 8, 0.7
   c.actor.update(ppo_mini_batch_size=8, ppo_micro_batch_size=16)
-  c.actor.optim.lr = 1e-5
+  c.actor.optim.lr = 3e-5  # raised from 1e-5 for a 10-step run (not compared yet)
   # The warm-up flips the model from never calling the tool to calling it and copying the
   # answer within a step or two (held-out, 32 questions, 1 step of 4 rows: lr 2e-5 0%,
-  # 5e-5 3%, 1e-4 88%; 2 steps at 1e-4 8 of 8): one gentle step leaves RL the rest.
-  c.trainer.sft_warmup.update(steps=1, lr=5e-5, batch_size=4, target_loss=0.0)
-  c.trainer.update(total_steps=12, val_every=6, save_every=6, run_dir="runs/grpo_smollm2_tools")
+  # 5e-5 3%, 6e-5 9%, 7e-5 22%, 1e-4 88%). 7e-5 sits between: on the 100 held-out
+  # questions 25% right, 32% of greedy answers call the tool, 29% with a well-formed call,
+  # so some sampled trajectories succeed and RL has the rest to raise.
+  c.trainer.sft_warmup.update(steps=1, lr=7e-5, batch_size=4, target_loss=0.0)
+  c.trainer.update(total_steps=10, val_every=10, save_every=10, run_dir="runs/grpo_smollm2_tools")
   packing_defaults(c)
   return c
