@@ -94,3 +94,22 @@ def test_arithmetic_last_integer(response, truth, expected):
   from hflax.rewards.rules import arithmetic_last_integer
   assert arithmetic_last_integer(response, truth) == expected
   assert default_reward_fn("arithmetic_chat")(response, truth, None) == expected
+
+
+def test_arithmetic_tool_answer_partial_score_for_a_well_formed_call():
+  from hflax.rewards.rules import arithmetic_tool_answer
+
+  def info(calls, errors, final, stop="done"):
+    return {"agent": {"tool_calls": calls, "tool_errors": errors, "final_turn": final,
+                      "stop": stop}}
+  right, wrong = info(1, 0, "408"), info(1, 0, "407")
+  bad_call, bad_then_good = info(2, 2, "408"), info(2, 1, "407")
+  no_call, cut = info(0, 0, "408"), info(1, 0, "", stop="max_turns")
+  # The default is the exact-answer reward: a right final answer after a call (any call,
+  # as the rule has always counted them) scores 1, anything else 0.
+  assert [arithmetic_tool_answer("", "408", i) for i in
+          (right, wrong, bad_call, bad_then_good, no_call, cut)] == [1, 0, 1, 0, 0, 0]
+  # With call_score, a trajectory that is not right but made a call that parsed and ran
+  # scores it; with only malformed calls or none it still scores 0.
+  assert [arithmetic_tool_answer("", "408", i, call_score=0.2) for i in
+          (right, wrong, bad_call, bad_then_good, no_call, cut)] == [1, 0.2, 1, 0.2, 0, 0.2]

@@ -63,16 +63,23 @@ def arithmetic_last_integer(response_text: str, ground_truth: str,
 
 
 def arithmetic_tool_answer(response_text: str, ground_truth: str,
-                           extra_info: dict | None = None) -> float:
+                           extra_info: dict | None = None, *, call_score: float = 0.0) -> float:
   """The tool task's reward: 1.0 when a multi-turn trajectory called a tool at least once,
   then ended with an answer (a turn without calls) whose last integer is the ground truth.
   Reads the agent loop's record in extra_info["agent"] (hflax.rollout.agents.rollout);
-  the response text, which holds the tool messages too, is not searched."""
+  the response text, which holds the tool messages too, is not searched.
+
+  call_score: what a trajectory that is not right but made a well-formed call (one that
+  parsed and ran without error) scores instead of 0, a shaping that gives GRPO's groups a
+  signal while few trajectories are right (bind it with functools.partial and
+  register_reward_fn); held-out accuracy should then be read with the default 0."""
   agent = (extra_info or {}).get("agent") or {}
-  if agent.get("tool_calls", 0) < 1 or agent.get("stop") != "done":
-    return 0.0
-  answer = last_integer(agent.get("final_turn", ""))
-  return 1.0 if answer == arithmetic_ground_truth(ground_truth) else 0.0
+  calls = agent.get("tool_calls", 0)
+  well_formed = calls - agent.get("tool_errors", 0) >= 1
+  if calls >= 1 and agent.get("stop") == "done" \
+      and last_integer(agent.get("final_turn", "")) == arithmetic_ground_truth(ground_truth):
+    return 1.0
+  return call_score if well_formed else 0.0
 
 
 def _clean_number(text: str) -> str:
