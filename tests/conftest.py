@@ -58,7 +58,7 @@ def pytest_configure_node(node):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-  """Whole modules to each worker, slowest first (tests/xdist_modules.py says why)."""
+  """Slowest runs first; modules with costly module fixtures whole (tests/xdist_modules.py)."""
   from xdist_modules import make_scheduler
   return make_scheduler(config, log)
 

@@ -1,5 +1,5 @@
-"""The suite's xdist scheduling (tests/xdist_modules.py): each module runs whole in one
-worker, the listed slow modules start first, the rest by test count."""
+"""The suite's xdist scheduling (tests/xdist_modules.py): the slow modules' tests first, the
+modules with costly module fixtures whole in one worker, every other test on its own."""
 import os
 import subprocess
 import sys
@@ -8,24 +8,29 @@ import pytest
 
 pytest.importorskip("xdist")
 
-from xdist_modules import SLOWEST_FIRST, queue_order  # noqa: E402
+from xdist_modules import KEEP_TOGETHER, SLOWEST_FIRST, queue_order  # noqa: E402
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_listed_modules_first_in_their_order_then_by_test_count():
+def test_slow_modules_first_in_their_order_and_kept_modules_as_one_unit():
   slow_a, slow_b = SLOWEST_FIRST[1], SLOWEST_FIRST[0]
-  ids = ["tests/test_small.py::a", f"tests/{slow_a}::x", "tests/test_big.py::a",
-         "tests/test_big.py::b", "tests/test_tie.py::a", f"tests/{slow_b}::y"]
-  assert queue_order(ids) == [f"tests/{slow_b}", f"tests/{slow_a}", "tests/test_big.py",
-                              "tests/test_small.py", "tests/test_tie.py"]
+  kept = next(m for m in KEEP_TOGETHER if m not in (slow_a, slow_b))
+  ids = ["tests/test_small.py::a", f"tests/{slow_a}::x", f"tests/{kept}::a",
+         "tests/test_big.py::a", "tests/test_big.py::b", f"tests/{kept}::b",
+         f"tests/{slow_b}::y", f"tests/{slow_b}::z"]
+  assert queue_order(ids) == [
+      f"tests/{slow_b}::y", f"tests/{slow_b}::z",
+      f"tests/{slow_a}" if slow_a in KEEP_TOGETHER else f"tests/{slow_a}::x",
+      f"tests/{kept}",  # later in SLOWEST_FIRST than both
+      "tests/test_small.py::a", "tests/test_big.py::a", "tests/test_big.py::b"]
 
 
-def test_a_run_with_two_workers_keeps_each_module_in_one_worker(tmp_path):
-  """A throwaway suite of three modules (one named like a listed slow module) run with
-  `-n 2` through this scheduler: every module's tests report from one worker, and both
-  workers run some."""
-  slow = SLOWEST_FIRST[0]
-  for name, count in (("test_aa.py", 6), ("test_bb.py", 3), (slow, 2)):
+def test_a_run_with_two_workers_keeps_a_kept_module_in_one_worker(tmp_path):
+  """A throwaway suite run with `-n 2` through this scheduler: the module named like a
+  KEEP_TOGETHER one reports all its tests from one worker, and both workers run tests."""
+  kept = KEEP_TOGETHER[0]
+  for name, count in (("test_aa.py", 6), (kept, 6)):
     (tmp_path / name).write_text("".join(
         f"def test_{i}(worker_id):\n  print('RAN', __name__, {i}, worker_id)\n"
         for i in range(count)))
@@ -41,9 +46,9 @@ def test_a_run_with_two_workers_keeps_each_module_in_one_worker(tmp_path):
       env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"})
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   ran = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RAN ")]
-  assert len(ran) == 11, done.stdout[-3000:]
+  assert len(ran) == 12, done.stdout[-3000:]
   workers = {}
   for module, _, worker in ran:
     workers.setdefault(module, set()).add(worker)
-  assert all(len(w) == 1 for w in workers.values()), workers
-  assert len(set.union(*workers.values())) == 2  # and both workers had modules to run
+  assert len(workers[kept[:-3]]) == 1, workers
+  assert len(set.union(*workers.values())) == 2, workers

@@ -1,62 +1,62 @@
-"""How `pytest -n N` hands the suite to its workers: whole test modules, slowest first.
+"""How `pytest -n N` hands the suite to its workers: the longest runs first, and the modules
+with costly module-scoped fixtures whole to one worker.
 
-xdist's default (`--dist load`) deals single tests to whichever worker is free, so most
-modules run partly in each worker. Each worker then builds the module's module-scoped
-fixtures (a GGUF export, the automapper's paper tables, an uninterrupted reference run, a
-Ray session) and traces and compiles, or reads back from the persistent cache, the same
-programs the other worker already holds in memory. Sending a module as one unit builds and
-compiles each of these once.
+xdist's default (`--dist load`) deals single tests out in collection order. A module whose
+tests land in both workers builds its module-scoped fixtures in each: a GGUF export and its
+transformers reference (tests/test_gguf.py), the automapper's paper tables
+(tests/test_automap_paper.py), a Ray session (tests/test_ray_backend.py), the uninterrupted
+reference run (tests/test_interrupt_resume.py). Those modules (KEEP_TOGETHER) go out as one
+unit each. Every other test stays a unit of its own, so the workers stay balanced.
 
-Whole modules balance worse than single tests, so the queue starts with the modules that
-take longest (measured in CI profiles of the suite, listed in SLOWEST_FIRST) and then the
-rest by test count, largest first: the small modules at the end fill whichever worker
-finishes early. A module missing from the list only loses its place in the queue.
+The queue starts with the tests of the modules that hold the suite's longest runs (measured
+in CI profiles, SLOWEST_FIRST, longest first), then the rest in collection order: a long
+test dealt out last would leave the other worker idle until it ends. A module missing from
+the lists only loses its place in the queue or runs split; every test runs either way.
 """
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-# Test modules holding the suite's longest runs (launcher and Ray subprocesses, real-model
-# numerics, bench smoke runs, costly module fixtures), longest first. Their order decides
-# only which worker starts them when; every module runs whether listed or not.
+KEEP_TOGETHER = ("test_gguf.py", "test_automap_paper.py", "test_ray_backend.py",
+                 "test_interrupt_resume.py")
+
+# Launcher and Ray subprocesses, real-model numerics, bench smoke runs, costly fixtures.
 SLOWEST_FIRST = (
-    "test_ray_failures.py", "test_ray_backend.py", "test_rollout_agents.py",
-    "test_bench_smoke.py", "test_automap_paper.py", "test_notebook.py", "test_gguf.py",
-    "test_interrupt_resume.py", "test_launch.py", "test_async_kill.py", "test_controller.py",
-    "test_packing.py", "test_platforms_cpu_attention.py", "test_platforms_cpu_matmul.py",
-    "test_bad_input.py", "test_compile_cache.py", "test_continuous.py", "test_automap_search.py",
-    "test_moe_routing_replay.py", "test_moe_expert_parallel.py", "test_bench_learning.py",
-    "test_verl_parity.py", "test_accelerator_bench.py",
+    "test_ray_failures.py", "test_ray_backend.py", "test_notebook.py", "test_bench_smoke.py",
+    "test_automap_paper.py", "test_rollout_agents.py", "test_gguf.py", "test_bad_input.py",
+    "test_platforms_cpu_attention.py", "test_async_kill.py", "test_compile_cache.py",
+    "test_interrupt_resume.py", "test_launch.py", "test_bench_learning.py",
+    "test_verl_parity.py", "test_platforms_cpu_matmul.py", "test_packing.py",
+    "test_controller.py", "test_continuous.py", "test_moe_expert_parallel.py",
+    "test_automap_search.py", "test_accelerator_bench.py", "test_moe_routing_replay.py",
 )
 
 
-def module_of(nodeid: str) -> str:
-  return nodeid.split("::", 1)[0]
+def _file(nodeid: str) -> str:
+  return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+
+
+def unit_of(nodeid: str) -> str:
+  """The scheduling unit: the module for KEEP_TOGETHER's modules, else the test itself."""
+  if _file(nodeid) in KEEP_TOGETHER:
+    return nodeid.split("::", 1)[0]
+  return nodeid
 
 
 def queue_order(nodeids) -> list[str]:
-  """The modules of `nodeids`: SLOWEST_FIRST's in its order, then the rest by test count
-  (most first, ties in collection order)."""
-  counts: dict[str, int] = {}
-  for nodeid in nodeids:
-    module = module_of(nodeid)
-    counts[module] = counts.get(module, 0) + 1
+  """The units of `nodeids`: those of SLOWEST_FIRST's modules in its order, then the rest,
+  each group in collection order."""
   rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-  position = {module: i for i, module in enumerate(counts)}
-
-  def key(module):
-    name = module.rsplit("/", 1)[-1]
-    if name in rank:
-      return (0, rank[name], 0)
-    return (1, -counts[module], position[module])
-
-  return sorted(counts, key=key)
+  units: dict[str, int] = {}
+  for i, nodeid in enumerate(nodeids):
+    units.setdefault(unit_of(nodeid), i)
+  return sorted(units, key=lambda u: (rank.get(_file(u), len(rank)), units[u]))
 
 
-class ModuleScheduling(LoadScopeScheduling):
-  """xdist's scope scheduling with a test module as the scope and queue_order's order."""
+class SlowFirstScheduling(LoadScopeScheduling):
+  """xdist's scope scheduling with unit_of's units, queued in queue_order's order."""
 
   def _split_scope(self, nodeid: str) -> str:
-    return module_of(nodeid)
+    return unit_of(nodeid)
 
   def schedule(self) -> None:
     collections = list(self.registered_collections.values())
@@ -64,15 +64,15 @@ class ModuleScheduling(LoadScopeScheduling):
         and all(c == collections[0] for c in collections)):
       # LoadScopeScheduling fills its queue in collection order (test count order when told
       # to reorder); a key already in the OrderedDict keeps its place when it is filled,
-      # so placing the modules first queues them in queue_order's order.
+      # so placing the units first queues them in queue_order's order.
       self.config.option.loadscopereorder = False
-      for module in queue_order(collections[0]):
-        self.workqueue[module] = {}
+      for unit in queue_order(collections[0]):
+        self.workqueue[unit] = {}
     super().schedule()
 
 
 def make_scheduler(config: pytest.Config, log):
-  """ModuleScheduling for xdist's default distribution (`-n N` without `--dist`)."""
+  """SlowFirstScheduling for xdist's default distribution (`-n N` without `--dist`)."""
   if config.getvalue("dist") != "load":
     return None
-  return ModuleScheduling(config, log)
+  return SlowFirstScheduling(config, log)
