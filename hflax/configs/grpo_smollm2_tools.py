@@ -11,8 +11,9 @@ The model as shipped never writes a tool call, so the run starts with a short su
 warm-up on procedurally generated tool conversations (hflax.launch.sft_tools: the call,
 the calculator's message, the answer; cached on disk), and RL's gain counts from there.
 The run prints held-out accuracy before and after RL with the tool-call and well-formed
-call rates beside it. Install the weights as for grpo_smollm2.py. Whether RL raises the
-accuracy by the 20 points docs/agents.md asks for is not measured yet (see there).
+call rates beside it. Install the weights as for grpo_smollm2.py. Measured on a 2-core CPU
+(docs/agents.md): 0.25 after the warm-up, 1.00 after the 5 RL steps, the whole run about
+16 minutes from empty caches.
 
   python -m hflax.launch --config hflax/configs/grpo_smollm2_tools.py
 """
