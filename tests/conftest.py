@@ -56,13 +56,6 @@ def pytest_configure_node(node):
   node.workerinput[_CACHE_KEY] = node.config.stash[_owned_cache]
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-  """Slowest runs first; modules with costly module fixtures whole (tests/xdist_modules.py)."""
-  from xdist_modules import make_scheduler
-  return make_scheduler(config, log)
-
-
 def pytest_unconfigure(config):
   path = config.stash.get(_owned_cache, None)
   if path is not None:
