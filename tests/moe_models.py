@@ -27,6 +27,13 @@ def tiny_moe(seed: int = 0, router_std: float = 0.5, **overrides):
   return model.eval()
 
 
+def saved_tiny_moe(tmp_path_factory, name: str, seed: int) -> str:
+  """The directory of a tiny_moe(seed) saved as an HF checkpoint (module fixtures' form)."""
+  path = tmp_path_factory.mktemp(name)
+  tiny_moe(seed=seed).save_pretrained(path)
+  return str(path)
+
+
 def hf_logits_and_aux(model, ids, mask):
   """transformers' logits [B, T, V] and load-balancing loss for left-padded rows."""
   with torch.no_grad():

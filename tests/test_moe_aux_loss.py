@@ -15,7 +15,7 @@ from hflax.algorithms.objectives import actor_loss
 from hflax.controller.actor_objective import padded_loss
 from hflax.controller.update_engine import FRESH
 from hflax.models import forward, hf, moe
-from moe_models import tiny_moe
+from moe_models import saved_tiny_moe, tiny_moe
 
 COEF = 0.05
 WIDTH = 6
@@ -23,9 +23,7 @@ WIDTH = 6
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-  path = tmp_path_factory.mktemp("qwen3_moe_aux")
-  tiny_moe(seed=2).save_pretrained(path)
-  return str(path)
+  return saved_tiny_moe(tmp_path_factory, "qwen3_moe_aux", seed=2)
 
 
 def _fields():

@@ -10,14 +10,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hflax.models import forward, hf, moe
 from hflax.sharding.layouts import (TRAIN_RULES, batch_sharding, partition_spec,
                                     state_shardings, train_mesh)
-from moe_models import tiny_moe
+from moe_models import saved_tiny_moe, tiny_moe
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-  path = tmp_path_factory.mktemp("qwen3_moe_ep")
-  tiny_moe(seed=1).save_pretrained(path)
-  return str(path)
+  return saved_tiny_moe(tmp_path_factory, "qwen3_moe_ep", seed=1)
 
 
 def _loss_fn(graphdef, cfg, mesh):
