@@ -2,12 +2,7 @@
 before any training work where the problem is knowable up front."""
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
-import numpy as np
 import pytest
 
 from hflax.launch.__main__ import cli
@@ -122,55 +117,6 @@ def test_bad_input_gives_one_line_error(name, tmp_path, capsys):
   assert code != 0
   assert len(err.splitlines()) == 1, err
   assert err.startswith("error: ") and message.replace("{tmp}", str(tmp_path)) in err, err
-
-
-def _run(run_dir, *extra, wait=True):
-  cmd = [sys.executable, "-m", "hflax.launch", "--config", TINY,
-         f"--config.trainer.run_dir={run_dir}", *extra]
-  env = {**os.environ, "PYTHONPATH": ROOT, "HFLAX_CPU_DEVICES": "2"}
-  env.pop("XLA_FLAGS", None)
-  if wait:
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-
-
-def _metrics(run_dir):
-  from hflax.metrics import read_jsonl
-  return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-
-
-def _weights(run_dir):
-  from safetensors.numpy import load_file
-  return load_file(os.path.join(run_dir, "hf_actor", "model.safetensors"))
-
-
-def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
-  straight = _run(tmp_path / "straight")
-  assert straight.returncode == 0, straight.stderr[-2000:]
-  run_dir = tmp_path / "killed"
-  kill_after = np.random.default_rng().integers(3, 6)  # after >= 1 checkpoint (every 2 steps)
-  proc = _run(run_dir, wait=False)
-  deadline = time.time() + 240
-  while time.time() < deadline and proc.poll() is None:
-    if os.path.exists(run_dir / "metrics.jsonl") and len(_metrics(run_dir)) >= kill_after:
-      proc.send_signal(signal.SIGKILL)
-      break
-    time.sleep(0.05)
-  proc.wait(timeout=60)
-  assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-  resumed = _run(run_dir)
-  assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert "resumed from step" in resumed.stdout
-  a, b = _metrics(tmp_path / "straight"), _metrics(run_dir)
-  assert sorted(a) == sorted(b) == list(range(1, 7))
-  for step in a:
-    for key in ("actor/pg_loss", "actor/kl_loss", "critic/score/mean", "response_length/mean"):
-      assert a[step][key] == b[step][key], (step, key)
-  wa, wb = _weights(tmp_path / "straight"), _weights(run_dir)
-  assert wa.keys() == wb.keys()
-  for name in wa:
-    np.testing.assert_array_equal(wa[name], wb[name])
 
 
 def test_ray_run_refuses_an_existing_run_dir_before_ray_starts(tmp_path, capsys):

@@ -1,8 +1,13 @@
 """SIGINT and SIGTERM at a random moment of a run, and in the middle of a checkpoint write
 (its files in orbax's temporary directory, not yet committed: the test pause
 HFLAX_TEST_PAUSE holds it there), through python -m hflax.launch: one line, exit status
-130 / 143, no traceback; the same command then finishes the run, and its metrics (less
-timings) and its exported model's files are identical to an uninterrupted run's."""
+130 / 143, no traceback, naming the checkpoint a rerun resumes from; the same command then
+resumes from it and finishes the run, and its metrics (less timings) and its exported
+model's files are identical to an uninterrupted run's. kill -9 likewise, mid-run and then
+mid-export, with a second launcher on the same run_dir refused at once while the first
+holds it.
+
+Every test compares against one uninterrupted run (a module fixture)."""
 import hashlib
 import json
 import os
@@ -13,6 +18,8 @@ import sys
 import time
 
 import pytest
+
+from hflax.launch import atomic_export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "tiny_config.py")
@@ -120,10 +127,79 @@ def test_interrupted_then_resumed_equals_uninterrupted(uninterrupted, tmp_path, 
   if moment == "checkpoint_write":
     assert lines[0] == (f"{said}: the same command resumes from the checkpoint of step 2 in "
                         f"{checkpoints}"), err
+  if "resumes from the checkpoint of step " in lines[0]:
+    step = int(lines[0].split("step ")[1].split()[0])
+    assert step >= 2 and os.path.isdir(checkpoints / str(step)), (moment_said, err)
+  else:  # interrupted before the first checkpoint
+    step = None
+    assert lines[0] == (f"{said}: no checkpoint saved in {run_dir} yet; the same command "
+                        "starts afresh"), (moment_said, err)
   done = subprocess.run(_command(run_dir), env=ENV, cwd=tmp_path, capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, (moment_said, done.stderr)
+  if step is None:
+    assert "resumed from step" not in done.stdout, (moment_said, done.stdout)
+  else:
+    assert f"resumed from step {step} " in done.stdout, (moment_said, done.stdout)
   metrics, md5s, _ = uninterrupted
   assert _records(run_dir) == metrics, moment_said
   assert _md5s(run_dir / "hf_actor") == md5s, moment_said
   assert sorted(os.listdir(checkpoints)) == ["4", "6"], moment_said  # no write left over
+
+
+def test_second_launcher_refused_kill_9_mid_run_and_mid_export_then_resume_equals_uninterrupted(
+    uninterrupted, tmp_path):
+  """While the first launcher holds the run_dir, a second exits 2 at once naming it. kill -9
+  after step 3, 4 or 5 (a checkpoint is written every 2 steps) frees the lock; the same
+  command resumes, and kill -9 again while its export is half written (HFLAX_TEST_PAUSE
+  holds it after the weights, before the tokenizer) leaves no hf_actor, only
+  hf_actor.incomplete-<pid>/ marked INCOMPLETE. The same command then resumes at the last
+  step, exports whole, removes the leftovers, and ends as the uninterrupted run."""
+  run_dir = tmp_path / "run"
+  kill_after = random.randint(3, STEPS - 1)
+  first = subprocess.Popen(_command(run_dir), env=ENV, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+  _wait(first, _holds_lock(first, run_dir), "run_dir lock")
+  began = time.monotonic()
+  second = subprocess.run(_command(run_dir), env=ENV, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+  assert second.returncode == 2, second.stderr
+  assert f"in use by another run (pid {first.pid} on host " in \
+      second.stderr.strip().splitlines()[-1], second.stderr
+  assert time.monotonic() - began < 30, "the second launcher did not stop at once"
+  _wait(first, lambda: _logged(run_dir) >= kill_after, f"step {kill_after} logged")
+  first.send_signal(signal.SIGKILL)
+  first.communicate(timeout=60)
+  assert first.returncode == -signal.SIGKILL
+  assert not (run_dir / "hf_actor").exists()
+
+  exporting = subprocess.Popen(_command(run_dir), env={**ENV, "HFLAX_TEST_PAUSE": "export=120",
+                                                             "PYTHONUNBUFFERED": "1"},
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+
+  def half_written():
+    found = [p for p in os.listdir(run_dir) if p.startswith(f"hf_actor{atomic_export._PARTIAL}")]
+    return found and (run_dir / found[0] / "model.safetensors").is_file()
+  _wait(exporting, half_written, "the export's weights")
+  exporting.send_signal(signal.SIGKILL)
+  out, _ = exporting.communicate(timeout=60)
+  assert exporting.returncode == -signal.SIGKILL
+  assert "resumed from step " in out, (kill_after, out)
+  assert not (run_dir / "hf_actor").exists()
+  (partial,) = [run_dir / p for p in os.listdir(run_dir)
+                if p.startswith(f"hf_actor{atomic_export._PARTIAL}")]
+  assert (partial / atomic_export.INCOMPLETE).is_file() and not atomic_export.is_complete(partial)
+
+  done = subprocess.run(_command(run_dir), env=ENV, cwd=tmp_path, capture_output=True,
+                        text=True, timeout=600)
+  assert done.returncode == 0, (kill_after, done.stderr)
+  assert f"resumed from step {STEPS} " in done.stdout, done.stdout
+  assert "exported the actor to" in done.stdout, done.stdout
+  export = run_dir / "hf_actor"
+  assert atomic_export.is_complete(export) and not (export / atomic_export.INCOMPLETE).exists()
+  assert {"model.safetensors", "config.json", "hflax_tokenizer.json"} <= set(os.listdir(export))
+  assert [p for p in os.listdir(run_dir) if p.startswith("hf_actor")] == ["hf_actor"]
+  metrics, md5s, _ = uninterrupted
+  assert _records(run_dir) == metrics, kill_after
+  assert _md5s(export) == md5s, kill_after
