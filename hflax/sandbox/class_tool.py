@@ -76,20 +76,14 @@ class PooledTool:
   def __init__(self, class_name: str, config: dict | None = None,
                tool_schema: dict | None = None, *, timeout_s: float = 30.0,
                memory_limit_bytes: int | None = None, workers: int = 2):
-    from hflax.sandbox.pool import ProcessPool
+    from hflax.sandbox.pool import checked_pool
     self.class_name, self.config, self.tool_schema = class_name, dict(config or {}), tool_schema
     self.timeout_s = timeout_s
-    self.pool = ProcessPool(workers=workers, memory_limit_bytes=memory_limit_bytes)
-    out = self.pool.call(check_in_worker, class_name, self.config, tool_schema,
-                         timeout_s=max(60.0, timeout_s))
-    if out.ok and out.value[0] == "ok":
-      self.schema = out.value[1]
-      return
-    self.close()
-    if out.ok:
-      raise ValueError(out.value[1])
-    raise ValueError(f"importing and constructing class_name {class_name!r} in a worker "
-                     f"process {out.describe()}")
+    self.pool, self.schema = checked_pool(
+        check_in_worker, class_name, self.config, tool_schema, workers=workers,
+        memory_limit_bytes=memory_limit_bytes, timeout_s=max(60.0, timeout_s),
+        failed=lambda out: (f"importing and constructing class_name {class_name!r} in a "
+                            f"worker process {out.describe()}"))
 
   @property
   def name(self) -> str:

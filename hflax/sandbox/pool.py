@@ -296,3 +296,21 @@ class ProcessPool:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def checked_pool(check: str | Callable, *args, failed: Callable[[Outcome], str],
+                 workers: int = 1, memory_limit_bytes: int | None = None,
+                 timeout_s: float | None = None) -> tuple[ProcessPool, object]:
+  """A pool for a user's code, and what its start-up check returned.
+
+  check(*args) runs in a worker and returns ("ok", value) or ("refused", why): a refusal
+  the user reads as it is. Any other outcome (a crash, a hang, a raise) is worded by
+  failed(outcome). Either failure closes the pool and raises one ValueError, so user code
+  that cannot load is refused before the run does any device work."""
+  pool = ProcessPool(workers=workers, memory_limit_bytes=memory_limit_bytes)
+  out = pool.call(check, *args, timeout_s=timeout_s)
+  if out.ok and out.value[0] == "ok":
+    return pool, out.value[1]
+  pool.close()
+  raise ValueError(out.value[1] if out.ok else failed(out))
+

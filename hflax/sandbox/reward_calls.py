@@ -163,7 +163,7 @@ class PooledRewardFn:
 
   def __init__(self, path: str | os.PathLike, name: str, timeout_s: float | None = None,
                memory_limit_gb: float | None = None, field: str = "reward"):
-    from hflax.sandbox.pool import ProcessPool
+    from hflax.sandbox.pool import checked_pool
     self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     self.name, self.timeout_s = name, timeout_s or None
     self.memory_limit_gb, self.field = memory_limit_gb or None, field
@@ -171,15 +171,9 @@ class PooledRewardFn:
       raise FileNotFoundError(f"reward function file {self.path!r} does not exist")
     self.description = f"{name} ({os.path.basename(self.path)})"
     limit = int(self.memory_limit_gb * 2**30) if self.memory_limit_gb else None
-    self.pool = ProcessPool(workers=1, memory_limit_bytes=limit)
-    out = self.pool.call(check_in_worker, self.path, name, timeout_s=self.timeout_s)
-    if out.ok and out.value[0] == "ok":
-      self.description = out.value[1]
-      return
-    self.close()
-    if out.ok:
-      raise ValueError(out.value[1])
-    raise ValueError(f"importing it {self._what(out)}")
+    self.pool, self.description = checked_pool(
+        check_in_worker, self.path, name, memory_limit_bytes=limit, timeout_s=self.timeout_s,
+        failed=lambda out: f"importing it {self._what(out)}")
 
   def _what(self, out) -> str:
     """What went wrong, as 'raised KeyboardInterrupt()' or Outcome.describe() says."""
