@@ -1,7 +1,11 @@
 """The main job on the Ray backend (python -m hflax.launch ... --config.cluster.backend=ray)
 when a worker process is killed mid-run: without restarts the driver names the dead role
 and exits non-zero within 60 s leaving no process behind; with restarts it resumes from
-the latest checkpoint and finishes.
+the latest checkpoint and finishes, and (LoRA with a KL loss) logs what the local backend
+logs for the same job.
+
+Each Ray job costs a cluster start, two worker processes and their compiles (about half a
+minute of CPU here), so the restart and the LoRA comparison share one job.
 
 Runs only inside a loopback-only network namespace (../shared/bin/netless), else skips.
 """
@@ -27,7 +31,7 @@ pytestmark = pytest.mark.skipif(
            "run them as ../shared/bin/netless python -m pytest tests/test_ray*.py")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOTAL_STEPS = 6
+TOTAL_STEPS = 4  # checkpoint 2, the kill in step 3, then steps 3 and 4 again
 CONFIG = f'''
 from hflax.launch.config import base_config
 
@@ -150,16 +154,48 @@ def _assert_nothing_left(job: Job):
   assert not job.leftover_processes(), job.leftover_processes()
 
 
-def test_killed_worker_with_restarts_resumes_from_the_checkpoint(tmp_path):
-  job = Job(tmp_path, "--config.cluster.backend=ray", "--config.cluster.max_restarts=1")
-  _kill_worker(job, after=lambda: job.checkpointed(2))  # the run is in step 3
-  code = job.finish(timeout=240)
-  assert code == 0, job.output[-4000:]
-  assert "worker process died" in job.output and "restart 1 of 1" in job.output
-  resumed = [line for line in job.lines if line.startswith("resumed from step")]
-  assert resumed and int(resumed[-1].split()[3]) >= 2, job.output[-3000:]
-  assert _steps(job.run_dir)[-1] == TOTAL_STEPS
-  _assert_nothing_left(job)
+# LoRA with a KL loss: the actor's Ray handle also serves the reference log-probs.
+LORA = ("--config.model.lora_rank=4", "--config.actor.use_kl_loss=True",
+        "--config.actor.optim.lr=1e-2")
+
+
+def _metrics(run_dir) -> dict:
+  """step -> its logged row (the last one logged for a step)."""
+  with open(run_dir / "metrics.jsonl") as f:
+    return {row["step"]: row for row in map(json.loads, f)}
+
+
+def test_lora_on_ray_restarts_a_killed_worker_from_the_checkpoint_and_matches_local(tmp_path):
+  """With cluster.max_restarts=1, worker process 1 SIGKILLed after checkpoint 2 (so in step
+  3): the driver names the death, starts new worker groups, resumes from checkpoint 2,
+  finishes every step and leaves no process behind. Every step it logged, before the kill
+  and after the resume, matches the same LoRA job on the local backend (run alongside)."""
+  for backend in ("ray", "local"):
+    (tmp_path / backend).mkdir()
+  local = Job(tmp_path / "local", "--config.cluster.backend=local", *LORA)
+  try:
+    job = Job(tmp_path / "ray", "--config.cluster.backend=ray",
+              "--config.cluster.max_restarts=1", *LORA)
+    _kill_worker(job, after=lambda: job.checkpointed(2))  # the run is in step 3
+    code = job.finish(timeout=240)
+    assert code == 0, job.output[-4000:]
+    assert "worker process died" in job.output and "restart 1 of 1" in job.output
+    resumed = [line for line in job.lines if line.startswith("resumed from step")]
+    assert resumed and int(resumed[-1].split()[3]) >= 2, job.output[-3000:]
+    assert _steps(job.run_dir)[-1] == TOTAL_STEPS
+    _assert_nothing_left(job)
+  except BaseException:
+    local.proc.kill()
+    raise
+  assert local.finish(timeout=240) == 0, local.output[-4000:]
+  ray_rows, local_rows = _metrics(job.run_dir), _metrics(local.run_dir)
+  assert sorted(ray_rows) == sorted(local_rows) == list(range(1, TOTAL_STEPS + 1))
+  assert ray_rows[2]["actor/kl_loss"] > 0  # the adapters moved off the base
+  for step in ray_rows:
+    ray_row, local_row = ray_rows[step], local_rows[step]
+    assert "timing_s/ref" in ray_row
+    for key in ("actor/pg_loss", "actor/kl_loss", "critic/score/mean", "response_length/mean"):
+      assert ray_row[key] == pytest.approx(local_row[key], rel=1e-4, abs=1e-6), (step, key)
 
 
 def test_killed_worker_fails_the_run_cleanly(tmp_path):
@@ -176,22 +212,3 @@ def test_killed_worker_fails_the_run_cleanly(tmp_path):
   _assert_nothing_left(job)
   assert _steps(job.run_dir) == []  # died in step 1
   assert "died during actor." in job.output  # in one of the step's calls
-
-
-def test_lora_on_ray_matches_the_local_backend(tmp_path):
-  """LoRA with a KL loss: the actor's Ray handle also serves the reference log-probs."""
-  lora = ["--config.model.lora_rank=4", "--config.actor.use_kl_loss=True",
-          "--config.actor.optim.lr=1e-2", "--config.trainer.total_steps=2"]
-  runs = {}
-  for backend in ("ray", "local"):
-    (tmp_path / backend).mkdir()
-    job = Job(tmp_path / backend, f"--config.cluster.backend={backend}", *lora)
-    assert job.finish(timeout=240) == 0, job.output[-4000:]
-    with open(job.run_dir / "metrics.jsonl") as f:
-      runs[backend] = {row["step"]: row for row in map(json.loads, f)}
-  assert runs["ray"][2]["actor/kl_loss"] > 0  # the adapters moved off the base
-  for step in (1, 2):
-    ray_row, local_row = runs["ray"][step], runs["local"][step]
-    assert "timing_s/ref" in ray_row
-    for key in ("actor/pg_loss", "actor/kl_loss", "critic/score/mean", "response_length/mean"):
-      assert ray_row[key] == pytest.approx(local_row[key], rel=1e-4, abs=1e-6), (step, key)
