@@ -259,24 +259,35 @@ def test_a_shorter_batch_reuses_the_longer_ones_program():
 _FILL_CASES = {"coarse": (None, 4, 416, 1), "split": (1.0, 8, 224, 2)}
 
 
+def long_then_short(packed: bool):
+  """An actor (micro-batches of 16 rows) after one update on a batch of long answers (104 +
+  63 x 44 = 2876 tokens), then one on grpo_batch(): (actor, first metrics, second metrics)."""
+  from hflax.controller.training import UpdateConfig
+  actor = grpo_actor(UpdateConfig(mini_batch_size=ROWS, micro_batch_size=ROWS // 4,
+                                  remove_padding=packed))
+  first = actor.update_actor(grpo_batch(others=[40] * (ROWS - 1))).meta["metrics"]
+  return actor, first, actor.update_actor(grpo_batch()).meta["metrics"]
+
+
+@pytest.fixture(scope="module")
+def padded_long_then_short():
+  """The padded path's two updates: the reference of every packed case below (the packed
+  path's settings, MIN_SPLIT_FLOPS included, do not reach it)."""
+  return long_then_short(packed=False)
+
+
 @pytest.mark.parametrize("case", _FILL_CASES)
-def test_a_much_shorter_batch_fills_fewer_micro_batches_of_the_same_program(case, monkeypatch):
+def test_a_much_shorter_batch_fills_fewer_micro_batches_of_the_same_program(
+    case, monkeypatch, padded_long_then_short):
   """After a batch of long answers sets the packed shape, a batch of short ones fills the
   fewest micro-batches that hold its 671 tokens instead of all of them, mostly padding;
   the program skips the empty ones, compiles once, and steps as the padded path."""
   from hflax.controller import workers
-  from hflax.controller.training import UpdateConfig
   min_flops, cuts, length, used = _FILL_CASES[case]
   if min_flops is not None:
     monkeypatch.setattr(workers, "MIN_SPLIT_FLOPS", min_flops)
-  long = grpo_batch(others=[40] * (ROWS - 1))  # 104 + 63 x 44 = 2876 tokens
-  update = dict(mini_batch_size=ROWS, micro_batch_size=ROWS // 4)
-  runs = {}
-  for packed in (False, True):
-    actor = grpo_actor(UpdateConfig(**update, remove_padding=packed))
-    first = actor.update_actor(long).meta["metrics"]
-    runs[packed] = actor, first, actor.update_actor(grpo_batch()).meta["metrics"]
-  (want_actor, want_first, want), (actor, first, got) = runs[False], runs[True]
+  want_actor, _, want = padded_long_then_short
+  actor, first, got = long_then_short(packed=True)
   assert_same_update(actor.params, got, want_actor.params, want)
   (key,) = [k for k in actor._steps if k[0] == "packed"]
   assert actor._steps[key]._cache_size() == 1

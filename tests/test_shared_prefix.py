@@ -92,6 +92,10 @@ def test_greedy_from_a_shared_prefix_equals_transformers_generate(pair, monkeypa
     np.testing.assert_array_equal(np.asarray(out["responses"][row]), ref[0, len(prompt):].numpy())
 
 
+# One jitted function for every case: each model's teacher-forced pass is traced once.
+TEACHER = jax.jit(sequence_log_probs, static_argnums=0, static_argnames="temperature")
+
+
 @pytest.mark.parametrize("how", [dict(), dict(slots=3), dict(devices=2), dict(devices=3)])
 def test_shared_prefill_samples_what_a_full_prefill_does(pair, how, monkeypatch):
   _, graphdef, state = pair
@@ -108,9 +112,8 @@ def test_shared_prefill_samples_what_a_full_prefill_does(pair, how, monkeypatch)
       np.testing.assert_array_equal(np.asarray(shared[key]), np.asarray(full[key]), err_msg=key)
   # On-policy: the rollout's log-probs are the teacher-forced ones of what it sampled.
   width = shared["prompts"].shape[1]
-  teacher, _ = jax.jit(sequence_log_probs, static_argnums=0, static_argnames="temperature")(
-      graphdef, state, np.asarray(shared["input_ids"]), np.asarray(shared["attention_mask"]),
-      temperature=0.8)
+  teacher, _ = TEACHER(graphdef, state, np.asarray(shared["input_ids"]),
+                       np.asarray(shared["attention_mask"]), temperature=0.8)
   mask = np.asarray(shared["response_mask"])
   np.testing.assert_allclose(np.asarray(shared["rollout_log_probs"]),
                              np.asarray(teacher)[:, width:] * mask, atol=1e-5)
