@@ -23,6 +23,7 @@ over its slots (its memory: the slots' cache beside every prompt's kept prefill 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from hflax.models.config import ModelConfig
@@ -30,107 +31,28 @@ from hflax.rollout.waves import generation_slots, generation_waves
 from hflax.sharding.automap import comm, memory
 from hflax.sharding.automap.mesh import MeshShape
 from hflax.sharding.automap.profile import DeviceProfile
+# The shape terms and Overheads (terms.py) are also imported from here by callers.
+from hflax.sharding.automap.terms import (TRAIN_BYTES_PER_PARAM, Overheads, compute_bytes,
+                                          forward_flops, layer_params, matmul_params,
+                                          param_bytes, rows_per_shard, shape_problem,
+                                          trained_params, weight_tensors)
 from hflax.sharding.automap.workload import TRAINED, Workload
 
-TRAIN_BYTES_PER_PARAM = 16
 
-
-def param_bytes(cfg: ModelConfig) -> int:
-  """Bytes of one stored weight (and of its gradient)."""
-  return memory.dtype_bytes(cfg.param_dtype)
-
-
-def compute_bytes(cfg: ModelConfig) -> int:
-  """Bytes of one activation, KV-cache entry or generation weight."""
-  return memory.dtype_bytes(cfg.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class Overheads:
-  """What the hardware roofline does not see. The defaults reproduce the HybridFlow
-  paper's placement findings (see paper.py for the fit and its margins).
-
-  decode_step (set, not fitted; the pattern holds from 0 to 10 ms): fixed time of one
-    decode step of a generation engine (scheduling, sampling, launches, host sync).
-  overlap (set, not fitted; holds from 0.7 to 0.9): fraction of the shorter of compute
-    and prefetched FSDP gathers that hides behind the longer; they share HBM bandwidth
-    and SMs, so not all of it.
-  call_per_device (FITTED to the paper; the pattern needs 0.02 to 0.03 s): time per
-    device of every role call the single controller makes: dispatching the call and
-    its batch shards to each worker, collecting results, synchronising. With one worker
-    per device (as in the paper's system) this grows with the pool; it is what makes a
-    pool of everything lose to concurrent smaller pools at 96-128 GPUs. With it at 0,
-    colocating wins every cell (see the report in paper.py).
-  call: a fixed time per role call, on top (0: the fit did not need it).
-  """
-  decode_step: float = 0.005
-  overlap: float = 0.8
-  call_per_device: float = 0.02
-  call: float = 0.0
-
-  @classmethod
-  def for_profile(cls, profile: DeviceProfile) -> Overheads:
-    """The defaults, with the per-call cost calibrate() measured where it did."""
-    if profile.call_overhead is None:
-      return cls()
-    return cls(call=profile.call_overhead,
-               call_per_device=profile.call_overhead_per_device or 0.0)
-
-  @classmethod
-  def roofline(cls) -> Overheads:
-    """No software overheads at all: hardware limits only, perfect overlap."""
-    return cls(decode_step=0.0, overlap=1.0, call_per_device=0.0, call=0.0)
-
-  def call_time(self, devices: int) -> float:
-    return self.call + self.call_per_device * devices
-
-  def hide(self, compute: float, comm_time: float) -> float:
-    return max(compute, comm_time) + (1.0 - self.overlap) * min(compute, comm_time)
-
-
-def forward_flops(cfg: ModelConfig, length: int) -> float:
-  """FLOPs of one causal forward pass over `length` tokens (the embedding lookup is free)."""
-  attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * length
-  return 2 * matmul_params(cfg) * length + attention
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-  return cfg.num_params - cfg.vocab_size * cfg.hidden_size
-
-
-def rows_per_shard(rows: int, ways: int) -> int:
-  """Rows each of `ways` data shards computes: the runtime pads a batch that `ways` does
-  not divide (controller/protocol.py), so the last shards compute repeated rows."""
-  return -(-rows // ways)
-
-
-def weight_tensors(cfg: ModelConfig) -> int:
-  """How many separate weight arrays the model has: FSDP gathers each one on its own
-  (a collective apiece), so small models on slow-latency links pay per tensor."""
-  per_layer = 7 + 2 + (3 if cfg.qkv_bias else 0) + (2 if cfg.qk_norm else 0)
-  return cfg.num_layers * per_layer + 2 + (0 if cfg.tie_word_embeddings else 1)
-
-
-def trained_params(cfg: ModelConfig) -> int:
-  """What has gradients and optimizer state: the LoRA adapters, else every parameter."""
-  return cfg.num_lora_params if cfg.lora_rank else cfg.num_params
-
-
-def layer_params(cfg: ModelConfig) -> float:
-  return (cfg.num_params - 2 * cfg.vocab_size * cfg.hidden_size) / cfg.num_layers
-
-
-def shape_problem(cfg: ModelConfig, tensor: int, what: str) -> str | None:
-  """Why `tensor` cannot split this model's heads and matrices, or None."""
-  kv = cfg.num_kv_heads
-  if cfg.num_heads % tensor:
-    return f"indivisible shape: {what} tensor={tensor} does not divide num_heads={cfg.num_heads}"
-  if kv % tensor and tensor % kv:
-    return f"indivisible shape: {what} tensor={tensor} vs num_kv_heads={kv}"
-  for name in ("intermediate_size", "vocab_size"):
-    if getattr(cfg, name) % tensor:
-      return f"indivisible shape: {what} tensor={tensor} does not divide {name}"
-  return None
+def memoised(method):
+  """A Simulator method cached by its (hashable) arguments. Its terms are pure functions
+  of them and of the Simulator's fixed workload, profile and overheads, and a search asks
+  for the same role on the same mesh thousands of times (once per pool layout it scores),
+  each costing ModelConfig.num_params' loop over the layers and config copies."""
+  @functools.wraps(method)
+  def cached(self, *args, **kwargs):
+    key = (method.__name__, args, tuple(kwargs.items())) if kwargs else (method.__name__,) + args
+    try:
+      return self._memo[key]
+    except KeyError:
+      value = self._memo[key] = method(self, *args, **kwargs)
+      return value
+  return cached
 
 
 @dataclasses.dataclass
@@ -150,6 +72,7 @@ class Simulator:
     self.capacity = profile.memory_bytes * profile.usable_memory
     self.flops_rate = profile.peak_flops * profile.compute_efficiency
     self.hbm_rate = profile.memory_bandwidth * profile.bandwidth_efficiency
+    self._memo: dict[tuple, object] = {}  # see memoised
 
   def share(self, mesh: MeshShape) -> float:
     """Factor on a pool's compute and memory-traffic times: 1, or on a shared host (where
@@ -159,6 +82,7 @@ class Simulator:
       return 1.0
     return min(1.0, mesh.size / self.prof.devices_per_node)
 
+  @memoised
   def resident(self, role: str, mesh: MeshShape) -> float:
     cfg = self.wl.models[role]
     if role not in TRAINED:
@@ -166,6 +90,7 @@ class Simulator:
     frozen = memory.weight_bytes(cfg) if cfg.lora_rank else 0  # the base beneath the adapters
     return (TRAIN_BYTES_PER_PARAM * trained_params(cfg) + frozen) / mesh.shards
 
+  @memoised
   def mesh_problem(self, role: str, mesh: MeshShape) -> str | None:
     wl = self.wl
     problem = shape_problem(wl.models[role], mesh.tensor, f"{role} mesh")
@@ -228,31 +153,45 @@ class Simulator:
 
   def forward(self, role: str, mesh: MeshShape, free: float) -> StageCost:
     """Log-probs, values or rewards of the whole batch: one micro-batched pass."""
+    time, transient = self._forward(role, mesh)
+    if transient > free:
+      return StageCost(reason=f"OOM: {role} forward needs {transient / 1e9:.1f} GB, "
+                       f"{max(free, 0) / 1e9:.1f} GB free")
+    return StageCost(time, transient)
+
+  @memoised
+  def _forward(self, role: str, mesh: MeshShape) -> tuple[float, float]:
+    """(seconds, transient bytes) of forward, which only the free memory does not set."""
     cfg, wl = self.wl.models[role], self.wl
     per_device = rows_per_shard(wl.sequences, mesh.batch_ways)
     calls, micro, packed = self._micro_batches(per_device, train=False)
     transient = self._activations(cfg, mesh, micro, False, False, packed)
-    if transient > free:
-      return StageCost(reason=f"OOM: {role} forward needs {transient / 1e9:.1f} GB, "
-                       f"{max(free, 0) / 1e9:.1f} GB free")
     compute = (mesh.batch_ways * self.pass_flops(cfg, per_device)
                / (mesh.size * self.flops_rate) * self.share(mesh))
     tp, gather = self._layer_comm(cfg, mesh, packed or micro * wl.seq_len, passes=1)
     time = (self.ovh.hide(compute, calls * gather) + calls * tp
             + self.ovh.call_time(mesh.size))
-    return StageCost(time, transient)
+    return time, transient
 
   def train(self, role: str, mesh: MeshShape, free: float) -> StageCost:
     """ppo_epochs passes over the batch in mini-batches, one optimizer step each; layers
     are recomputed in the backward pass (remat) only when their activations do not fit."""
-    cfg, wl = self.wl.models[role], self.wl
-    per_device = rows_per_shard(wl.mini_batch_sequences, mesh.batch_ways)
-    calls, micro, packed = self._micro_batches(per_device, train=True)
-    remat = self._activations(cfg, mesh, micro, True, False, packed) > free
-    transient = self._activations(cfg, mesh, micro, True, remat, packed)
+    time, transient = self._train(role, mesh, False)
+    remat = transient > free
+    if remat:
+      time, transient = self._train(role, mesh, True)
     if transient > free:
       return StageCost(reason=f"OOM: {role} training needs {transient / 1e9:.1f} GB, "
                        f"{max(free, 0) / 1e9:.1f} GB free")
+    return StageCost(time, transient, note="remat" if remat else "")
+
+  @memoised
+  def _train(self, role: str, mesh: MeshShape, remat: bool) -> tuple[float, float]:
+    """(seconds, transient bytes) of train with or without remat."""
+    cfg, wl = self.wl.models[role], self.wl
+    per_device = rows_per_shard(wl.mini_batch_sequences, mesh.batch_ways)
+    calls, micro, packed = self._micro_batches(per_device, train=True)
+    transient = self._activations(cfg, mesh, micro, True, remat, packed)
     steps = wl.optimizer_steps
     calls *= steps
     # forward, backward (2x: activation and weight gradients; LoRA's frozen weights need
@@ -270,8 +209,9 @@ class Simulator:
               * self.share(mesh))
     time = (self.ovh.hide(compute, fsdp) + calls * tp + sync + update
             + self.ovh.call_time(mesh.size))
-    return StageCost(time, transient, note="remat" if remat else "")
+    return time, transient
 
+  @memoised
   def reshard(self, mesh: MeshShape, gen_tensor: int, strided: bool = True) -> float:
     """The hybrid engine's switch from the train layout to the generate layout.
 
@@ -304,20 +244,15 @@ class Simulator:
     sequences do not all fit (or exceed the workload's max_num_seqs) generates them in
     waves, as the actor does when the plan's max_num_seqs caps it (rollout/waves.py), or
     with continuous batching in that many decode slots (rollout/continuous.py)."""
-    cfg, wl = self.wl.models["actor"], self.wl
-    problem = shape_problem(cfg, gen_tensor, "actor generate")
+    problem, weights, _ = self._generation_shape(gen_tensor)
     if problem:
       return StageCost(reason=problem)
     if mesh.size % gen_tensor:
       return StageCost(reason=f"indivisible shape: t_g={gen_tensor} does not divide the "
                        f"pool's {mesh.size} devices")
-    weights = compute_bytes(cfg) * cfg.num_params / gen_tensor
-    kv_heads = max(1, cfg.num_kv_heads // gen_tensor)  # fewer than t_g: replicated
-    # The model's shape on one device of a t_g group, as the sampler allocates for it.
-    split = cfg.replace(num_heads=max(1, cfg.num_heads // gen_tensor), num_kv_heads=kv_heads)
-    run = self._slots if wl.continuous_batching else self._waves
+    run = self._slots if self.wl.continuous_batching else self._waves
     span = mesh.shards if strided else gen_tensor  # devices one tensor group spreads over
-    cost = run((mesh, gen_tensor, span), free - weights, split)
+    cost = run((mesh, gen_tensor, span), free - weights)
     if cost.reason:
       return cost
     cost.time += self.reshard(mesh, gen_tensor, strided) + self.ovh.call_time(mesh.size)
@@ -325,55 +260,100 @@ class Simulator:
     cost.note = ", ".join(filter(None, ["" if strided else "node-local t_g groups", cost.note]))
     return cost
 
+  @memoised
+  def _generation_shape(self, gen_tensor: int) -> tuple[str | None, float, ModelConfig]:
+    """(why t_g cannot split the actor or None, its generation weights' bytes per device,
+    the model's shape on one device of a t_g group, as the sampler allocates for it)."""
+    cfg = self.wl.models["actor"]
+    weights = compute_bytes(cfg) * cfg.num_params / gen_tensor
+    kv_heads = max(1, cfg.num_kv_heads // gen_tensor)  # fewer than t_g: replicated
+    split = cfg.replace(num_heads=max(1, cfg.num_heads // gen_tensor), num_kv_heads=kv_heads)
+    return shape_problem(cfg, gen_tensor, "actor generate"), weights, split
+
   def _oom(self, free, per_seq, what):
     return StageCost(reason=f"OOM: actor generate KV {per_seq / 1e9:.2f} GB/seq x {what}, "
                      f"{max(free, 0) / 1e9:.1f} GB free beside the weights")
 
-  def _waves(self, layout, free, split) -> StageCost:
+  def _waves(self, layout, free) -> StageCost:
     """Waves of whole prompts, each decoded until its longest row ends."""
-    wl, (mesh, gen_tensor, _) = self.wl, layout
-    n = wl.samples_per_prompt
-    # Per sequence, as the sampler allocates (memory.generate_bytes): the decode cache of
-    # the bucketed prompt plus the response, and its share of the prompt's prefill cache
-    # and attention; the heads split t_g ways.
-    if wl.kv_cache == "paged":
-      kv_seq = memory.kv_cache_bytes(split, 1, wl.seq_len)
-    else:
-      kv_seq = memory.generate_bytes(split, 1, wl.prompt_len, wl.response_len, n,
-                                     wl.attention).transient / n
+    wl = self.wl
+    kv_seq = self._wave_sequence_bytes(layout[1])
     fits = int(max(free, 0) // kv_seq)  # sequences the KV budget holds
     if fits < wl.samples_per_prompt_most:
       return self._oom(free, kv_seq, f"{wl.samples_per_prompt_most} samples of a prompt")
     cap = min(fits, wl.max_num_seqs) if wl.max_num_seqs else fits
-    waves, prompts = generation_waves(wl.prompts_per_step, mesh.size // gen_tensor, n, cap)
-    batch = prompts * n
-    step = self._decode_step(layout, split, batch, wl.prompt_len + wl.response_len / 2)
-    time = waves * (self._prefill(layout, batch) + wl.response_len * step)
+    mesh, gen_tensor, _ = layout
+    waves, prompts = generation_waves(wl.prompts_per_step, mesh.size // gen_tensor,
+                                      wl.samples_per_prompt, cap)
+    batch = prompts * wl.samples_per_prompt
+    time = self._wave_time(layout, waves, batch)
     return StageCost(time, batch * kv_seq, note=f"waves={waves}" if waves > 1 else "",
                      max_num_seqs=fits)
 
-  def _slots(self, layout, free, split) -> StageCost:
+  @memoised
+  def _wave_sequence_bytes(self, gen_tensor: int) -> float:
+    """Per sequence, as the sampler allocates (memory.generate_bytes): the decode cache of
+    the bucketed prompt plus the response, and its share of the prompt's prefill cache and
+    attention; the heads split t_g ways."""
+    wl, split = self.wl, self._generation_shape(gen_tensor)[2]
+    if wl.kv_cache == "paged":
+      return memory.kv_cache_bytes(split, 1, wl.seq_len)
+    return memory.generate_bytes(split, 1, wl.prompt_len, wl.response_len,
+                                 wl.samples_per_prompt, wl.attention).transient \
+        / wl.samples_per_prompt
+
+  @memoised
+  def _wave_time(self, layout, waves: int, batch: int) -> float:
+    """Seconds of `waves` waves of `batch` sequences on each replica."""
+    wl, split = self.wl, self._generation_shape(layout[1])[2]
+    step = self._decode_step(layout, split, batch, wl.prompt_len + wl.response_len / 2)
+    return waves * (self._prefill(layout, batch) + wl.response_len * step)
+
+  def _slots(self, layout, free) -> StageCost:
     """Continuous batching: a replica prefills all of its prompts, then decodes them in
     `slots` rows, a finished row's slot taking the next waiting sequence. The loop runs
     until the waiting sequences have had their slots, (rows - slots) x mean / slots steps,
     and then until the last admitted ends: counted as the longest response, as waves are."""
-    wl, (mesh, gen_tensor, _) = self.wl, layout
-    n, N = wl.samples_per_prompt, wl.response_len
-    prompts = -(-wl.prompts_per_step // (mesh.size // gen_tensor))  # per replica
-    rows = prompts * n
-    P = memory.length_bucket(wl.prompt_len)
-    if wl.kv_cache == "paged":  # each sequence's blocks hold its prompt and response
-      P, kept, per_slot = wl.prompt_len, 0.0, memory.kv_cache_bytes(split, 1, wl.seq_len)
-    else:
-      kept = memory.slots_generate_bytes(split, prompts, wl.prompt_len, N, 0,
-                                         wl.attention).transient
-      per_slot = memory.kv_cache_bytes(split, 1, P + N)
+    wl = self.wl
+    prompts, kept, per_slot = self._slot_memory(layout)
     fits = int(max(free - kept, 0) // per_slot)
     if fits < 1:
       return self._oom(free - kept, per_slot, f"1 slot beside {kept / 1e9:.2f} GB of "
                        f"{prompts} prompts' prefill cache")
     cap = min(fits, wl.max_num_seqs) if wl.max_num_seqs else fits
-    slots = generation_slots(wl.prompts_per_step, mesh.size // gen_tensor, n, cap)
+    mesh, gen_tensor, _ = layout
+    slots = generation_slots(wl.prompts_per_step, mesh.size // gen_tensor,
+                             wl.samples_per_prompt, cap)
+    time, rows = self._slot_time(layout, slots)
+    return StageCost(time, kept + slots * per_slot, note=f"slots={slots}" if slots < rows else "",
+                     max_num_seqs=fits)
+
+  def _slot_prompts(self, layout) -> tuple[int, int]:
+    """(prompt length bucket or the paged cache's prompt length, prompts per replica)."""
+    wl, (mesh, gen_tensor, _) = self.wl, layout
+    P = wl.prompt_len if wl.kv_cache == "paged" else memory.length_bucket(wl.prompt_len)
+    return P, -(-wl.prompts_per_step // (mesh.size // gen_tensor))
+
+  @memoised
+  def _slot_memory(self, layout) -> tuple[int, float, float]:
+    """(prompts per replica, bytes of their kept prefill cache, bytes per decode slot)."""
+    wl, N = self.wl, self.wl.response_len
+    split = self._generation_shape(layout[1])[2]
+    P, prompts = self._slot_prompts(layout)
+    if wl.kv_cache == "paged":  # each sequence's blocks hold its prompt and response
+      return prompts, 0.0, memory.kv_cache_bytes(split, 1, wl.seq_len)
+    kept = memory.slots_generate_bytes(split, prompts, wl.prompt_len, N, 0,
+                                       wl.attention).transient
+    return prompts, kept, memory.kv_cache_bytes(split, 1, P + N)
+
+  @memoised
+  def _slot_time(self, layout, slots: int) -> tuple[float, int]:
+    """(seconds, sequences per replica) of continuous batching in `slots` decode slots."""
+    wl, mesh = self.wl, layout[0]
+    split = self._generation_shape(layout[1])[2]
+    n, N = wl.samples_per_prompt, wl.response_len
+    P, prompts = self._slot_prompts(layout)
+    rows = prompts * n
     steps = (rows - slots) * wl.mean_response_len / slots + N
     if wl.kv_cache == "paged":  # the blocks a row has filled
       context = wl.prompt_len + wl.mean_response_len / 2
@@ -383,8 +363,7 @@ class Simulator:
     copy = 2 * rows * memory.kv_cache_bytes(split, 1, P) / self.hbm_rate
     time = (self._prefill(layout, rows) + copy * self.share(mesh)
             + steps * self._decode_step(layout, split, slots, context))
-    return StageCost(time, kept + slots * per_slot, note=f"slots={slots}" if slots < rows else "",
-                     max_num_seqs=fits)
+    return time, rows
 
   def _prefill(self, layout, batch) -> float:
     (mesh, gen_tensor, span), cfg, wl = layout, self.wl.models["actor"], self.wl
