@@ -18,9 +18,11 @@ from hflax.platforms.compile_cache import (CompileCacheStats, compile_cache_summ
                                            default_compile_cache_dir, use_compile_cache)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# One step of the tests' tiny GRPO job: what is cached does not depend on the model's size.
-SMALL_RUN = ("--config", os.path.join(ROOT, "tests", "tiny_config.py"),
-             "--config.trainer.total_steps=1", "--config.trainer.export_hf=False")
+SMALL_RUN = ("--config", "grpo.py", "--config.trainer.total_steps=1",
+             "--config.trainer.val_before_train=False", "--config.trainer.sft_warmup.steps=0",
+             "--config.data.train_batch_size=4", "--config.actor.ppo_mini_batch_size=4",
+             "--config.rollout.n=2", "--config.data.val_batch_size=8",
+             "--config.data.builtin.num_val=8", "--config.trainer.log=('jsonl',)")
 
 
 def _env(**extra):

@@ -157,9 +157,7 @@ def test_configs_ship_inside_the_package_and_a_regular_install_runs_them(tmp_pat
                         "--config.trainer.sft_warmup.steps=0", "--config.data.train_batch_size=4",
                         "--config.actor.ppo_mini_batch_size=4", "--config.rollout.n=2",
                         "--config.trainer.export_hf=False", "--config.trainer.log=('jsonl',)",
-                        "--config.model.builtin.num_layers=1",
-                        "--config.model.builtin.hidden_size=32",
-                        "--config.model.builtin.intermediate_size=64"],
+                        "--config.model.builtin.num_layers=1"],
                        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
   assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
   metrics = (elsewhere / "runs" / "grpo" / "metrics.jsonl").read_text().splitlines()
