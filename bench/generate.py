@@ -246,7 +246,8 @@ def load_models(args, precision: str):
   from transformers import AutoModelForCausalLM
   from hflax.models.hf import load_checkpoint
   if args.toy:
-    cfg = model_config().replace(dtype=DTYPES[precision])
+    cfg = model_config().replace(dtype=DTYPES[precision], **(
+        {"num_layers": args.toy_layers} if args.toy_layers else {}))
     graphdef, state = create(cfg, seed=0)
     export_checkpoint(args.toy_dir, cfg, state)
     path = args.toy_dir
@@ -273,6 +274,9 @@ def main(argv=None) -> int:
                       "setting; default both")
   parser.add_argument("--new-tokens", type=int, default=None, help="default 128 (quick: 32)")
   parser.add_argument("--prompt-len", type=int, default=16, help="--toy's prompt length")
+  parser.add_argument("--toy-layers", type=int, default=0,
+                      help="--toy's layer count (default 4; the tests' smoke runs take 1: "
+                      "their time is compiling, which grows with the layers)")
   parser.add_argument("--batches", type=int, nargs="+", default=None,
                       help="prompt counts (default 8 64; quick: 2 8)")
   parser.add_argument("--no-breakdown", action="store_true",
@@ -295,7 +299,8 @@ def main(argv=None) -> int:
   batches = args.batches or ([2, 8] if args.quick else [8, 64])
   peak_sizes = [512, 1024] if args.quick else [1024, 2048]
   for field, value in (("repeats", repeats), ("new_tokens", new_tokens),
-                       ("batches", min(batches)), ("prompt_len", args.prompt_len)):
+                       ("batches", min(batches)), ("prompt_len", args.prompt_len),
+                       ("toy_layers", args.toy_layers or 1)):
     if value < 1:
       raise ValueError(f"--{field.replace('_', '-')}: must be >= 1, got {value}")
   if (args.top_k or args.top_p < 1) and args.temperature <= 0:

@@ -60,7 +60,8 @@ def test_rl_step_quick_prints_every_row(tmp_path):
 
 
 def test_generate_quick_prints_every_row():
-  out = run("generate.py", "--quick", "--toy", "--batches", "2", "64", "--new-tokens", "8")
+  out = run("generate.py", "--quick", "--toy", "--toy-layers", "1", "--batches", "2", "64",
+            "--new-tokens", "8")
   rows = [line for line in out.splitlines() if line.strip().startswith(("fp32 |", "bf16 |"))]
   # 2 precisions x 2 batches x (1 device + data-parallel over the cores when there are several)
   assert len(rows) == 4 * (2 if (os.cpu_count() or 1) > 1 else 1)
@@ -80,9 +81,9 @@ def test_generate_quick_prints_every_row():
 
 
 def test_generate_samples_with_filters_on_both_sides():
-  out = run("generate.py", "--quick", "--toy", "--precision", "fp32", "--batches", "2",
-            "--new-tokens", "8", "--cpu-devices", "1", "--no-breakdown", "--temperature", "0.7",
-            "--top-k", "5", "--top-p", "0.9")
+  out = run("generate.py", "--quick", "--toy", "--toy-layers", "1", "--precision", "fp32",
+            "--batches", "2", "--new-tokens", "8", "--cpu-devices", "1", "--no-breakdown",
+            "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9")
   assert "Sampled generation (temperature 0.7, top_k 5, top_p 0.9" in out
   rows = [line for line in out.splitlines() if line.strip().startswith("fp32 |")]
   assert len(rows) == 1 and float(rows[0].split("|")[3]) > 0
