@@ -38,6 +38,7 @@ SPLIT = {"pools": {"policy": 4, "scoring": 4},  # as in test_controller
                    "reward": {"pool": "scoring", "mesh": {"data": 4}}}}
 # Members compute like this process does (conftest sets the same precision here).
 JAX_CONFIG = {"jax_default_matmul_precision": "highest"}
+IDLE_WORKERS = "RAY_prestart_worker_first_driver"
 
 
 def build_pool(devices, spec, pool, roles):
@@ -58,8 +59,18 @@ def ray_session():
   # The members import hflax from this checkout; the test helpers travel by value.
   ray.cloudpickle.register_pickle_by_value(ppo_step)
   ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-  session = RaySession(ml_collections.ConfigDict(dict(
-      address="", require_loopback=True, temp_dir="", log_to_driver=False)))
+  # Ray prestarts an idle worker per CPU for tasks; the pools' actors, with an environment
+  # of their own, never use them (about a second of CPU each).
+  before = os.environ.get(IDLE_WORKERS)
+  os.environ[IDLE_WORKERS] = "0"
+  try:
+    session = RaySession(ml_collections.ConfigDict(dict(
+        address="", require_loopback=True, temp_dir="", log_to_driver=False)))
+  finally:
+    if before is None:
+      del os.environ[IDLE_WORKERS]
+    else:
+      os.environ[IDLE_WORKERS] = before
   yield session
   session.close()
 

@@ -54,6 +54,9 @@ def get_config():
 
 # This project's test setting (users get Ray's defaults): a private loopback cluster.
 TEST_CLUSTER = ("--config.cluster.require_loopback=True", "--config.cluster.log_to_driver=False")
+# Ray prestarts an idle worker per CPU for tasks; hflax starts only actors with an
+# environment of their own, which never use them (about a second of CPU each).
+NO_IDLE_WORKERS = {"RAY_prestart_worker_first_driver": "0"}
 
 
 class Job:
@@ -65,7 +68,7 @@ class Job:
     # os.environ carries the run's compilation cache (conftest): restarted workers (and the
     # second job) load what the first ones compiled.
     env = {**os.environ, "PYTHONPATH": ROOT, "HFLAX_RAY_TEST_TAG": self.tag,
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **NO_IDLE_WORKERS}
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "hflax.launch", "--config", str(tmp_path / "tiny_grpo.py"),
          f"--config.trainer.run_dir={self.run_dir}", *TEST_CLUSTER, *overrides],
