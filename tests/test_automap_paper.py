@@ -1,4 +1,7 @@
 """The paper's placement findings (HybridFlow Sec. 8.3), replayed on the simulator."""
+import fcntl
+import pickle
+
 import pytest
 
 from hflax.sharding.automap import Overheads, paper
@@ -10,12 +13,28 @@ SIZES, GPUS = ("7b", "13b", "34b"), (16, 32, 64, 96, 128)
 SEARCHED = {"7b": (16, 32, 64), "13b": GPUS, "34b": GPUS}
 
 
-@pytest.fixture(scope="module")
-def results():
+def search_cells():
   out = {}
   for size, gpus in SEARCHED.items():
     out.update(paper.winners(sizes=(size,), gpus=gpus))
   return out
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory):
+  """The cells, searched once per test session: under xdist the first worker to get here
+  searches them and the others read its pickle (pytest-xdist's documented pattern for
+  session-wide data: a file under the run's shared temporary directory, behind a lock)."""
+  if not hasattr(request.config, "workerinput"):  # one process: nothing to share
+    return search_cells()
+  shared = tmp_path_factory.getbasetemp().parent / "automap_paper_cells.pickle"
+  with open(f"{shared}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if shared.exists():
+      return pickle.loads(shared.read_bytes())
+    out = search_cells()
+    shared.write_bytes(pickle.dumps(out))
+    return out
 
 
 def winner(results, size, n):

@@ -31,7 +31,7 @@ How the cost model was brought to this pattern, honestly:
   charges the padded rows (6 x 171 = 1026 per pass on 6 data shards). Before the runtime
   padded, no pool could hold 48 GPUs and 64 + 32 pools won these cells.
 `--sweep` replays the 12 cells of 7B-34B over 81 settings (call_per_device 0-0.3 s,
-overlap 0.6-1.0, inter-node bandwidth x0.5-x2; 4 min on 2 cores): 13 settings reproduce
+overlap 0.6-1.0, inter-node bandwidth x0.5-x2): 13 settings reproduce
 11 (all but 13B at 128), none all 12. Standalone wins 13B at 128 only from
 call_per_device=0.2, where 8 cells at most hold (7B and 13B at 64 turn to split).
 Cell not reproduced (marked * in the table), after trying to:
@@ -156,7 +156,7 @@ def main(argv=None):
   parser.add_argument("--plans", type=int, default=0, help="also list the N best plans per cell")
   parser.add_argument("--sweep", action="store_true",
                       help="sensitivity: which cells hold over a grid of the model's settings "
-                      "(a few minutes on 2 cores)")
+                      "(81 settings, searched in 2 processes)")
   args = parser.parse_args(argv)
   if args.sweep:
     print_sweep(sweep())
