@@ -24,15 +24,27 @@ def pair(request, tmp_path_factory):
   return loaded_pair(request.param, tmp_path_factory.mktemp(request.param), seed=1)
 
 
+# The tests that compare the sampler with transformers or with teacher forcing run every
+# family: each family's switches (Llama 3 rope scaling, Qwen2's qkv bias and tied head,
+# Qwen3's q/k norms) live in the per-row model forward they check. The tests marked
+# one_family check the sampler's own handling of rows (end tokens, n samples, padding
+# rows, the compile cache, the token pick): code in hflax.rollout that is the same for
+# every family, so one family's compiles prove it. Qwen2: its tied head decodes through
+# step_logits as a decoding copy's untied head does.
+one_family = pytest.mark.parametrize("pair", ["qwen2"], indirect=True)
+
+
 def _prompts(seed=0):
   rs = np.random.RandomState(seed)
   return [rs.randint(3, 128, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
-@pytest.mark.parametrize("new_tokens", [24, 100])  # 100: the decode loop runs in 3 segments
-def test_greedy_equals_transformers_generate(pair, new_tokens):
+def test_greedy_equals_transformers_generate(pair):
+  """100 new tokens: the decode loop runs in 3 segments, so the cache grows twice between
+  loops; the first segment is the whole loop of a shorter call (one segment)."""
   model, graphdef, state = pair
-  assert decode_segments(100) == 3
+  new_tokens = 100
+  assert decode_segments(new_tokens) == 3
   prompts = _prompts()
   out = generate(graphdef, state, prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0))
   for row, prompt in enumerate(prompts):  # unpadded, one at a time: the plainest reference
@@ -44,10 +56,10 @@ def test_greedy_equals_transformers_generate(pair, new_tokens):
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_new_tokens=20, temperature=0),
-    SamplingParams(max_new_tokens=20, temperature=1.0, n=2),
+    SamplingParams(max_new_tokens=20, temperature=0),  # greedy: log-probs at temperature 1
     SamplingParams(max_new_tokens=20, temperature=0.7, top_k=10, top_p=0.8, n=3,
-                   eos_ids=(7, 8, 9, 10)),
+                   eos_ids=(7, 8, 9, 10)),  # filtered draws, unfiltered log-probs
+    # Plain sampling at temperature 1 (n=2), over 2 loop segments, rows ending at end tokens.
     SamplingParams(max_new_tokens=70, temperature=1.0, n=2, eos_ids=(7, 8, 9, 10, 11, 12)),
 ])
 def test_rollout_log_probs_equal_teacher_forced(pair, params):
@@ -62,7 +74,8 @@ def test_rollout_log_probs_equal_teacher_forced(pair, params):
   np.testing.assert_allclose(np.asarray(out["rollout_log_probs"]), teacher * mask, atol=1e-5)
 
 
-@pytest.mark.parametrize("new_tokens", [16, 64])
+@one_family
+@pytest.mark.parametrize("new_tokens", [16, 64])  # one loop segment, two
 def test_eos_stops_rows_and_masks(pair, new_tokens):
   _, graphdef, state = pair
   prompts = _prompts(2)
@@ -89,6 +102,7 @@ def test_eos_stops_rows_and_masks(pair, new_tokens):
                                   np.arange(len(prompt) + int(out["response_length"][row])))
 
 
+@one_family
 def test_n_samples_are_interleaved_and_differ(pair):
   _, graphdef, state = pair
   prompts = _prompts(3)
@@ -101,6 +115,7 @@ def test_n_samples_are_interleaved_and_differ(pair):
   assert len(rows) > 1  # samples of one prompt are not copies
 
 
+@one_family
 def test_samples_follow_the_filtered_distribution(pair):
   """First-token frequencies over many samples match softmax(logits / T) restricted to top-k."""
   _, graphdef, state = pair
@@ -262,6 +277,7 @@ def test_length_buckets_are_powers_of_two_and_three_quarters_of_one():
   assert length_bucket(3, minimum=1) == 3 and length_bucket(5, minimum=1) == 6
 
 
+@one_family
 def test_compiles_once_per_length_bucket(pair):
   _, graphdef, state = pair
   params = SamplingParams(max_new_tokens=5, temperature=0.9, eos_ids=(3,))
@@ -274,6 +290,7 @@ def test_compiles_once_per_length_bucket(pair):
   assert compiled_variants() == before + 1
 
 
+@one_family
 def test_invalid_requests_raise_clear_errors(pair):
   _, graphdef, state = pair
   with pytest.raises(ValueError, match="top_p must be in"):
@@ -288,7 +305,13 @@ def test_invalid_requests_raise_clear_errors(pair):
     generate(graphdef, state, (tokens, right_padded), SamplingParams(temperature=0))
 
 
-@pytest.mark.parametrize("num_devices", [2, 3, 8])  # 3 and 8 do not divide 4 prompts
+# Split over the cores' devices, the CPU's decoding copy packs its kernels and attends
+# through cpu_attention's kernel, per family (Qwen2's fused qkv bias and tied head, Qwen3's
+# 32-wide heads): each family at 3 devices; the other splits (2 divides the 4 prompts, 8
+# gives each device one row, half of them padding) are the sampler's row handling, on one
+# family.
+@pytest.mark.parametrize("pair,num_devices", [("llama", 3), ("qwen2", 2), ("qwen2", 3),
+                                              ("qwen2", 8), ("qwen3", 3)], indirect=["pair"])
 def test_data_parallel_generate_equals_one_device(pair, num_devices):
   """Rows split over devices (padded when they do not divide) give the one-device result."""
   _, graphdef, state = pair
@@ -307,6 +330,7 @@ def test_data_parallel_generate_equals_one_device(pair, num_devices):
                                np.asarray(one["rollout_log_probs"]), atol=1e-6)
 
 
+@one_family
 def test_data_parallel_decode_loops_run_without_collectives(pair):
   """Each device runs its own decode loop on its rows: the compiled program holds no
   collective, so no device waits on another at every step (the loop test included)."""
@@ -326,6 +350,7 @@ def test_data_parallel_decode_loops_run_without_collectives(pair):
     assert f" {op}(" not in text and f" {op}-start(" not in text, op
 
 
+@pytest.mark.parametrize("pair", ["llama"], indirect=True)  # every family's tables: numpy's
 def test_decode_program_evaluates_no_cos_or_sin(pair):
   """RoPE's cos and sin come from tables built at trace time. Computed in the graph, XLA
   fused them into every layer's q and k rotation and evaluated them again for each head
@@ -340,6 +365,7 @@ def test_decode_program_evaluates_no_cos_or_sin(pair):
   assert not re.search(r"\b(cosine|sine)\(", text)
 
 
+@one_family
 def test_padding_rows_do_not_extend_the_decode_loop(pair):
   """A padding row is born finished: once the real rows end, the loop stops."""
   _, graphdef, state = pair
@@ -359,6 +385,7 @@ def test_padding_rows_do_not_extend_the_decode_loop(pair):
   assert run(jnp.asarray([True, False])) == [1, 1]
 
 
+@one_family
 def test_replicate_places_a_copy_on_each_device(pair):
   _, graphdef, state = pair
   devices = jax.devices()[:4]
