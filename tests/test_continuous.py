@@ -110,8 +110,10 @@ def test_rows_ending_at_their_first_token_or_step(model, prompts):
                 generate(*model, prompts, params, rng=key))
 
 
-@pytest.mark.parametrize("devices", [2, 3])  # 3 does not divide 7 prompts: padding rows
-def test_slots_on_data_devices(model, prompts, eos_ids, devices):
+def test_slots_on_data_devices(model, prompts, eos_ids):
+  # 3 devices: 7 prompts do not divide, so the rows split with padding rows (any split of
+  # 7 over 2 or more devices pads; one such split proves it).
+  devices = 3
   params = sampling_cases(eos_ids)[2]
   key = jax.random.key(5)
   want = generate(*model, prompts, params, rng=key)

@@ -43,8 +43,10 @@ def assert_matches(completions, want):
     assert len(c.versions) == len(tokens)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("devices", [1, 4])
+# The token pick (greedy or filtered sampling) does not depend on the devices, nor the rows'
+# split on the pick: greedy on one device, sampled on one and on four.
+@pytest.mark.parametrize("devices,params", [(1, GREEDY), (1, SAMPLED), (4, SAMPLED)],
+                         ids=["1-greedy", "1-sampled", "4-sampled"])
 def test_requests_sample_what_the_batch_sampler_does(model, prompts, params, devices):
   key = jax.random.key(11)
   want = reference(model, prompts, params, key)
