@@ -142,6 +142,8 @@ class Planner:
     shortlist = {role: self._shortlist(role, n, options, group) for role in group}
     best, first_failure = None, None
     for combo in itertools.product(*(shortlist[r] for r in group)):
+      if first_failure and self._overfull(zip(group, (m for m, _ in combo))):
+        continue  # it fails whatever its costs, and a failure to report is already kept
       meshes = {r: m for r, (m, _) in zip(group, combo)}
       gen = next((g for r, (_, g) in zip(group, combo) if r == "actor"), (1, True))
       plan = self.evaluate_pool(group, n, meshes, *gen)
@@ -158,7 +160,8 @@ class Planner:
     exactly, so the screen only has to keep the winner, not rank it."""
     others = sum(min(self.sim.resident(r, m) for m, _ in options[r])
                  for r in group if r != role)
-    scored = sorted((self.evaluate_pool((role,), n, {role: m}, *g, reserved=others).busy,
+    scored = sorted((math.inf if self._overfull([(role, m)], others) else
+                     self.evaluate_pool((role,), n, {role: m}, *g, reserved=others).busy,
                      m.shards, m, g) for m, g in options[role])
     by_footprint: dict[int, list] = {}
     for item in scored:
@@ -169,6 +172,11 @@ class Planner:
       kept += top
       fastest = min([fastest] + [x[0] for x in top])
     return [(m, g) for _, _, m, g in kept]
+
+  def _overfull(self, role_meshes, reserved: float = 0.0) -> bool:
+    """Whether these (role, mesh) pairs' resident state exceeds a device, summed as
+    evaluate_pool sums it: such a pool fails, so it need not be costed."""
+    return reserved + sum(self.sim.resident(r, m) for r, m in role_meshes) > self.sim.capacity
 
   # -- allocations ------------------------------------------------------------------------
   def search(self, num_devices: int, *, top_k: int = 20, per_placement: int = 3,
