@@ -2,6 +2,9 @@
 line and exit status 130. (Ctrl-C and SIGTERM during a run, through python -m hflax.launch:
 tests/test_interrupt_resume.py.)"""
 import os
+import signal
+
+import pytest
 
 from hflax.launch.__main__ import cli
 
@@ -25,3 +28,29 @@ def test_interrupted_before_the_config_is_read(monkeypatch, capsys):
   monkeypatch.setattr("hflax.launch.__main__.load_config", interrupt)
   assert cli(["--config", TINY]) == 130
   assert capsys.readouterr().err == "interrupted: before the config was read; nothing ran\n"
+
+
+def test_a_signal_whose_exception_python_swallowed_is_raised_between_steps():
+  """Python drops an exception raised inside __del__ or a garbage-collection callback
+  ("Exception ignored in ..."); a SIGTERM landing there stays pending, and the trainer's
+  raise_pending() between steps raises it (a run hit this at a random SIGINT: it went on to
+  the end and exited 0)."""
+  from hflax.launch import interrupts
+  saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+  class SignalledWhileDeleted:
+    def __del__(self):
+      os.kill(os.getpid(), signal.SIGTERM)
+      for _ in range(100_000):  # the handler runs in here, and its exception is dropped
+        pass
+
+  try:
+    interrupts.install()
+    interrupts.raise_pending()  # nothing pending yet
+    SignalledWhileDeleted()  # deleted at once; no exception comes out of this line
+    with pytest.raises(interrupts.Terminated):
+      interrupts.raise_pending()
+  finally:
+    interrupts.clear()
+    for s, handler in saved.items():
+      signal.signal(s, handler)

@@ -8,7 +8,6 @@ One run holds a run_dir at a time. Reward functions from files run in worker pro
 reward.timeout_s seconds a batch at most, in reward.memory_limit_gb of address space.
 """
 import os
-import signal
 import sys
 import traceback
 
@@ -20,6 +19,7 @@ except ValueError as e:
   print(f"error: {e}", file=sys.stderr)
   sys.exit(2)
 
+from hflax.launch import interrupts  # noqa: E402
 from hflax.launch.cli import BAD_INPUT, UsageError, load_config, one_line, print_help, \
     resolve_config_arg  # noqa: E402  (after configure_cpu)
 
@@ -52,24 +52,16 @@ def cli(argv: list[str], stderr=None) -> int:
     return 2
   except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: a choice, not a fault
     from hflax.launch.run_lock import resume_hint
-    term = isinstance(e, Terminated)
+    interrupts.clear()
+    term = isinstance(e, interrupts.Terminated)
     print(f"{'terminated (SIGTERM)' if term else 'interrupted'}: {resume_hint(cfg)}",
           file=stderr)
     return 143 if term else 130  # as shells report a death by SIGTERM or SIGINT
   return 0
 
 
-class Terminated(KeyboardInterrupt):
-  """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so both unwind
-  the run the same way (the trainer closes its backend, the lock is released)."""
-
-
-def _terminate(signum, frame):
-  raise Terminated()
-
-
 def main():
-  signal.signal(signal.SIGTERM, _terminate)
+  interrupts.install()
   code = cli(sys.argv[1:])
   if code in (130, 143):
     # Leave now: a checkpoint write still running on orbax's threads would print their

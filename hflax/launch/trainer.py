@@ -20,7 +20,7 @@ from hflax.algorithms.drivers.common import step_metrics, timed_roles
 from hflax.checkpoint import Checkpointer, CorruptCheckpoint
 from hflax.controller.backend import WorkerFailure
 from hflax.controller.batch import Batch
-from hflax.launch import hooks as side_jobs
+from hflax.launch import hooks as side_jobs, interrupts
 from hflax.launch.backends import make_backend
 from hflax.launch.config import tokenizer_spec, validate, wandb_project
 from hflax.launch.hooks import Hooks, StepInfo
@@ -345,6 +345,7 @@ class Trainer:
       self._log_validation(0, self.first_val)
     prompts = self.prompt_batches()
     for step in range(start + 1, total + 1):
+      interrupts.raise_pending()  # a Ctrl-C or SIGTERM whose exception was swallowed
       hooks.before_step(step)
       batch, metrics = self.run_step(prompts)
       self.state.step = step
