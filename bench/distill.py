@@ -29,6 +29,11 @@ curves do not depend on the machine's load; seconds do (the load is printed and 
 
   python bench/distill.py                      # teacher, start, 120 steps per arm
   python bench/distill.py --quick              # smoke: tiny steps everywhere
+  python bench/distill.py --job smollm2 --teacher-steps 12 --steps 12 --chunk 6 --val-every 2
+
+With --job smollm2 the same comparison runs on the real-model recipe (grpo_smollm2.py):
+the teacher is the recipe's own GRPO run and export, and both arms start from the model as
+shipped (no warm-up: --start-steps is unused).
   python bench/distill.py --out bench/results/DATE-distill-MACHINE.json --machine vm
 
 Exit status 0 whether or not distillation reaches 0.5 first.
@@ -46,15 +51,23 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # for bench/common.py
-ACC = "val-core/arithmetic/reward/mean@1"
 ARMS = ("grpo", "distill")
+# --job: the launcher config, its held-out accuracy metric, and whether the common start is
+# a cached supervised warm-up (the tiny job) or the model as shipped (SmolLM2).
+JOBS = {
+    "grpo": dict(config="grpo.py", acc="val-core/arithmetic/reward/mean@1", warmup=True),
+    "smollm2": dict(config="grpo_smollm2.py", acc="val-core/arithmetic_chat/reward/mean@1",
+                    warmup=False),
+}
+ACC = JOBS["grpo"]["acc"]
+CONFIG = JOBS["grpo"]["config"]
 # Each launch writes metrics.jsonl only (no console table, no TensorBoard, no plot needs).
 QUIET = ["--config.trainer.log=('jsonl',)"]
 
 
 def launch(run_dir: pathlib.Path, settings: list[str], log: pathlib.Path) -> float:
-  """One `python -m hflax.launch --config grpo.py` run; returns its wall seconds."""
-  cmd = [sys.executable, "-m", "hflax.launch", "--config", "grpo.py", *QUIET,
+  """One `python -m hflax.launch --config CONFIG` run; returns its wall seconds."""
+  cmd = [sys.executable, "-m", "hflax.launch", "--config", CONFIG, *QUIET,
          f"--config.trainer.run_dir={run_dir}", *settings]
   start = time.perf_counter()
   with open(log, "a") as out:
@@ -111,11 +124,12 @@ def first_reaching(points: list[dict], level: float) -> dict | None:
 
 def arm_settings(args, arm: str, sft_cache: pathlib.Path, teacher: str) -> list[str]:
   s = [f"--config.trainer.seed={args.seed}",
-       f"--config.trainer.sft_warmup.steps={args.start_steps}",
-       "--config.trainer.sft_warmup.target_loss=0.0",
-       f"--config.trainer.sft_warmup.cache_dir={sft_cache}",
        f"--config.trainer.val_every={args.val_every}", "--config.trainer.export_hf=False",
        "--config.trainer.keep=1"]
+  if JOBS[args.job]["warmup"]:
+    s += [f"--config.trainer.sft_warmup.steps={args.start_steps}",
+          "--config.trainer.sft_warmup.target_loss=0.0",
+          f"--config.trainer.sft_warmup.cache_dir={sft_cache}"]
   if arm == "distill":
     s += [f"--config.distill.teacher_path={teacher}", f"--config.distill.coef={args.coef}",
           f"--config.distill.task_reward_coef={args.task_reward_coef}"]
@@ -128,14 +142,15 @@ def make_teacher(args, work: pathlib.Path) -> tuple[str, float]:
   settings = [f"--config.trainer.seed={args.teacher_seed}",
               f"--config.trainer.total_steps={args.teacher_steps}",
               f"--config.trainer.val_every={args.teacher_steps}",
-              f"--config.trainer.save_every={args.teacher_steps}",
-              f"--config.trainer.sft_warmup.cache_dir={work / 'sft'}"]
-  if args.quick:
+              f"--config.trainer.save_every={args.teacher_steps}"]
+  if JOBS[args.job]["warmup"]:
+    settings.append(f"--config.trainer.sft_warmup.cache_dir={work / 'sft'}")
+  if args.quick and JOBS[args.job]["warmup"]:
     settings += ["--config.trainer.sft_warmup.steps=20", "--config.trainer.sft_warmup.target_loss=0.0"]
   wall = launch(run_dir, settings, work / "teacher.log")
   rows = read_metrics(run_dir)
   acc = rows[max(s for s in rows if ACC in rows[s])][ACC]
-  print(f"teacher: {args.teacher_steps} GRPO steps after the default warm-up (seed "
+  print(f"teacher: {args.teacher_steps} GRPO steps of {CONFIG} as shipped (seed "
         f"{args.teacher_seed}), held-out accuracy {rows[0][ACC]:.3f} -> {acc:.3f} ({wall:.0f} s)",
         flush=True)
   return str(run_dir / "hf_actor"), acc
@@ -147,8 +162,9 @@ def run_arms(args, work: pathlib.Path, teacher: str) -> dict[str, list[dict]]:
   launch(start_dir, arm_settings(args, "grpo", sft_cache, teacher)
          + ["--config.trainer.val_only=True"], work / "start.log")
   start_acc = read_metrics(start_dir)[0][ACC]
-  print(f"start: {args.start_steps} supervised warm-up steps (seed {args.seed}), held-out "
-        f"accuracy {start_acc:.3f}", flush=True)
+  what = (f"{args.start_steps} supervised warm-up steps" if JOBS[args.job]["warmup"]
+          else "the model as shipped")
+  print(f"start: {what} (seed {args.seed}), held-out accuracy {start_acc:.3f}", flush=True)
   for arm in ARMS:  # fill the compilation cache with each arm's programs; not counted
     launch(work / f"warm-{arm}", arm_settings(args, arm, sft_cache, teacher)
            + ["--config.trainer.total_steps=2", "--config.trainer.val_before_train=False"],
@@ -199,6 +215,8 @@ def report(curves: dict[str, list[dict]], teacher_acc: float, steps: int, level:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--job", choices=sorted(JOBS), default="grpo",
+                      help="grpo: the tiny job; smollm2: the SmolLM2 recipe (grpo_smollm2.py)")
   parser.add_argument("--steps", type=int, default=120, help="RL steps per arm")
   parser.add_argument("--chunk", type=int, default=40, help="steps per alternation")
   parser.add_argument("--val-every", type=int, default=2, help="validation interval (steps)")
@@ -222,6 +240,8 @@ def main():
                       help="recompute an earlier run's figures from its record's curves (with "
                       "--workdir: its step times from the runs kept there) and write --out")
   args = parser.parse_args()
+  global ACC, CONFIG  # noqa: PLW0603 (one job per process)
+  ACC, CONFIG = JOBS[args.job]["acc"], JOBS[args.job]["config"]
   if args.refigure:
     return refigure(args)
   if args.teacher and args.teacher_acc is None:
@@ -259,10 +279,12 @@ def refigure(args):
   """Figures again from a recorded run (its command, commit, date, machine and load kept)."""
   record = json.loads(pathlib.Path(args.refigure).read_text())
   notes = record["notes"]
-  for key in ("coef", "task_reward_coef", "start_steps", "teacher_steps", "teacher_seed",
+  for key in ("job", "coef", "task_reward_coef", "start_steps", "teacher_steps", "teacher_seed",
               "seed", "val_every", "chunk", "level"):
     if key in notes:
       setattr(args, key, notes[key])
+  global ACC, CONFIG  # noqa: PLW0603
+  ACC, CONFIG = JOBS[args.job]["acc"], JOBS[args.job]["config"]
   curves = notes["curves"]
   if args.workdir:  # the seconds again from the runs' metrics; the accuracies must agree
     again = {arm: curve(read_metrics(pathlib.Path(args.workdir) / arm), args.chunk)
@@ -311,12 +333,14 @@ def write_results(args, curves, teacher_acc, reach, load):
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True, cwd=HERE).stdout.strip()
   late = {arm: late_mean(curves[arm]) for arm in ARMS}
+  job = getattr(args, "job", "grpo")
+  prefix = "distill_" if job == "grpo" else f"distill_{job}_"  # a row of its own per job
   figures = [
-      reach_figure("distill_steps_to_half", f"RL steps to held-out accuracy {args.level}",
+      reach_figure(f"{prefix}steps_to_half", f"RL steps to held-out accuracy {args.level}",
                    "step", reach, curves, args.steps),
-      reach_figure("distill_seconds_to_half", "training seconds (sum of timing_s/step) to "
+      reach_figure(f"{prefix}seconds_to_half", "training seconds (sum of timing_s/step) to "
                    f"held-out accuracy {args.level}", "train_s", reach, curves, args.steps),
-      dict(target="distill_final_acc", unit="mean held-out accuracy over the run's last 10 "
+      dict(target=f"{prefix}final_acc", unit="mean held-out accuracy over the run's last 10 "
            f"validations (steps {curves['grpo'][-10:][0]['step']}-{args.steps})",
            hflax=late["distill"], peer=late["grpo"], peer_name="GRPO alone from the same start",
            ratio=round(late["distill"] / late["grpo"], 4) if late["grpo"] else None,
@@ -327,7 +351,8 @@ def write_results(args, curves, teacher_acc, reach, load):
       script="bench/distill.py", command=" ".join(["python", *sys.argv]), commit=commit,
       date=time.strftime("%Y-%m-%d"), machine=args.machine, cpu=cpu_description(), load=load,
       figures=[f for f in figures if f is not None],
-      notes=dict(teacher_acc=teacher_acc, coef=args.coef, task_reward_coef=args.task_reward_coef,
+      notes=dict(job=job, teacher_acc=teacher_acc, coef=args.coef,
+                 task_reward_coef=args.task_reward_coef,
                  start_steps=args.start_steps, teacher_steps=args.teacher_steps,
                  teacher_seed=args.teacher_seed, seed=args.seed, val_every=args.val_every,
                  chunk=args.chunk, level=args.level,

@@ -69,6 +69,12 @@ TARGETS = {
                                 "GRPO / on-policy distillation", "x"),
     "distill_final_acc": ("`distill.py`: held-out accuracy (mean of the last 10 "
                           "validations), on-policy distillation / GRPO", "x"),
+    "distill_smollm2_steps_to_half": ("`distill.py --job smollm2`: RL steps to held-out "
+                                      "accuracy 0.5, GRPO / distillation", "x"),
+    "distill_smollm2_seconds_to_half": ("`distill.py --job smollm2`: training seconds to "
+                                        "held-out accuracy 0.5, GRPO / distillation", "x"),
+    "distill_smollm2_final_acc": ("`distill.py --job smollm2`: held-out accuracy (mean of "
+                                  "the last 10 validations), distillation / GRPO", "x"),
     "learning_trl_time": ("`learning.py`: seconds to TRL's final held-out accuracy, TRL / "
                           "best hflax mode (>= 3x)", "x"),
     "agents_slow_tools": ("`agents.py`: 64 trajectories, 100 ms tools / instant tools "

@@ -136,3 +136,30 @@ def test_neither_arm_reaching_the_level_leaves_only_the_final_accuracy(tmp_path,
   record = _record(tmp_path, _curves(tmp_path, [0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.3]))
   _check_schema(record)
   assert [f["target"] for f in record["figures"]] == ["distill_final_acc"]
+
+
+def test_the_smollm2_job_starts_from_the_shipped_model_and_records_rows_of_its_own(
+    tmp_path, monkeypatch):
+  args = types.SimpleNamespace(job="smollm2", seed=0, val_every=2, start_steps=300,
+                               coef=1.0, task_reward_coef=0.0)
+  grpo = distill.arm_settings(args, "grpo", tmp_path / "sft", "teacher/hf")
+  dist = distill.arm_settings(args, "distill", tmp_path / "sft", "teacher/hf")
+  assert not any("sft_warmup" in s for s in grpo + dist)  # both arms: the model as shipped
+  assert dist[:len(grpo)] == grpo and "--config.distill.teacher_path=teacher/hf" in dist
+  args.job = "grpo"
+  assert "--config.trainer.sft_warmup.steps=300" in distill.arm_settings(args, "grpo",
+                                                                          tmp_path, "t")
+  monkeypatch.setattr(sys, "argv", ["bench/distill.py", "--job", "smollm2"])
+  curves = _curves(tmp_path, [0.1, 0.2, 0.3, 0.6], [0.1, 0.5, 0.6, 0.7])
+  reach = {arm: distill.first_reaching(curves[arm], 0.5) for arm in distill.ARMS}
+  args = types.SimpleNamespace(job="smollm2", level=0.5, steps=6, machine="zen4", coef=1.0,
+                               task_reward_coef=0.0, start_steps=0, teacher_steps=12,
+                               teacher_seed=2, seed=0, val_every=2, chunk=2,
+                               out=str(tmp_path / "run.json"))
+  distill.write_results(args, curves, 0.68, reach, "1.00 1.00 1.00")
+  record = json.loads((tmp_path / "run.json").read_text())
+  _check_schema(record)
+  assert [f["target"] for f in record["figures"]] == [
+      "distill_smollm2_steps_to_half", "distill_smollm2_seconds_to_half",
+      "distill_smollm2_final_acc"]
+  assert record["notes"]["job"] == "smollm2"
