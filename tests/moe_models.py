@@ -27,10 +27,36 @@ def tiny_moe(seed: int = 0, router_std: float = 0.5, **overrides):
   return model.eval()
 
 
-def saved_tiny_moe(tmp_path_factory, name: str, seed: int) -> str:
-  """The directory of a tiny_moe(seed) saved as an HF checkpoint (module fixtures' form)."""
+def tiny_qwen2_moe(seed: int = 0, router_std: float = 0.5, **overrides):
+  """Qwen2-MoE's twin of tiny_moe: q/k/v biases and no q/k norms, a shared expert of width
+  40 beside 8 routed experts (top-2, weights not renormalised: Qwen2-MoE's default), the
+  middle layer dense; biases, norms and the shared expert's gate perturbed so parity
+  exercises them."""
+  kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=160, moe_intermediate_size=48,
+                shared_expert_intermediate_size=40, num_experts=8, num_experts_per_tok=2,
+                norm_topk_prob=False, mlp_only_layers=[1], num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0,
+                max_position_embeddings=256, rms_norm_eps=1e-6, router_aux_loss_coef=0.01,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+  kwargs.update(overrides)
+  config = transformers.Qwen2MoeConfig(**kwargs)
+  config._attn_implementation = "eager"
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name or name.endswith("bias") or "shared_expert_gate" in name:
+        p.add_(0.1 * torch.randn_like(p))
+      if name.endswith("mlp.gate.weight"):
+        p.normal_(0.0, router_std)
+  return model.eval()
+
+
+def saved_tiny_moe(tmp_path_factory, name: str, seed: int, build=None) -> str:
+  """The directory of a tiny_moe(seed) (or `build`(seed=seed)) saved as an HF checkpoint
+  (module fixtures' form)."""
   path = tmp_path_factory.mktemp(name)
-  tiny_moe(seed=seed).save_pretrained(path)
+  (build or tiny_moe)(seed=seed).save_pretrained(path)
   return str(path)
 
 

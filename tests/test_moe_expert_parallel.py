@@ -1,5 +1,6 @@
 """Expert parallelism: the tiny Qwen3-MoE's experts split over an "expert" mesh axis on 8
-simulated devices compute what one device computes (forward, gradients, an update)."""
+simulated devices compute what one device computes (forward, gradients, an update); the
+tiny Qwen2-MoE too, its shared expert split like a dense MLP."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +11,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hflax.models import forward, hf, moe
 from hflax.sharding.layouts import (TRAIN_RULES, batch_sharding, partition_spec,
                                     state_shardings, train_mesh)
-from moe_models import saved_tiny_moe, tiny_moe
+from moe_models import saved_tiny_moe, tiny_moe, tiny_qwen2_moe
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-  return saved_tiny_moe(tmp_path_factory, "qwen3_moe_ep", seed=1)
+def ckpts(tmp_path_factory):
+  return {"qwen3_moe": saved_tiny_moe(tmp_path_factory, "qwen3_moe_ep", seed=1),
+          "qwen2_moe": saved_tiny_moe(tmp_path_factory, "qwen2_moe_ep", seed=1,
+                                      build=tiny_qwen2_moe)}
 
 
 def _loss_fn(graphdef, cfg, mesh):
@@ -31,12 +34,15 @@ def _loss_fn(graphdef, cfg, mesh):
   return loss
 
 
-@pytest.mark.parametrize("shape", [dict(data=2, fsdp=1, expert=4), dict(fsdp=2, expert=4)])
-def test_expert_parallel_step_equals_one_device(ckpt, shape):
+@pytest.mark.parametrize("family,shape", [("qwen3_moe", dict(data=2, fsdp=1, expert=4)),
+                                          ("qwen3_moe", dict(fsdp=2, expert=4)),
+                                          ("qwen2_moe", dict(fsdp=2, expert=4))])
+def test_expert_parallel_step_equals_one_device(ckpts, family, shape):
   devices = jax.devices()
   assert len(devices) == 8
   mesh = train_mesh(devices, **shape)
-  cfg, graphdef, state = hf.load_checkpoint(ckpt)
+  cfg, graphdef, state = hf.load_checkpoint(ckpts[family])
+  assert cfg.family == family
   shardings = state_shardings(state, mesh, TRAIN_RULES)
   sharded = jax.device_put(state, shardings)
   # The experts really are split over the expert axis: 2 of the 8 on each device.

@@ -1,4 +1,4 @@
-"""Decoder LM configuration, shared by Llama (2/3), Qwen2/2.5, Qwen3 and Qwen3-MoE."""
+"""Decoder LM configuration, shared by Llama (2/3), Qwen2/2.5, Qwen3, Qwen3-MoE and Qwen2-MoE."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,10 @@ ROW_AXES = ("data", "fsdp", "expert")
 # HF architecture name -> the family switches it implies.
 _FAMILIES = {"Llama": dict(family="llama"), "Qwen2": dict(family="qwen2", qkv_bias=True),
              "Qwen3": dict(family="qwen3", qk_norm=True),
-             "Qwen3Moe": dict(family="qwen3_moe", qk_norm=True)}
+             "Qwen3Moe": dict(family="qwen3_moe", qk_norm=True),
+             "Qwen2Moe": dict(family="qwen2_moe", qkv_bias=True)}
+# The families whose sparse layers route tokens to experts (hflax.models.moe).
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 ARCHITECTURES = {prefix + head: switches for prefix, switches in _FAMILIES.items()
                  for head in ("ForCausalLM", "ForTokenClassification", "ForSequenceClassification")}
 # hflax.models.attention.IMPLEMENTATIONS ("cudnn", "splash": the GPU and TPU kernels),
@@ -63,8 +66,8 @@ class ModelConfig:
   # How attention is computed (hflax.models.attention.IMPLEMENTATIONS): "auto" picks per
   # backend and shape; the others force one.
   attention: str = "auto"
-  # Mixture of experts (family "qwen3_moe", HF's names): a sparse layer routes each token
-  # to num_experts_per_tok of num_experts SwiGLU experts of width moe_intermediate_size
+  # Mixture of experts (families in MOE_FAMILIES, HF's names): a sparse layer routes each
+  # token to num_experts_per_tok of num_experts SwiGLU experts of width moe_intermediate_size
   # (hflax.models.moe); layers in mlp_only_layers, or whose index + 1 is not a multiple of
   # decoder_sparse_step, keep a dense MLP of width intermediate_size.
   num_experts: int = 0
@@ -74,6 +77,9 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = 0.0
+  # Qwen2-MoE: every token also runs through a shared SwiGLU expert of this width (0: none),
+  # scaled by a sigmoid gate of its own, and added to the routed experts' sum.
+  shared_expert_intermediate_size: int = 0
   # How a sparse layer computes its experts (MOE_DISPATCHES, hflax.models.moe): "dense"
   # runs every expert on every token; "sorted" groups tokens by expert for a grouped
   # matmul. Equal results; which is faster depends on the backend's grouped matmul.
@@ -104,6 +110,10 @@ class ModelConfig:
                        f"({self.num_experts_per_tok}) <= num_experts, moe_intermediate_size "
                        f"({self.moe_intermediate_size}) > 0 and decoder_sparse_step "
                        f"({self.decoder_sparse_step}) > 0")
+    if self.shared_expert_intermediate_size < 0 or (self.shared_expert_intermediate_size
+                                                    and not self.num_experts):
+      raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}"
+                       " needs num_experts > 0 (a shared expert sits beside routed ones)")
     mlp_targets = [t for t in self.lora_targets if t in ("gate_proj", "up_proj", "down_proj")]
     if self.num_experts and mlp_targets:
       raise ValueError(f"lora_targets {mlp_targets}: the experts of a mixture-of-experts model "
@@ -148,6 +158,8 @@ class ModelConfig:
     mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
     sparse = self.num_sparse_layers
     moe = d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+    shared = self.shared_expert_intermediate_size
+    moe += 3 * d * shared + d if shared else 0  # the shared expert and its [d, 1] gate
     per_layer = attn + 2 * d
     head = 0 if self.tie_word_embeddings else self.vocab_size * d
     return (self.vocab_size * d + self.num_layers * per_layer + (self.num_layers - sparse) * mlp
@@ -172,7 +184,8 @@ class ModelConfig:
     if not known:
       model_type = hf.get("model_type")
       by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
       if model_type not in by_type:
         raise ValueError(
             f"{source}: unsupported architecture {archs or model_type!r}; hflax supports "
@@ -203,7 +216,9 @@ class ModelConfig:
       switches["mlp_bias"] = bool(hf.get("mlp_bias", False))
     elif family in ("qwen3", "qwen3_moe"):
       switches["qkv_bias"] = switches["o_bias"] = bool(hf.get("attention_bias", False))
-    if family == "qwen3_moe":
+    elif family == "qwen2_moe":  # transformers 5 names the q/k/v bias switch qkv_bias
+      switches["qkv_bias"] = bool(hf.get("qkv_bias", True))
+    if family in MOE_FAMILIES:
       switches.update(_moe_fields(hf, source))
     eos = hf.get("eos_token_id")
     return cls(
@@ -228,7 +243,8 @@ class ModelConfig:
 
   def to_hf(self) -> dict[str, Any]:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[self.family]
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM"}[self.family]
     out = dict(
         architectures=[arch],
         model_type=self.family,
@@ -261,7 +277,12 @@ class ModelConfig:
       raise ValueError(f"{arch} has no mlp_bias")
     if self.family == "qwen2":
       out["use_sliding_window"] = False
-    if self.family == "qwen3_moe":
+    if self.family == "qwen2_moe":
+      if self.o_bias:
+        raise ValueError(f"{arch} has no o_proj bias")
+      out.update(qkv_bias=self.qkv_bias,
+                 shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+    if self.family in MOE_FAMILIES:
       out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                  moe_intermediate_size=self.moe_intermediate_size,
                  norm_topk_prob=self.norm_topk_prob,
@@ -272,8 +293,8 @@ class ModelConfig:
 
 
 def _moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
-  """ModelConfig's mixture-of-experts fields from a Qwen3-MoE config.json (transformers 5
-  writes num_experts as num_local_experts)."""
+  """ModelConfig's mixture-of-experts fields from a Qwen3-MoE or Qwen2-MoE config.json
+  (transformers 5 writes num_experts as num_local_experts)."""
   experts = hf.get("num_experts", hf.get("num_local_experts"))
   for key, value in (("num_experts", experts),
                      ("num_experts_per_tok", hf.get("num_experts_per_tok")),
@@ -285,4 +306,6 @@ def _moe_fields(hf: dict[str, Any], source: str) -> dict[str, Any]:
               norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
               decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
               mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-              router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)))
+              router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+              shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size")
+                                                  or 0))

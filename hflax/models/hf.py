@@ -26,7 +26,8 @@ from hflax.models.transformer import Dense, create_abstract
 # Tensors some checkpoints carry that hflax recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _HEAD_ARCH = {"lm": "ForCausalLM", "value": "ForTokenClassification"}
-_FAMILY_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+_FAMILY_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe",
+                  "qwen2_moe": "Qwen2Moe"}
 # In a name, the place of the expert index: the parameter stacks those tensors on axis 0
 # (HF stores one tensor an expert; a GGUF file the stack itself, under this very name).
 EXPERT = "*"
@@ -50,6 +51,10 @@ def hf_name_map(cfg: ModelConfig, head: str = "lm") -> dict[tuple, tuple[str, bo
     names[ours + ("mlp", "router")] = (hf + "mlp.gate.weight", True)
     for proj in ("gate", "up", "down"):
       names[ours + ("mlp", proj)] = (hf + f"mlp.experts.{EXPERT}.{proj}_proj.weight", True)
+      names[ours + ("mlp", "shared_expert", proj, "kernel")] = (
+          hf + f"mlp.shared_expert.{proj}_proj.weight", True)
+    names[ours + ("mlp", "shared_expert_gate", "kernel")] = (hf + "mlp.shared_expert_gate.weight",
+                                                             True)
     names[ours + ("attn_norm", "scale")] = (hf + "input_layernorm.weight", False)
     names[ours + ("mlp_norm", "scale")] = (hf + "post_attention_layernorm.weight", False)
   names[("lm_head", "kernel")] = ("lm_head.weight", True)

@@ -1,4 +1,4 @@
-"""Qwen3-MoE's sparse MLP: a top-k router over stacked SwiGLU experts.
+"""Qwen3-MoE's and Qwen2-MoE's sparse MLP: a top-k router over stacked SwiGLU experts.
 
 The router is HF's: logits in the compute dtype, a softmax over all experts in float32,
 the top k of those probabilities, renormalised to sum to 1 when norm_topk_prob. By
@@ -11,6 +11,11 @@ the combine is a sum over E that XLA reduces across the axis), with no capacity,
 dropped tokens, and gradients for the router through the combine weights. "sorted"
 (sorted_experts) groups the tokens by expert for a grouped matmul (jax.lax.ragged_dot):
 the same function, at k experts' FLOPs a token where the backend has a grouped kernel.
+
+Qwen2-MoE adds a shared expert: a dense SwiGLU MLP every token runs through, scaled by
+sigmoid(x @ shared_expert_gate) and added to the routed experts' sum (HF's order). The
+model builds it (a transformer MLP and Dense) and hands it in, so this module stays below
+the transformer's.
 
 Routing replay: a module's `replay` (set by `set_replay` before a call) replaces the
 top-k choice with given expert indices; the combine weights are still the current
@@ -35,7 +40,8 @@ _INIT = jax.nn.initializers.normal(0.02)
 
 
 class SparseMoE(nnx.Module):
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, shared_expert=None,
+               shared_expert_gate=None):
     e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
 
     def param(shape, axes):
@@ -52,6 +58,8 @@ class SparseMoE(nnx.Module):
     # An input of the next call, never part of the state: expert indices to replay
     # ([..., k] int32, shaped like the tokens; set_replay).
     self.replay = nnx.data(None)
+    # Qwen2-MoE's shared expert (an MLP module) and its gate (a Dense to one output), or None.
+    self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
   def __call__(self, x_BxTxD):
     logits = dense_dot(x_BxTxD, self.router[...], self.dtype)
@@ -72,9 +80,11 @@ class SparseMoE(nnx.Module):
       _recorders.stack[-1].append((routes, logits))
     x = x_BxTxD.astype(self.dtype)
     kernels = [w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)]
-    if self.dispatch == "sorted":
-      return sorted_experts(x, routes, weights.astype(self.dtype), *kernels)
-    return dense_experts(x, routes, weights.astype(self.dtype), *kernels)
+    experts = sorted_experts if self.dispatch == "sorted" else dense_experts
+    out = experts(x, routes, weights.astype(self.dtype), *kernels)
+    if self.shared_expert is not None:
+      out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+    return out
 
 
 def dense_experts(x_BxTxD, routes_BxTxK, weights_BxTxK, gate_ExDxF, up_ExDxF, down_ExFxD):

@@ -228,12 +228,22 @@ def _swiglu_in_float32(gate, up):
   return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
+def _sparse_mlp(cfg: ModelConfig, rngs: nnx.Rngs) -> SparseMoE:
+  """A sparse layer, with Qwen2-MoE's shared expert where the config has one."""
+  width = cfg.shared_expert_intermediate_size
+  if not width:
+    return SparseMoE(cfg, rngs)
+  shared = MLP(cfg.replace(intermediate_size=width), rngs)
+  gate = Dense(cfg.hidden_size, 1, ("embed", None), bias=False, cfg=cfg, rngs=rngs, lora=False)
+  return SparseMoE(cfg, rngs, shared_expert=shared, shared_expert_gate=gate)
+
+
 class Block(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
     self.attn_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
     self.attn = Attention(cfg, rngs)
     self.mlp_norm = RMSNorm(cfg.hidden_size, "norm", cfg=cfg)
-    self.mlp = SparseMoE(cfg, rngs) if cfg.sparse_layer(layer) else MLP(cfg, rngs)
+    self.mlp = _sparse_mlp(cfg, rngs) if cfg.sparse_layer(layer) else MLP(cfg, rngs)
 
   def __call__(self, x, cos, sin, kv_valid, slot0, cache, segment_ids=None, prefix_ids=None):
     h, cache = self.attn(self.attn_norm(x), cos, sin, kv_valid, slot0, cache, segment_ids,

@@ -1,0 +1,85 @@
+"""Qwen2-MoE parity with transformers: its shared expert and q/k/v biases on top of the
+sparse layers test_models_moe.py checks for Qwen3-MoE (logits, load-balancing loss, greedy
+tokens, the config and the HF checkpoint round trip)."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from hflax.models import ModelConfig, forward, hf, logits_fn, moe
+from hflax.rollout.sampler import SamplingParams, generate
+from moe_models import hf_logits_and_aux, tiny_qwen2_moe
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+  model = tiny_qwen2_moe()
+  path = tmp_path_factory.mktemp("qwen2_moe")
+  model.save_pretrained(path)
+  return model, str(path)
+
+
+def test_config_counts_the_shared_expert(ckpt):
+  model, path = ckpt
+  cfg = hf.read_config(path)
+  assert cfg.family == "qwen2_moe" and cfg.qkv_bias and not cfg.o_bias and not cfg.qk_norm
+  assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size) == (
+      8, 2, 40)
+  assert not cfg.norm_topk_prob and [cfg.sparse_layer(i) for i in range(3)] == [True, False, True]
+  assert cfg.num_params == sum(p.numel() for p in model.parameters())
+  # Every token runs through the shared expert: only 6 of 8 routed experts are inactive.
+  assert cfg.num_params - cfg.num_active_params == 2 * 6 * 3 * 64 * 48
+
+
+def test_logits_aux_loss_and_greedy_tokens_match_transformers(ckpt):
+  model, path = ckpt
+  cfg, graphdef, state = hf.load_checkpoint(path)
+  ids = np.random.RandomState(0).randint(3, 128, size=(3, 24))
+  mask = np.ones_like(ids)
+  mask[1, :7] = 0  # left padding
+  ours = np.asarray(jax.jit(logits_fn, static_argnums=0)(graphdef, state, jnp.asarray(ids),
+                                                          jnp.asarray(mask)))
+  want, want_aux = hf_logits_and_aux(model, ids, mask)
+  assert np.abs(ours - want)[mask.astype(bool)].max() <= 1e-4
+  # Without its shared expert the model is another one: the parity above depends on it.
+  shared = np.asarray(state["layers"][0]["mlp"]["shared_expert"]["down"]["kernel"][...])
+  assert np.abs(shared).max() > 0
+  with moe.recording() as record:
+    forward(graphdef, state, jnp.asarray(ids), jnp.asarray(mask))
+  aux = moe.load_balancing_loss(moe.stacked(record)[1], cfg.num_experts_per_tok,
+                                jnp.asarray(mask))
+  assert abs(float(aux) - want_aux) <= 1e-6
+  prompts = [[5, 17, 33, 9], [44, 3, 70, 71, 99, 12, 8]]
+  out = generate(graphdef, state, prompts,
+                 SamplingParams(max_new_tokens=10, temperature=0, eos_ids=(2,), pad_id=0))
+  for row, prompt in enumerate(prompts):
+    with torch.no_grad():
+      tokens = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                              eos_token_id=2, pad_token_id=0)[0, len(prompt):].numpy()
+    got = np.asarray(out["responses"][row])[np.asarray(out["response_mask"][row], bool)]
+    np.testing.assert_array_equal(got, tokens)
+
+
+def test_export_round_trip_gives_identical_tensors(ckpt, tmp_path):
+  model, path = ckpt
+  cfg, _, state = hf.load_checkpoint(path)
+  hf.export_checkpoint(str(tmp_path), cfg, state)
+  config = json.load(open(tmp_path / "config.json"))
+  assert config["architectures"] == ["Qwen2MoeForCausalLM"]
+  assert config["shared_expert_intermediate_size"] == 40 and config["qkv_bias"]
+  again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+  original, reloaded = model.state_dict(), again.state_dict()
+  assert set(original) == set(reloaded)
+  for name, tensor in original.items():
+    assert torch.equal(tensor, reloaded[name]), name
+  assert ModelConfig.from_hf(config) == cfg
+
+
+def test_a_shared_expert_without_experts_is_refused_in_one_line():
+  with pytest.raises(ValueError, match="shared_expert_intermediate_size=8 needs num_experts"):
+    ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
+                num_kv_heads=2, family="qwen2_moe", shared_expert_intermediate_size=8)
