@@ -75,6 +75,8 @@ def hflax_config(args, mode: str, run_dir: str, model_dir: str | None):
                    export_hf=False, mode=mode)
   if mode != "sync":
     c.trainer.max_staleness = args.max_staleness
+    # Rollout correction of the stale rows (docs/async.md), off unless --correction.
+    c.algorithm.rollout_correction.rollout_is = getattr(args, "correction", None)
   return c
 
 
@@ -118,7 +120,9 @@ def run_hflax(args, mode: str, model_dir: str | None) -> dict:
       trainer.close()
   before = val_accuracy(result["before"] or {})
   curve.insert(0, {"step": 0, "accuracy": before, "seconds": 0.0})
-  return {"name": f"hflax {mode}", "curve": curve}
+  correction = getattr(args, "correction", None) if mode != "sync" else None
+  corrected = f" (TIS {correction})" if correction else ""
+  return {"name": f"hflax {mode}{corrected}", "curve": curve}
 
 
 # ----------------------------------------------------------------------------- TRL side
@@ -279,6 +283,9 @@ def main(argv=None):
   p.add_argument("--val-every", type=int, default=2)
   p.add_argument("--val-prompts", type=int, default=200)
   p.add_argument("--max-staleness", type=int, default=1)
+  p.add_argument("--correction", choices=("token", "sequence"), default=None,
+                 help="one_step_off and async: truncated importance sampling of stale rows "
+                 "(algorithm.rollout_correction.rollout_is); default off")
   p.add_argument("--modes", default=",".join(MODES) + ",trl",
                  help="comma-separated: sync, one_step_off, async, trl")
   p.add_argument("--accuracies", default="0.3,0.4,0.5,0.6")
@@ -308,10 +315,11 @@ def main(argv=None):
   table, figure = report(runs, [float(x) for x in args.accuracies.split(",")])
   print(table)
   date = datetime.date.today().isoformat()
-  path = args.json or (os.path.join(ROOT, "bench", "results", f"{date}-learning-{args.machine}"
+  kind = f"learning-tis-{args.correction}" if args.correction else "learning"
+  path = args.json or (os.path.join(ROOT, "bench", "results", f"{date}-{kind}-{args.machine}"
                                     ".json") if args.machine else "")
   if path:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "0000000"
     out = {"script": "bench/learning.py", "command": " ".join(["python", *sys.argv]),
            "commit": commit, "date": date, "machine": args.machine or "vm", "cpu": cpu_name(),
