@@ -15,6 +15,16 @@ replicated over data. With LoRA only the adapters have gradients and optimizer s
 and the backward pass skips the base weights' gradient matmuls: 2 forward-equivalents,
 not 3.
 
+Mixture of experts: weights, gradients and optimizer state count every expert (the total
+parameters), FLOPs the experts a token runs through (terms.compute_params). An expert
+axis splits the routed experts' weights (replicated over it: everything else, whose
+gradients therefore all-reduce over data x expert), and its devices are data parallel.
+How the sparse layers move data is what XLA makes of hflax.models.moe on such a mesh,
+not an all-to-all (hflax has no explicit dispatch): read from the compiled programs' HLO
+on 8 simulated CPU devices (meshes data 8, fsdp 8, data 2 x expert 4, fsdp 2 x expert 4,
+2 x 2 x 2; one sparse layer of 64 experts of width 512 at hidden 1024, and of 8 of width
+48 at 64), see _expert_exchange. The experts never take part in FSDP's layer gathers.
+
 Runtime modes (Workload): padded passes compute every row at the full width and waves of
 generation last as long as their longest row; packed passes compute the mean length's
 real tokens, and continuous batching's decode steps follow the total generated tokens
@@ -33,9 +43,10 @@ from hflax.sharding.automap.mesh import MeshShape
 from hflax.sharding.automap.profile import DeviceProfile
 # The shape terms and Overheads (terms.py) are also imported from here by callers.
 from hflax.sharding.automap.terms import (TRAIN_BYTES_PER_PARAM, Overheads, compute_bytes,
-                                          forward_flops, layer_params, matmul_params,
-                                          param_bytes, rows_per_shard, shape_problem,
-                                          trained_params, weight_tensors)
+                                          expert_params, expert_problem, forward_flops,
+                                          layer_params, matmul_params, param_bytes,
+                                          rows_per_shard, shape_problem, trained_params,
+                                          weight_tensors)
 from hflax.sharding.automap.workload import TRAINED, Workload
 
 
@@ -62,6 +73,7 @@ class StageCost:
   reason: str | None = None
   note: str = ""
   max_num_seqs: int = 0  # generation: the sequences per replica its KV budget holds
+  exchange: float = 0.0  # bytes a device receives moving a mixture of experts' tokens
 
 
 class Simulator:
@@ -85,18 +97,20 @@ class Simulator:
   @memoised
   def resident(self, role: str, mesh: MeshShape) -> float:
     cfg = self.wl.models[role]
+    experts = param_bytes(cfg) * expert_params(cfg)
     if role not in TRAINED:
-      return memory.weight_bytes(cfg) / mesh.shards
+      return device_part(mesh, memory.weight_bytes(cfg), experts)
     frozen = memory.weight_bytes(cfg) if cfg.lora_rank else 0  # the base beneath the adapters
-    return (TRAIN_BYTES_PER_PARAM * trained_params(cfg) + frozen) / mesh.shards
+    # LoRA adapts attention only on a mixture of experts: its experts stay frozen.
+    trained_experts = experts if cfg.lora_rank else TRAIN_BYTES_PER_PARAM * expert_params(cfg)
+    return device_part(mesh, TRAIN_BYTES_PER_PARAM * trained_params(cfg) + frozen,
+                      trained_experts)
 
   @memoised
   def mesh_problem(self, role: str, mesh: MeshShape) -> str | None:
-    wl = self.wl
-    problem = shape_problem(wl.models[role], mesh.tensor, f"{role} mesh")
-    if problem:
-      return problem
-    return None
+    cfg = self.wl.models[role]
+    return (shape_problem(cfg, mesh.tensor, f"{role} mesh")
+            or expert_problem(cfg, mesh.expert, f"{role} mesh"))
 
   def _layer_comm(self, cfg, mesh, tokens, passes):
     """Per micro-batch of `tokens`: tensor-parallel all-reduces (2 per layer per pass) and
@@ -104,9 +118,60 @@ class Simulator:
     layer by layer)."""
     tp = passes * 2 * cfg.num_layers * comm.all_reduce(
         self.prof, tokens * cfg.hidden_size * compute_bytes(cfg), mesh.tensor, mesh.tensor)
-    gather = comm.all_gather(self.prof, param_bytes(cfg) * cfg.num_params / mesh.tensor,
-                             mesh.fsdp, mesh.shards, pieces=weight_tensors(cfg))
+    # The experts stay split (_expert_exchange moves tokens to them, or gathers them).
+    weights = param_bytes(cfg) * (cfg.num_params - expert_params(cfg)) / mesh.tensor
+    gather = comm.all_gather(self.prof, weights, mesh.fsdp, mesh.model_span,
+                             pieces=weight_tensors(cfg) - 3 * cfg.num_sparse_layers)
     return tp, gather
+
+  def _gathers_experts(self, cfg, mesh, tokens) -> bool:
+    """Whether XLA gathers dense dispatch's experts rather than the tokens: the expert
+    matmuls' operands, the call's tokens and a stack of experts, are split over the same
+    row axes (fsdp, expert) and it gathers the smaller (compared whole)."""
+    return (cfg.num_sparse_layers > 0 and cfg.moe_dispatch == "dense"
+            and mesh.fsdp * mesh.expert > 1
+            and mesh.batch_ways * tokens > cfg.num_experts * cfg.moe_intermediate_size)
+
+  def _expert_exchange(self, cfg, mesh, tokens, passes) -> tuple[float, float]:
+    """(seconds, bytes a device receives) moving a mixture of experts' tokens or experts in
+    one call of `tokens` per device, as XLA partitions hflax.models.moe (the compiled HLO,
+    see the module docstring); `passes` as in _layer_comm. Per sparse layer and pass, with
+    g = fsdp x expert, the row axes that also split the experts:
+
+    dense dispatch (g > 1): tokens, when fewer than a stack's columns (_gathers_experts):
+      an all-gather of the g devices' tokens (each then runs its part of the experts on all
+      of them) and an all-reduce of the outputs over the g devices; the backward pass does
+      the same pair for the gradients. Else the experts: an all-gather of the three stacks
+      over the g devices (each runs every expert on its own rows); the backward's
+      reduce-scatter of their gradients counts as one more.
+    sorted dispatch, whenever the batch is split (an expert axis or not): the sort by
+      expert runs over the whole batch, and every device all-reduces all of its
+      num_experts_per_tok x tokens picked rows over the pool; the experts stay split.
+    Not an all-to-all of a token's k picks: hflax has no explicit dispatch."""
+    layers, d = cfg.num_sparse_layers, cfg.hidden_size
+    g, n = mesh.fsdp * mesh.expert, mesh.size
+    if not layers or (cfg.moe_dispatch == "sorted" and mesh.batch_ways == 1) or \
+        (cfg.moe_dispatch == "dense" and g == 1):
+      return 0.0, 0.0
+    act = compute_bytes(cfg)
+    if cfg.moe_dispatch == "sorted":
+      picks = mesh.batch_ways * tokens * cfg.num_experts_per_tok * d * act
+      time, moved = comm.all_reduce(self.prof, picks, n, n), 2 * picks * (n - 1) / n
+    elif self._gathers_experts(cfg, mesh, tokens):
+      stacks = self._expert_stacks(cfg, mesh)
+      time = comm.all_gather(self.prof, stacks, g, mesh.model_span, pieces=3)
+      moved = stacks * (g - 1) / g
+    else:
+      group = g * tokens * d * act  # the group's tokens, whole on each device
+      time = (comm.all_gather(self.prof, group, g, mesh.model_span)
+              + comm.all_reduce(self.prof, group, g, mesh.model_span))
+      moved = 3 * group * (g - 1) / g
+    return passes * layers * time, passes * layers * moved
+
+  def _expert_stacks(self, cfg, mesh) -> float:
+    """Bytes of one sparse layer's three expert stacks on a device once gathered."""
+    return (param_bytes(cfg) * 3 * cfg.num_experts * cfg.hidden_size
+            * cfg.moe_intermediate_size / mesh.tensor)
 
   def _activations(self, cfg, mesh, micro_seqs, train, remat, packed_tokens=0.0):
     """One micro-batch's transient bytes per device: what hflax's compiled pass allocates
@@ -116,11 +181,16 @@ class Simulator:
     packed_tokens: a packed micro-batch, one row of that many tokens holding as many
     sequences as their mean length gives, instead of micro_seqs padded rows."""
     wl, t = self.wl, mesh.tensor
-    gathered = 2 * param_bytes(cfg) * layer_params(cfg) / t if mesh.fsdp > 1 else 0.0
+    layer = layer_params(cfg)
+    if cfg.num_sparse_layers:  # the experts are not gathered with the layer
+      layer -= expert_params(cfg) / cfg.num_layers
+    gathered = 2 * param_bytes(cfg) * layer / t if mesh.fsdp > 1 else 0.0
     rows, length, scored_rows = micro_seqs, wl.seq_len, None
     if packed_tokens:
       rows, length = 1, math.ceil(packed_tokens)
       scored_rows = math.ceil(packed_tokens / wl.packed_seq_len)
+    if self._gathers_experts(cfg, mesh, packed_tokens or micro_seqs * wl.seq_len):
+      gathered += 2 * self._expert_stacks(cfg, mesh)
     if not train:
       return memory.forward_bytes(cfg, rows, length, wl.response_len, wl.attention,
                                   scored_rows).transient / t + gathered
@@ -153,15 +223,16 @@ class Simulator:
 
   def forward(self, role: str, mesh: MeshShape, free: float) -> StageCost:
     """Log-probs, values or rewards of the whole batch: one micro-batched pass."""
-    time, transient = self._forward(role, mesh)
+    time, transient, moved = self._forward(role, mesh)
     if transient > free:
       return StageCost(reason=f"OOM: {role} forward needs {transient / 1e9:.1f} GB, "
                        f"{max(free, 0) / 1e9:.1f} GB free")
-    return StageCost(time, transient)
+    return StageCost(time, transient, exchange=moved)
 
   @memoised
-  def _forward(self, role: str, mesh: MeshShape) -> tuple[float, float]:
-    """(seconds, transient bytes) of forward, which only the free memory does not set."""
+  def _forward(self, role: str, mesh: MeshShape) -> tuple[float, float, float]:
+    """(seconds, transient bytes, expert exchange bytes) of forward, which only the free
+    memory does not set."""
     cfg, wl = self.wl.models[role], self.wl
     per_device = rows_per_shard(wl.sequences, mesh.batch_ways)
     calls, micro, packed = self._micro_batches(per_device, train=False)
@@ -169,25 +240,26 @@ class Simulator:
     compute = (mesh.batch_ways * self.pass_flops(cfg, per_device)
                / (mesh.size * self.flops_rate) * self.share(mesh))
     tp, gather = self._layer_comm(cfg, mesh, packed or micro * wl.seq_len, passes=1)
-    time = (self.ovh.hide(compute, calls * gather) + calls * tp
+    exchange, moved = self._expert_exchange(cfg, mesh, packed or micro * wl.seq_len, 1)
+    time = (self.ovh.hide(compute, calls * gather) + calls * (tp + exchange)
             + self.ovh.call_time(mesh.size))
-    return time, transient
+    return time, transient, calls * moved
 
   def train(self, role: str, mesh: MeshShape, free: float) -> StageCost:
     """ppo_epochs passes over the batch in mini-batches, one optimizer step each; layers
     are recomputed in the backward pass (remat) only when their activations do not fit."""
-    time, transient = self._train(role, mesh, False)
+    time, transient, moved = self._train(role, mesh, False)
     remat = transient > free
     if remat:
-      time, transient = self._train(role, mesh, True)
+      time, transient, moved = self._train(role, mesh, True)
     if transient > free:
       return StageCost(reason=f"OOM: {role} training needs {transient / 1e9:.1f} GB, "
                        f"{max(free, 0) / 1e9:.1f} GB free")
-    return StageCost(time, transient, note="remat" if remat else "")
+    return StageCost(time, transient, note="remat" if remat else "", exchange=moved)
 
   @memoised
-  def _train(self, role: str, mesh: MeshShape, remat: bool) -> tuple[float, float]:
-    """(seconds, transient bytes) of train with or without remat."""
+  def _train(self, role: str, mesh: MeshShape, remat: bool) -> tuple[float, float, float]:
+    """(seconds, transient bytes, expert exchange bytes) of train with or without remat."""
     cfg, wl = self.wl.models[role], self.wl
     per_device = rows_per_shard(wl.mini_batch_sequences, mesh.batch_ways)
     calls, micro, packed = self._micro_batches(per_device, train=True)
@@ -200,16 +272,29 @@ class Simulator:
     compute = (steps * mesh.batch_ways * passes * self.pass_flops(cfg, per_device)
                / (mesh.size * self.flops_rate) * self.share(mesh))
     tp, gather = self._layer_comm(cfg, mesh, packed or micro * wl.seq_len, passes=2 + remat)
+    exchange, moved = self._expert_exchange(cfg, mesh, packed or micro * wl.seq_len,
+                                            2 + remat)
     fsdp = calls * gather * (2 + remat)  # gathers for forward and backward (+ recompute),
     # the reduce-scatter of gradients costing as much as one gather
     trained = trained_params(cfg)
-    grads = param_bytes(cfg) * trained / mesh.shards
-    sync = steps * comm.all_reduce(self.prof, grads, mesh.data, mesh.size)
-    update = (steps * 2 * TRAIN_BYTES_PER_PARAM * trained / mesh.shards / self.hbm_rate
+    experts = 0 if cfg.lora_rank else expert_params(cfg)  # trained experts' parameters
+    sync = steps * self._gradient_sync(param_bytes(cfg), trained, experts, mesh)
+    update = (device_part(mesh, steps * 2 * TRAIN_BYTES_PER_PARAM * trained,
+                         steps * 2 * TRAIN_BYTES_PER_PARAM * experts) / self.hbm_rate
               * self.share(mesh))
-    time = (self.ovh.hide(compute, fsdp) + calls * tp + sync + update
+    time = (self.ovh.hide(compute, fsdp) + calls * (tp + exchange) + sync + update
             + self.ovh.call_time(mesh.size))
-    return time, transient
+    return time, transient, calls * moved
+
+  def _gradient_sync(self, nbytes, trained, experts, mesh) -> float:
+    """The data-parallel all-reduce of one step's gradients: the experts' over the data
+    axis, every other weight's over data x expert (the expert axis replicates them)."""
+    if mesh.expert == 1:
+      return comm.all_reduce(self.prof, nbytes * trained / mesh.shards, mesh.data, mesh.size)
+    return (comm.all_reduce(self.prof, nbytes * (trained - experts) / mesh.shards,
+                            mesh.data * mesh.expert, mesh.size)
+            + comm.all_reduce(self.prof, nbytes * experts / mesh.expert_shards, mesh.data,
+                              mesh.size))
 
   @memoised
   def reshard(self, mesh: MeshShape, gen_tensor: int, strided: bool = True) -> float:
@@ -229,8 +314,17 @@ class Simulator:
     t_g-group inside a node; then almost none of a device's generation shard is local,
     and it receives the whole M / t_g from across the m-group.
     """
-    cfg, m = self.wl.models["actor"], mesh.shards
-    shard = compute_bytes(cfg) * cfg.num_params / gen_tensor
+    cfg = self.wl.models["actor"]
+    experts = compute_bytes(cfg) * expert_params(cfg)
+    # Generation has no expert axis (hybrid_engine: experts split like the MLP, t_g ways):
+    # the experts, trained expert x more split, are a part of their own.
+    parts = [(compute_bytes(cfg) * cfg.num_params - experts, mesh.shards)]
+    if experts:
+      parts.append((experts, mesh.expert_shards))
+    return sum(self._reshard_part(shard / gen_tensor, m, gen_tensor, strided)
+               for shard, m in parts)
+
+  def _reshard_part(self, shard, m, gen_tensor, strided) -> float:
     if not strided:
       return comm.transfer(self.prof, shard, m)
     if gen_tensor >= m:  # the generation shard is a slice of the training shard
@@ -386,3 +480,11 @@ class Simulator:
         self.prof, batch * cfg.hidden_size * compute_bytes(cfg), gen_tensor, span)
     return (max(read / self.hbm_rate, flops / self.flops_rate) * self.share(mesh) + token_comm
             + self.ovh.decode_step)
+
+
+def device_part(mesh: MeshShape, nbytes: float, experts: float) -> float:
+  """One device's part of `nbytes` of weights (or their gradients or optimizer state), of
+  which `experts` are the routed experts', which the expert axis splits further."""
+  if not experts:
+    return nbytes / mesh.shards
+  return (nbytes - experts) / mesh.shards + experts / mesh.expert_shards

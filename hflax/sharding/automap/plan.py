@@ -24,6 +24,9 @@ class Plan:
   # Sequences per generation replica whose KV cache the plan's memory holds: the actor
   # generates in waves of at most this many (also in validation, whatever its batch).
   max_num_seqs: int = 0
+  # Mixture-of-experts roles: role -> (total parameters, active parameters, bytes each
+  # device receives per step moving tokens or experts over the pool: cost._expert_exchange).
+  experts: dict[str, tuple[int, int, float]] = dataclasses.field(default_factory=dict)
 
   @property
   def feasible(self) -> bool:
@@ -77,7 +80,13 @@ class Plan:
     memory = "/".join(map(nbytes, self.peak_memory))
     notes = "".join(f" {r}:{n}" for r, n in self.notes.items() if n)
     return (f"{seconds(self.step_time):>8}  {pools}  {meshes} t_g={self.generate_tensor}  "
-            f"{stages}  peak {memory}{notes}")
+            f"{stages}  peak {memory}{notes}{self.expert_terms()}")
+
+  def expert_terms(self) -> str:
+    """For each mixture-of-experts role: its total and active parameters and the bytes its
+    sparse layers move per step; "" for dense models."""
+    return "".join(f"  {r}: {count(total)} params, {count(active)} active, expert exchange "
+                   f"{nbytes(moved)}/step" for r, (total, active, moved) in self.experts.items())
 
 
 def seconds(t: float) -> str:
@@ -85,6 +94,13 @@ def seconds(t: float) -> str:
   if t < 1:
     return f"{t * 1e3:.3g}ms"
   return f"{t:.1f}s" if t < 100 else f"{t:.0f}s"
+
+
+def count(n: float) -> str:
+  for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    if n >= size:
+      return f"{n / size:.3g}{unit}"
+  return f"{n:.0f}"
 
 
 def nbytes(b: float) -> str:

@@ -33,6 +33,8 @@ class PoolPlan:
   generate_tensor: int = 1
   generate_strided: bool = True
   max_num_seqs: int = 0  # the actor's sequences per generation replica that fit
+  # role -> bytes per device its mixture of experts' sparse layers move in a step
+  exchange: dict[str, float] = dataclasses.field(default_factory=dict)
   stage_times: dict[str, float] = dataclasses.field(default_factory=dict)
   peak_memory: float = 0.0
   notes: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -61,18 +63,24 @@ class Planner:
 
   # -- one pool ---------------------------------------------------------------------------
   def meshes(self, role: str, n: int) -> tuple[list[MeshShape], str | None]:
-    """Valid (data, fsdp, tensor) shapes of n devices (tensor inside a node), or why none."""
+    """Valid (data, fsdp, tensor) shapes of n devices (tensor inside a node), or why none;
+    for a mixture of experts also with an expert axis of every size dividing both its
+    experts and the devices left beside tensor."""
     out, reason = [], None
+    experts = self.wl.models[role].num_experts if self.wl.models[role].num_sparse_layers else 0
     for t in _powers_of_two(min(MAX_TENSOR, self.prof.devices_per_node, n)):
       if n % t:
         continue
-      for f in (f for f in range(1, n // t + 1) if (n // t) % f == 0):
-        mesh = MeshShape(n // t // f, f, t)
-        problem = self.sim.mesh_problem(role, mesh)
-        if problem:
-          reason = reason or problem
-        else:
-          out.append(mesh)
+      for e in (e for e in range(1, n // t + 1) if (n // t) % e == 0
+                and (e == 1 or experts % e == 0)):
+        rest = n // t // e
+        for f in (f for f in range(1, rest + 1) if rest % f == 0):
+          mesh = MeshShape(rest // f, f, t, e)
+          problem = self.sim.mesh_problem(role, mesh)
+          if problem:
+            reason = reason or problem
+          else:
+            out.append(mesh)
     return out, (None if out else reason or f"no mesh of {n} devices for {role}")
 
   def generate_layouts(self, mesh: MeshShape) -> list[tuple[int, bool]]:
@@ -115,6 +123,8 @@ class Planner:
         times[stage] += cost.time
         transient = max(transient, cost.transient)
         plan.max_num_seqs = cost.max_num_seqs or plan.max_num_seqs
+        if self.wl.models[role].num_sparse_layers:
+          plan.exchange[role] = plan.exchange.get(role, 0.0) + cost.exchange
         if cost.note:
           plan.notes[role] = ", ".join(filter(None, [plan.notes.get(role), cost.note]))
     if resident > sim.capacity:
@@ -155,20 +165,21 @@ class Planner:
 
   def _shortlist(self, role, n, options, group):
     """A role's candidate layouts, screened alone with the other roles of the pool at
-    their smallest footprint: per footprint (shard count) the two fastest, then only
-    those that no smaller footprint beats. The product of the shortlists is scored
-    exactly, so the screen only has to keep the winner, not rank it."""
+    their smallest footprint: per footprint (resident bytes, which the shard count and
+    the expert axis set) the two fastest, then only those that no smaller footprint
+    beats. The product of the shortlists is scored exactly, so the screen only has to
+    keep the winner, not rank it."""
     others = sum(min(self.sim.resident(r, m) for m, _ in options[r])
                  for r in group if r != role)
     scored = sorted((math.inf if self._overfull([(role, m)], others) else
                      self.evaluate_pool((role,), n, {role: m}, *g, reserved=others).busy,
-                     m.shards, m, g) for m, g in options[role])
-    by_footprint: dict[int, list] = {}
+                     -self.sim.resident(role, m), m, g) for m, g in options[role])
+    by_footprint: dict[float, list] = {}  # keyed by minus the resident bytes
     for item in scored:
       by_footprint.setdefault(item[1], []).append(item)
     kept, fastest = [], math.inf
-    for shards in sorted(by_footprint, reverse=True):  # smallest footprint first
-      top = [x for x in by_footprint[shards][:2] if x[0] < fastest or not kept]
+    for footprint in sorted(by_footprint, reverse=True):  # smallest footprint first
+      top = [x for x in by_footprint[footprint][:2] if x[0] < fastest or not kept]
       kept += top
       fastest = min([fastest] + [x[0] for x in top])
     return [(m, g) for _, _, m, g in kept]
@@ -232,7 +243,7 @@ class Planner:
 
     stage_time = _stage_time(self.prof)
     walk(0, total, [], (0.0,) * len(STAGES), (0.0,) * len(STAGES))
-    return [_combine(placement, chosen, stage_time)
+    return [_combine(placement, chosen, stage_time, self.wl)
             for _, _, chosen in sorted(best, reverse=True)]
 
   # -- one given plan -----------------------------------------------------------------------
@@ -244,7 +255,7 @@ class Planner:
       raise ValueError(f"{len(placement)} pools but {len(devices)} device counts")
     chosen = [(n, self.evaluate_pool(g, n, meshes, generate_tensor, generate_strided))
               for g, n in zip(placement, devices)]
-    plan = _combine(placement, chosen, _stage_time(self.prof))
+    plan = _combine(placement, chosen, _stage_time(self.prof), self.wl)
     plan.meshes = {r: meshes[r] for g in placement for r in g}
     plan.reason = next((f"{'+'.join(g)}: {p.reason}" for g, (_, p) in zip(placement, chosen)
                         if p.reason), None)
@@ -261,11 +272,12 @@ def _stage_time(profile: DeviceProfile):
   return lambda total, longest: max(longest, total / concurrency)
 
 
-def _combine(placement: Placement, chosen, stage_time) -> Plan:
-  meshes, notes, gen, strided, cap = {}, {}, 1, True, 0
+def _combine(placement: Placement, chosen, stage_time, workload: Workload) -> Plan:
+  meshes, notes, gen, strided, cap, exchange = {}, {}, 1, True, 0, {}
   for group, (_, pool) in zip(placement, chosen):
     meshes.update(pool.meshes)
     notes.update(pool.notes)
+    exchange.update(pool.exchange)
     if "actor" in group:
       gen, strided, cap = pool.generate_tensor, pool.generate_strided, pool.max_num_seqs
   times = {s: [p.stage_times.get(s, 0.0) for _, p in chosen] for s in STAGES}
@@ -273,7 +285,15 @@ def _combine(placement: Placement, chosen, stage_time) -> Plan:
   return Plan(placement, tuple(n for n, _ in chosen), meshes, gen,
               {s: t for s, t in stages.items() if t > 0},
               tuple(p.stage_times for _, p in chosen), tuple(p.peak_memory for _, p in chosen),
-              notes=notes, generate_strided=strided, max_num_seqs=cap)
+              notes=notes, generate_strided=strided, max_num_seqs=cap,
+              experts=_experts(workload, exchange))
+
+
+def _experts(workload: Workload, exchange: dict[str, float]) -> dict:
+  """role -> (total parameters, active parameters, expert exchange bytes per device per
+  step) of each mixture-of-experts role the plan places."""
+  return {r: (workload.models[r].num_params, workload.models[r].num_active_params, b)
+          for r, b in exchange.items()}
 
 
 def search(workload: Workload, profile: DeviceProfile, num_devices: int, *,

@@ -228,8 +228,9 @@ def _split_terms(split: SplitPlan) -> str:
           f"{split.rollout.generate_tensor}, {_count(replicas, 'replica')}) generating in "
           f"{seconds(split.rollout.time)}, beside "
           f"{_count(sum(train.devices), 'training device')} "
-          f"({pools} {meshes}) scoring and updating in {seconds(split.training_time)} "
-          f"({_sync_terms(train)}); overlapped {seconds(split.overlapped)} + weight sync "
+          f"({pools} {meshes}{train.expert_terms()}) scoring and updating in "
+          f"{seconds(split.training_time)} ({_sync_terms(train)}); overlapped "
+          f"{seconds(split.overlapped)} + weight sync "
           f"{seconds(split.weight_sync)} ({nbytes(split.sync_bytes)} to each rollout device) "
           f"= {seconds(split.step_time)}")
 

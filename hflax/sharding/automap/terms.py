@@ -72,7 +72,24 @@ def forward_flops(cfg: ModelConfig, length: int) -> float:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-  return cfg.num_params - cfg.vocab_size * cfg.hidden_size
+  return compute_params(cfg) - cfg.vocab_size * cfg.hidden_size
+
+
+def compute_params(cfg: ModelConfig) -> int:
+  """Parameters each token's matmuls run through. A mixture of experts with sorted
+  dispatch runs a token through its num_experts_per_tok experts only (the active
+  parameters); dense dispatch (hflax.models.moe.dense_experts) runs every expert on every
+  token and zeroes the others' outputs, so it pays for all of them (the total)."""
+  if cfg.num_experts and cfg.moe_dispatch == "sorted":
+    return cfg.num_active_params
+  return cfg.num_params
+
+
+def expert_params(cfg: ModelConfig) -> int:
+  """The routed experts' weights (gate, up, down stacks of every sparse layer): what an
+  expert mesh axis splits; every other weight is replicated over it. 0 for a dense model."""
+  return (cfg.num_sparse_layers * cfg.num_experts * 3 * cfg.hidden_size
+          * cfg.moe_intermediate_size)
 
 
 def rows_per_shard(rows: int, ways: int) -> int:
@@ -85,7 +102,8 @@ def weight_tensors(cfg: ModelConfig) -> int:
   """How many separate weight arrays the model has: FSDP gathers each one on its own
   (a collective apiece), so small models on slow-latency links pay per tensor."""
   per_layer = 7 + 2 + (3 if cfg.qkv_bias else 0) + (2 if cfg.qk_norm else 0)
-  return cfg.num_layers * per_layer + 2 + (0 if cfg.tie_word_embeddings else 1)
+  router = cfg.num_sparse_layers  # a sparse layer's router beside its 3 expert stacks
+  return cfg.num_layers * per_layer + router + 2 + (0 if cfg.tie_word_embeddings else 1)
 
 
 def trained_params(cfg: ModelConfig) -> int:
@@ -104,7 +122,20 @@ def shape_problem(cfg: ModelConfig, tensor: int, what: str) -> str | None:
     return f"indivisible shape: {what} tensor={tensor} does not divide num_heads={cfg.num_heads}"
   if kv % tensor and tensor % kv:
     return f"indivisible shape: {what} tensor={tensor} vs num_kv_heads={kv}"
-  for name in ("intermediate_size", "vocab_size"):
+  for name in ("intermediate_size", "vocab_size") + (
+      ("moe_intermediate_size",) if cfg.num_experts else ()):
     if getattr(cfg, name) % tensor:
       return f"indivisible shape: {what} tensor={tensor} does not divide {name}"
+  return None
+
+
+def expert_problem(cfg: ModelConfig, expert: int, what: str) -> str | None:
+  """Why an expert axis of `expert` devices cannot split this model's experts, or None."""
+  if expert == 1:
+    return None
+  if not cfg.num_sparse_layers:
+    return f"{what} expert={expert}: the model has no experts to split"
+  if cfg.num_experts % expert:
+    return (f"indivisible shape: {what} expert={expert} does not divide "
+            f"num_experts={cfg.num_experts}")
   return None
