@@ -138,9 +138,11 @@ def test_split_async_streams_on_the_rollout_device_within_the_bound(tmp_path):
     assert m[step]["rollout/weight_sync_bytes"] == weights
 
 
-def test_split_on_ray_is_refused_before_ray_starts(tmp_path):
+def test_split_on_ray_gives_the_rollout_pool_processes_of_its_own(tmp_path):
+  """The Ray backend's layout of the split (it runs in tests/test_ray_split.py)."""
+  pytest.importorskip("ray")
   c = config(tmp_path, "ray", SPLIT)
   c.cluster.backend = "ray"
-  with pytest.raises(ValueError, match=r"^config.placement.roles.rollout: a rollout pool apart "
-                                       r"from the actor's runs on cluster.backend='local' only"):
-    make_backend(c, log=lambda *_: None)
+  backend, _ = make_backend(c, log=lambda *_: None)
+  assert [(p.name, p.size, p.roles) for p in backend.layouts] == [
+      ("rollout", 1, ("rollout",)), ("train", 1, ("actor", "ref"))]

@@ -36,15 +36,13 @@ def make_backend(cfg, log=print):
     require_ray()
     from hflax.controller.ray_backend.config import ClusterSettings, pool_layouts
     from hflax.controller.ray_backend.session import check_loopback
+    from hflax.controller.ray_backend.split import rollout_pool
     cluster = ClusterSettings.from_section(cfg.cluster)
     spec = placement_spec(cfg, roles, total_devices(cfg))
-    rollout = spec["roles"].get("rollout", {}).get("pool")
-    if rollout and rollout != spec["roles"].get("actor", {}).get("pool"):
-      raise ValueError("config.placement.roles.rollout: a rollout pool apart from the actor's "
-                       "runs on cluster.backend='local' only (Ray does not sync the weights "
-                       "across processes yet)")
     check_generation_cap(cfg, spec["roles"].get("actor", {}).get("max_num_seqs", 0))
-    layouts = pool_layouts(cluster, spec, roles)
+    # A rollout pool apart from the actor's gets processes of its own (ray_backend.split).
+    hosted = roles + ["rollout"] if rollout_pool(spec) else roles
+    layouts = pool_layouts(cluster, spec, hosted)
     check_roles_placed(cfg, {r for p in layouts for r in p.roles}, roles)
     import ray
     if not ray.is_initialized():

@@ -21,7 +21,10 @@ share devices, and a device runs its programs in the order they were queued, so 
 generation finishes before the update starts: nothing of the device work overlaps, only
 host work (rule rewards, Python dispatch, checkpoint writes) overlaps the generation; and
 a sampler that reads back to the host between waves (continuous batching's admissions)
-holds the controller until it is done.
+holds the controller until it is done. On the Ray backend's split placement
+(hflax.controller.ray_backend.split) the actor's start_generation submits the weight sync
+and the generation to the pools' processes and returns a pending batch at once, waited for
+when the step takes it: the rollout pool's processes generate while the train pool's train.
 
 Determinism: the schedule does not depend on timing. Each generation call draws the key
 fold_in(seed, call count) from the pre-update weights; a checkpoint after step k holds the
@@ -49,7 +52,8 @@ class OneStepOff:
       raise ValueError(f"one_step_off: max_staleness must be 0 or 1, got {max_staleness!r}")
     self.max_staleness = max_staleness
     self.prompts: Batch | None = None  # the next step's prompts
-    self.batch: Batch | None = None  # and its generated rows, once dispatched
+    # and its generated rows, once dispatched (or a pending batch: _generate)
+    self.batch = None
 
   def step_prompts(self, prompt_iter) -> Batch:
     """The prompts of this step: those of the pending batch, else the loader's next."""
@@ -68,19 +72,24 @@ class OneStepOff:
 
   def _dispatch(self, actor, prompt_iter):
     self.prompts = next(prompt_iter)
-    self.batch = actor.generate_sequences(self.prompts)
+    self.batch = _generate(actor, self.prompts)
+
+  def _pending(self) -> Batch | None:
+    if self.batch is not None and not isinstance(self.batch, Batch):
+      self.batch = self.batch.result()
+    return self.batch
 
   def take(self, actor, prompts: Batch, prompt_iter, prefetch: bool) -> Batch:
-    batch = self.batch if self.batch is not None else actor.generate_sequences(prompts)
+    batch = self.batch if self.batch is not None else _generate(actor, prompts)
     self.prompts = self.batch = None
     if prefetch:
       self._dispatch(actor, prompt_iter)
-    return batch
+    return batch if isinstance(batch, Batch) else batch.result()
 
   # -- checkpoints ------------------------------------------------------------------------
   def state_dict(self) -> dict | None:
     """The pending batch as host state (None: none pending)."""
-    if self.batch is None:
+    if self._pending() is None:
       return None
     return {"row_index": np.asarray(self.prompts["row_index"]),
             "arrays": {k: np.asarray(v) for k, v in self.batch.arrays.items()},
@@ -96,6 +105,15 @@ class OneStepOff:
     rows = len(next(iter(arrays.values())))
     objects = self.prompts.repeat(rows // len(self.prompts)).objects
     self.batch = Batch(arrays, objects, {"metrics": dict(state["metrics"])})
+
+
+def _generate(actor, prompts: Batch):
+  """actor.generate_sequences(prompts), or where the actor generates in other processes
+  (the Ray backend's split placement, hflax.controller.ray_backend.split) a pending batch
+  returned at once, waited for when taken: the rollout pool generates the next step's
+  batch while the driver dispatches this step's training."""
+  start = getattr(actor, "start_generation", None)
+  return start(prompts) if start is not None else actor.generate_sequences(prompts)
 
 
 class ServedOnce:

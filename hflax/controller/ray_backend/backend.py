@@ -3,7 +3,8 @@ jax.distributed job, and the loop drives RoleHandles to them.
 
 - roles: every member of a pool builds the pool's roles from the plan (the local
   backend's build_roles, on the pool's global devices). Rule/function rewards run on the
-  driver (they are host Python).
+  driver (they are host Python). A split placement's rollout pool builds the actor's
+  generation side, and the driver's actor is a SplitActor (ray_backend.split_actor).
 - checkpoints: every process of a pool saves its roles' arrays with orbax to
   <checkpoints>/pools/<pool>/<step> (a multi-process save), then the driver saves the
   host state (with the workers' counters) to the run's checkpoint directory. A step is
@@ -23,6 +24,8 @@ from hflax.controller.build import build_roles
 from hflax.controller.ray_backend.config import ClusterSettings, PoolLayout
 from hflax.controller.ray_backend.group import (HostRole, WorkerGroup, build_groups,
                                                 start_groups, wait_all)
+from hflax.controller.ray_backend import split
+from hflax.controller.ray_backend.split_actor import SplitActor
 from hflax.controller.ray_backend.session import SAFE_ENV, RaySession
 from hflax.controller.ray_backend.transport import to_host
 from hflax.controller.roles import Role, Roles
@@ -32,10 +35,16 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 
 
-def build_pool_roles(devices, plan, policy) -> dict:
-  """Runs in every member of a pool: the pool's roles on its global devices."""
-  built = build_roles(plan, policy, devices=devices)
-  return {role.value: built.get(role) for role in plan.placed_roles}
+def build_pool_roles(devices, plan, policy, replica=None) -> dict:
+  """Runs in every member of a pool: the pool's roles on its global devices, and on a
+  split placement's rollout pool the actor's generation side (`replica`: its plan)."""
+  out = {}
+  if plan.placed_roles:
+    built = build_roles(plan, policy, devices=devices)
+    out = {role.value: built.get(role) for role in plan.placed_roles}
+  if replica is not None:
+    out[split.ROLE] = split.build_replica(devices, replica, policy)
+  return out
 
 
 def worker_env(quiet: bool) -> dict:
@@ -90,15 +99,20 @@ class RayBackend:
                f"{g.devices_per_process} {k.platform} device(s): " +
                ", ".join(f"process {i} pid {info['pid']} on {info['node']}"
                          for i, info in enumerate(g.infos)))
-    builders = {}
+    builders, apart = {}, split.rollout_pool(plan.placement)
     for p in self.layouts:
-      spec = {"pools": {p.name: p.size},
-              "roles": {r: plan.placement["roles"][r] for r in p.roles}}
-      builders[p.name] = (build_pool_roles, (plan.only(p.roles, spec), policy_ref))
+      own = tuple(r for r in p.roles if r != split.ROLE)
+      spec = {"pools": {p.name: p.size}, "roles": {r: plan.placement["roles"][r] for r in own}}
+      if apart and "actor" in own:  # its generation layout is laid over the rollout pool
+        spec["roles"]["actor"] = {**spec["roles"]["actor"], "generate_tensor": 1}
+      replica = split.replica_plan(plan, p.name, p.size) if split.ROLE in p.roles else None
+      builders[p.name] = (build_pool_roles, (plan.only(own, spec), policy_ref, replica))
     started = time.perf_counter()
     handles = build_groups(self.groups, builders)
     self.log(f"ray: roles {', '.join(handles)} built in {time.perf_counter() - started:.1f} s")
     out = Roles(**{r.value: handles.get(r.value) for r in Role})
+    if split.ROLE in handles:  # trains on its pool, generates on the rollout pool
+      out.actor = SplitActor(handles["actor"], handles[split.ROLE])
     if plan.reference_in_actor:
       out.ref = out.actor
     for role, scorer in ((Role.REWARD, plan.reward), (Role.COST, plan.cost)):

@@ -90,6 +90,22 @@ class PoolMember:
     out = to_host(out)  # collective where needed: every member converts
     return out if self.process_id == 0 else None
 
+  # -- the split placement's weight sync (ray_backend.split) ------------------------------------
+  def trainer_weights(self, role: str, draw_key: bool):
+    """The train pool's side: the actor's weights (and next key) as host values."""
+    from hflax.controller.ray_backend.split import trainer_weights
+    out = trainer_weights(self.workers[role], draw_key)  # collective where needed
+    return out if self.process_id == 0 else None
+
+  def generate_with(self, role: str, weights: dict, payload: tuple):
+    """The rollout pool's side: `weights` is the train pool's process 0's answer (Ray
+    resolves the ref it was passed as), payload the generation's (args, kwargs)."""
+    from hflax.controller.ray_backend.transport import from_wire, to_host
+    args, kwargs = payload
+    out = to_host(self.workers[role].generate_with(weights, *from_wire(args),
+                                                   **from_wire(kwargs)))
+    return out if self.process_id == 0 else None
+
   def get(self, role: str, attribute: str):
     from hflax.controller.ray_backend.transport import to_host
     out = to_host(getattr(self.workers[role], attribute))

@@ -1,0 +1,132 @@
+"""The split placement on the Ray backend: placement role "rollout" on a pool apart from
+the actor's, so the actor trains in the train pool's processes and generates in the
+rollout pool's.
+
+- The rollout pool's processes hold a `RolloutReplica`: the actor's model, sampler and
+  hybrid engine (its generate_tensor, generate_strided and max_num_seqs laid over that
+  pool, as the local split lays them over the rollout devices), with no optimizer.
+- Before each generation the train pool's processes send the weights through Ray's object
+  store (`trainer_weights`: host numpy of the actor's parameters, or of its LoRA adapters
+  alone, the replica keeping the frozen base it was built with), with the actor's update
+  count (the rows' rollout_version) and the sampling key of its next call, which the
+  actor draws as the local one does (so its call count stays in its checkpoints).
+- The driver sees `SplitActor` (ray_backend.split_actor): every method is the train
+  pool's actor but generation.
+  `start_generation` only submits the two calls (the weights' ref goes from the train
+  pool straight to the rollout pool, never through the driver) and returns a
+  `PendingBatch`; Ray runs an actor's calls in the order they were submitted, so the
+  weights sent are those before any update submitted after. one_step_off's schedule
+  (hflax.launch.modes) takes the next batch this way, so the rollout pool generates
+  step k + 1's batch while the train pool runs step k.
+
+The metrics are the local split's: `timing_s/weight_sync` (the trainer's copy to host,
+the replica's copy onto its devices and its reshard to the generation layout; Ray's
+transfer between the two, shared memory on one host, is not timed) and
+`rollout/weight_sync_bytes` (the bytes sent).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+from flax import nnx
+
+from hflax.controller.build import build_roles
+from hflax.controller.ray_backend.transport import to_host, to_wire
+from hflax.controller.roles import Role
+from hflax.controller.training import trained_part
+
+ROLE = "rollout"  # the replica's name among a pool's workers (placement role "rollout")
+
+
+def rollout_pool(spec: dict, where: str = "config.placement") -> str | None:
+  """The pool of placement role "rollout" where it is apart from the actor's, else None;
+  checked as the local backend's build_placement checks it (the driver has no devices to
+  build the placement on), each error naming its field."""
+  roles = spec["roles"]
+  if ROLE not in roles:
+    return None
+  rollout, field = roles[ROLE], f"{where}.roles.{ROLE}"
+  if rollout.get("pool") not in spec["pools"]:
+    raise ValueError(f"{field}.pool: {rollout.get('pool')!r} is not one of "
+                     f"{sorted(spec['pools'])}")
+  if set(rollout) != {"pool"}:
+    raise ValueError(f"{field}: only 'pool' is set here; the generation layout is the "
+                     "actor's (generate_tensor, generate_strided, max_num_seqs)")
+  if "actor" not in roles:
+    raise ValueError(f"{field}: the rollout is the actor's generation; place the actor too")
+  pool, size = rollout["pool"], int(spec["pools"][rollout["pool"]])
+  tensor = int(roles["actor"].get("generate_tensor", 1))
+  if size % tensor:
+    raise ValueError(f"{where}.roles.actor.generate_tensor: {tensor} does not divide pool "
+                     f"{pool!r} of {size} devices")
+  return pool if pool != roles["actor"].get("pool") else None
+
+
+def replica_plan(plan, pool: str, size: int):
+  """The run's plan as the rollout pool builds its replica: the actor alone on that pool
+  (FSDP over it for the weights it receives, as the local split's rollout mesh), with the
+  actor's generation layout and no optimizer."""
+  actor = plan.placement["roles"]["actor"]
+  layout = {k: actor[k] for k in ("generate_tensor", "generate_strided", "max_num_seqs")
+            if k in actor}
+  spec = {"pools": {pool: size},
+          "roles": {"actor": {"pool": pool, "mesh": {"fsdp": size}, **layout}}}
+  train = dataclasses.replace(plan.actor.train, optim=None, update=None)
+  return dataclasses.replace(plan, placed_roles=(Role.ACTOR,), placement=spec,
+                             actor=dataclasses.replace(plan.actor, train=train),
+                             reference_in_actor=False)
+
+
+def build_replica(devices, plan, policy) -> "RolloutReplica":
+  """Runs in every member of the rollout pool (plan: `replica_plan`'s)."""
+  return RolloutReplica(build_roles(plan, policy, devices=devices).actor)
+
+
+def trainer_weights(actor, draw_key: bool) -> dict:
+  """Runs in every member of the train pool (gathering a sharded leaf is a collective):
+  what the replica needs for one generation, as host values."""
+  start = time.perf_counter()
+  sent = to_host(trained_part(actor.params, actor.trainable)[0])
+  out = {"params": sent, "version": int(actor.updates),
+         "bytes": float(sum(x.nbytes for x in jax.tree.leaves(sent))),
+         "key": to_wire(actor.next_sampling_key()) if draw_key else None}
+  out["pack_s"] = time.perf_counter() - start
+  return out
+
+
+class RolloutReplica:
+  """The actor's generation side on the rollout pool: an actor worker without optimizer,
+  whose weights are replaced by the trainer's before each generation."""
+
+  def __init__(self, actor):
+    self.actor = actor
+    self.sampling, self.engine = actor.sampling, actor.engine  # described to the driver
+
+  @property
+  def home(self):
+    return self.actor.home
+
+  @home.setter
+  def home(self, sharding):  # the pool member collects results there
+    self.actor.home = sharding
+
+  def generate_with(self, weights: dict, prompts, sampling=None, rng=None):
+    """The actor's generate_sequences with the trainer's `weights` (trainer_weights'),
+    sampling with its drawn key unless `rng` is given; the sync's time and bytes added."""
+    actor, start = self.actor, time.perf_counter()
+    own, frozen = trained_part(actor.params, actor.trainable)
+    placed = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
+                          weights["params"], own)
+    actor.params = placed if frozen is None else nnx.merge_state(frozen, placed)
+    actor.updates = weights["version"]  # the rows' rollout_version
+    jax.block_until_ready(actor.params)
+    loaded = time.perf_counter() - start
+    key = rng if rng is not None else weights["key"].to_key()
+    out = actor.generate_sequences(prompts, sampling=sampling, rng=key)
+    metrics = out.meta["metrics"]
+    metrics["timing_s/weight_sync"] = (weights["pack_s"] + loaded +
+                                       metrics.get("timing_s/reshard", 0.0))
+    metrics["rollout/weight_sync_bytes"] = weights["bytes"]
+    return out

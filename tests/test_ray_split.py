@@ -1,0 +1,186 @@
+"""The split placement on the Ray backend (placement role "rollout" on a pool of its own):
+the actor trains in the train pool's process and generates in the rollout pool's, its
+weights sent through Ray's object store before each generation. On the tiny GRPO job it
+runs the local backend's split, sync and one_step_off alike: the same tokens, the same
+metrics and final weights to float32 rounding (the pools are other processes, whose
+programs XLA compiles on its own), and the weight sync's bytes are the actor's weights
+(its adapters with LoRA).
+
+Runs only inside a loopback-only network namespace (../shared/bin/netless), else skips.
+"""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]')")
+
+from hflax.controller.ray_backend.session import loopback_only_reason  # noqa: E402
+
+_NOT_LOOPBACK = loopback_only_reason()
+pytestmark = pytest.mark.skipif(
+    _NOT_LOOPBACK is not None,
+    reason=f"Ray tests run only in a loopback-only network namespace ({_NOT_LOOPBACK}); "
+           "run them as ../shared/bin/netless python -m pytest tests/test_ray*.py")
+
+from hflax.launch.backends import make_backend  # noqa: E402
+from hflax.launch.trainer import Trainer  # noqa: E402
+from hflax.models.lora import split_adapters  # noqa: E402
+from tiny_config import get_config as tiny_config  # noqa: E402
+
+SPLIT = {"pools": {"train": 1, "rollout": 1},
+         "roles": {"actor": {"pool": "train"}, "rollout": {"pool": "rollout"}}}
+TIMED = ("timing_s/", "perf/throughput", "perf/time")
+# The local split reshards onto the rollout device; Ray's replica receives the weights in
+# its own process and reshards them there (nothing crosses devices in that reshard).
+LAYOUT = ("reshard/",)
+IDLE_WORKERS = "RAY_prestart_worker_first_driver"
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+  """One Ray cluster for the file (the trainers join it, and leave it running)."""
+  import ml_collections
+  from hflax.controller.ray_backend.session import RaySession
+  # Ray prestarts an idle worker per CPU for tasks; the pools' actors never use them.
+  before = os.environ.get(IDLE_WORKERS)
+  os.environ[IDLE_WORKERS] = "0"
+  try:
+    session = RaySession(ml_collections.ConfigDict(dict(
+        address="", require_loopback=True, temp_dir="", log_to_driver=False)))
+  finally:
+    if before is None:
+      del os.environ[IDLE_WORKERS]
+    else:
+      os.environ[IDLE_WORKERS] = before
+  yield session
+  session.close()
+
+
+# The built-in task's rule gives an untrained model 0 for every sample (no advantage, no
+# update); this reward varies between samples, so every step changes the weights.
+REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+          "  return sum(ord(ch) % 2 for ch in solution_str) / max(len(solution_str), 1)\n")
+
+
+def config(tmp_path, run, backend, mode="sync", steps=3, lora=0):
+  c = tiny_config()
+  c.actor.use_kl_loss = False  # the actor alone: fewer programs to compile per process
+  (tmp_path / "reward.py").write_text(REWARD)
+  c.reward.custom_fn.path = str(tmp_path / "reward.py")
+  c.actor.optim.lr = 1e-2  # large enough that a step's update changes the next tokens
+  c.model.lora_rank = lora
+  c.trainer.update(total_steps=steps, run_dir=str(tmp_path / run), mode=mode, keep=None)
+  c.placement.update(kind="custom", **SPLIT)
+  c.cluster.update(backend=backend, require_loopback=True, log_to_driver=False)
+  return c
+
+
+def run(c, pools=None):
+  """(final actor weights, {step: (responses, rollout versions)}, {step: metrics}); on Ray
+  `pools` gets {pool: (its roles, its process ids)}."""
+  trainer = Trainer(c, log=lambda *_: None)
+  for g in getattr(trainer.backend, "groups", []) if pools is not None else []:
+    pools[g.name] = (g.roles, {info["pid"] for info in g.infos})
+  seen = {}
+  trainer.add_hook(lambda info: seen.update({info.step: (
+      np.asarray(info.batch["responses"]),
+      set(np.asarray(info.batch["rollout_version"]).tolist()))}))
+  try:
+    trainer.fit()
+    params = jax.tree.map(np.asarray, trainer.roles.actor.params)
+  finally:
+    trainer.close()
+  with open(os.path.join(c.trainer.run_dir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return params, seen, {r["step"]: r for r in rows}
+
+
+def assert_same(ray_run, local_run):
+  (params, seen, metrics), (ref_params, ref_seen, ref_metrics) = ray_run, local_run
+  assert seen.keys() == ref_seen.keys() == metrics.keys() == ref_metrics.keys()
+  for step in seen:
+    np.testing.assert_array_equal(seen[step][0], ref_seen[step][0], err_msg=f"step {step}")
+    assert seen[step][1] == ref_seen[step][1], step
+    keep = lambda m: {k: v for k, v in m.items() if not k.startswith(TIMED + LAYOUT)}
+    got, want = keep(metrics[step]), keep(ref_metrics[step])
+    assert got.keys() == want.keys(), step
+    for key, value in want.items():
+      np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-6, err_msg=f"{step} {key}")
+  leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(ref_params)
+  assert len(leaves) == len(ref_leaves)
+  for a, b in zip(leaves, ref_leaves):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def last_step(result):
+  """A run's final weights with its last step's tokens, versions and metrics."""
+  params, seen, metrics = result
+  last = max(seen)
+  return params, {last: seen[last]}, {last: metrics[last]}
+
+
+def assert_synced(metrics, sent_bytes):
+  for step, m in metrics.items():
+    assert m["rollout/weight_sync_bytes"] == sent_bytes, step
+    assert m["timing_s/weight_sync"] > 0, step
+
+
+def test_split_sync_on_ray_is_the_local_split(tmp_path, ray_session):
+  pools = {}
+  ray_run = run(config(tmp_path, "ray", "ray", steps=2), pools)
+  local_run = run(config(tmp_path, "local", "local", steps=2))
+  # The actor trains in one process and generates in another.
+  assert {pool: roles for pool, (roles, _) in pools.items()} == {
+      "train": ("actor",), "rollout": ("rollout",)}
+  assert pools["train"][1].isdisjoint(pools["rollout"][1])
+  assert_same(ray_run, local_run)
+  params, seen, metrics = ray_run
+  assert {s: v for s, (_, v) in seen.items()} == {1: {0}, 2: {1}}
+  assert_synced(metrics, sum(x.nbytes for x in jax.tree.leaves(params)))  # float32, whole
+
+
+def test_split_one_step_off_on_ray_is_the_local_split(tmp_path, ray_session):
+  ray_run = run(config(tmp_path, "ray", "ray", mode="one_step_off"))
+  local_run = run(config(tmp_path, "local", "local", mode="one_step_off"))
+  assert_same(ray_run, local_run)
+  params, seen, metrics = ray_run
+  assert {s: v for s, (_, v) in seen.items()} == {1: {0}, 2: {0}, 3: {1}}
+  for step in (2, 3):
+    assert metrics[step]["rollout/staleness_1"] == 1.0
+  assert_synced(metrics, sum(x.nbytes for x in jax.tree.leaves(params)))
+  # Stopped after step 2 (its checkpoint holds step 3's batch, sampled on the rollout
+  # pool) and continued to step 3 in new processes: the uninterrupted run's step 3.
+  c = config(tmp_path, "resumed", "ray", mode="one_step_off", steps=2)
+  run(c)
+  c.trainer.update(total_steps=3, resume=True)
+  resumed = run(c)
+  assert_same(last_step(resumed), last_step(ray_run))
+
+
+def test_split_with_lora_on_ray_sends_only_the_adapters(tmp_path, ray_session):
+  ray_run = run(config(tmp_path, "ray", "ray", mode="one_step_off", lora=4))
+  local_run = run(config(tmp_path, "local", "local", mode="one_step_off", lora=4))
+  params, _, metrics = ray_run
+  adapters = sum(x.nbytes for x in jax.tree.leaves(split_adapters(params)[0]))
+  assert 0 < adapters < sum(x.nbytes for x in jax.tree.leaves(params)) / 4
+  assert_synced(metrics, adapters)
+  # The local split copies the merged weights to the rollout device; Ray sends adapters.
+  for _, _, m in (ray_run, local_run):
+    for row in m.values():
+      row.pop("rollout/weight_sync_bytes")
+  assert_same(ray_run, local_run)
+
+
+def test_bad_split_placements_on_ray_fail_before_ray_starts(tmp_path):
+  c = config(tmp_path, "bad", "ray")
+  c.placement.roles = {"actor": {"pool": "train", "generate_tensor": 2},
+                       "rollout": {"pool": "rollout"}}
+  with pytest.raises(ValueError, match=r"^config.placement.roles.actor.generate_tensor: 2 does "
+                                       r"not divide pool 'rollout' of 1 devices$"):
+    make_backend(c, log=lambda *_: None)
+  c.placement.roles = {"actor": {"pool": "train"}, "rollout": {"pool": "gen"}}
+  with pytest.raises(ValueError, match=r"^config.placement.roles.rollout.pool: 'gen' is not "):
+    make_backend(c, log=lambda *_: None)
