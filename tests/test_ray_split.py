@@ -122,6 +122,11 @@ def last_step(result):
   return params, {last: seen[last]}, {last: metrics[last]}
 
 
+def without_sync_bytes(*runs):
+  return [(params, seen, {step: {k: v for k, v in m.items() if k != "rollout/weight_sync_bytes"}
+                          for step, m in metrics.items()}) for params, seen, metrics in runs]
+
+
 def assert_synced(metrics, sent_bytes):
   for step, m in metrics.items():
     assert m["rollout/weight_sync_bytes"] == sent_bytes, step
@@ -160,6 +165,25 @@ def test_split_one_step_off_on_ray_is_the_local_split(tmp_path, ray_session):
   assert_same(last_step(resumed), last_step(ray_run))
 
 
+def test_split_over_pools_of_two_processes_on_ray_is_the_local_split(tmp_path, ray_session):
+  """Each pool 2 devices in 2 processes (a jax.distributed job): the train pool gathers the
+  weights across its processes, and both rollout processes read the one copy sent."""
+  def two_by_two(run, backend):
+    c = config(tmp_path, run, backend, mode="one_step_off", steps=2)
+    c.placement.pools = {"train": 2, "rollout": 2}
+    c.trainer.devices, c.cluster.processes_per_pool = 4, 2
+    return c
+  pools = {}
+  ray_run = run(two_by_two("ray", "ray"), pools)
+  local_run = run(two_by_two("local", "local"))
+  assert [len(pids) for _, pids in pools.values()] == [2, 2]
+  params, _, metrics = ray_run
+  weights = sum(x.nbytes for x in jax.tree.leaves(params))
+  assert_synced(metrics, weights)  # one copy sent; the local split copies one per device
+  assert_synced(local_run[2], 2 * weights)
+  assert_same(*without_sync_bytes(ray_run, local_run))
+
+
 def test_split_with_lora_on_ray_sends_only_the_adapters(tmp_path, ray_session):
   ray_run = run(config(tmp_path, "ray", "ray", mode="one_step_off", lora=4))
   local_run = run(config(tmp_path, "local", "local", mode="one_step_off", lora=4))
@@ -168,10 +192,7 @@ def test_split_with_lora_on_ray_sends_only_the_adapters(tmp_path, ray_session):
   assert 0 < adapters < sum(x.nbytes for x in jax.tree.leaves(params)) / 4
   assert_synced(metrics, adapters)
   # The local split copies the merged weights to the rollout device; Ray sends adapters.
-  for _, _, m in (ray_run, local_run):
-    for row in m.values():
-      row.pop("rollout/weight_sync_bytes")
-  assert_same(ray_run, local_run)
+  assert_same(*without_sync_bytes(ray_run, local_run))
 
 
 def test_bad_split_placements_on_ray_fail_before_ray_starts(tmp_path):
