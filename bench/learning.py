@@ -214,8 +214,27 @@ def first_reaching(curve: list[dict], accuracy: float) -> float | None:
                and p["accuracy"] >= accuracy - 1e-9), None)
 
 
+def per_step_figure(runs: list[dict]) -> dict | None:
+  """Without TRL: a stale mode's curve per step against sync's, as the mean held-out
+  accuracy over the validations after step 0 (the same steps on both curves), the first
+  stale hflax run against sync; None without both."""
+  sync = next((r for r in runs if r["name"] == "hflax sync"), None)
+  stale = next((r for r in runs if r["name"].startswith("hflax ") and r is not sync), None)
+  if sync is None or stale is None:
+    return None
+  steps = ({q["step"] for q in sync["curve"]} & {q["step"] for q in stale["curve"]}) - {0}
+  if not steps:
+    return None
+  mean = lambda r: sum(q["accuracy"] for q in r["curve"] if q["step"] in steps) / len(steps)  # noqa: E731
+  hflax, peer = mean(stale), mean(sync)
+  return {"target": "learning_stale_per_step", "unit": "mean held-out accuracy at steps "
+          + ", ".join(map(str, sorted(steps))), "hflax": round(hflax, 4), "hflax_name":
+          stale["name"], "peer": round(peer, 4), "peer_name": "hflax sync",
+          "ratio": round(hflax / peer, 4) if peer else None, "ratio_is": "hflax/peer"}
+
+
 def report(runs: list[dict], accuracies: list[float]) -> tuple[str, dict | None]:
-  """The table, and the goal's figure (None without a TRL run)."""
+  """The table, and the goal's figure (without a TRL run: per_step_figure's)."""
   head = "run | final acc | seconds | " + " | ".join(f"s to {x:.2f}" for x in accuracies)
   lines = [head, "-" * len(head)]
   for r in runs:
@@ -226,7 +245,7 @@ def report(runs: list[dict], accuracies: list[float]) -> tuple[str, dict | None]
                  + " | ".join(cells))
   trl = next((r for r in runs if r["name"].startswith("TRL")), None)
   if trl is None:
-    return "\n".join(lines), None
+    return "\n".join(lines), per_step_figure(runs)
   goal = trl["curve"][-1]["accuracy"]
   trl_s = first_reaching(trl["curve"], goal)
   reached = [(first_reaching(r["curve"], goal), r["name"]) for r in runs if r is not trl]

@@ -75,6 +75,8 @@ TARGETS = {
                                         "held-out accuracy 0.5, GRPO / distillation", "x"),
     "distill_smollm2_final_acc": ("`distill.py --job smollm2`: held-out accuracy (mean of "
                                   "the last 10 validations), distillation / GRPO", "x"),
+    "learning_stale_per_step": ("`learning.py --correction token --modes sync,one_step_off`: "
+                                "held-out accuracy per step, one_step_off with TIS / sync", "x"),
     "learning_trl_time": ("`learning.py`: seconds to TRL's final held-out accuracy, TRL / "
                           "best hflax mode (>= 3x)", "x"),
     "agents_slow_tools": ("`agents.py`: 64 trajectories, 100 ms tools / instant tools "

@@ -38,7 +38,12 @@ def test_learning_smoke_writes_the_curves(tmp_path):
   for r in run["runs"]:
     assert [p["step"] for p in r["curve"]] == [0, 1]
     assert all(0 <= p["accuracy"] <= 1 and p["seconds"] >= 0 for p in r["curve"])
-  assert run["figures"] == []  # no TRL run, no goal figure
+  # No TRL run, no goal figure: the stale mode's curve per step against sync's instead.
+  (figure,) = run["figures"]
+  accuracy = {r["name"]: r["curve"][1]["accuracy"] for r in run["runs"]}
+  assert figure["target"] == "learning_stale_per_step" and figure["unit"].endswith("steps 1")
+  assert (figure["hflax"], figure["peer"]) == (round(accuracy["hflax async"], 4),
+                                               round(accuracy["hflax sync"], 4))
 
 
 def test_the_goal_is_read_from_the_curves():
@@ -55,3 +60,17 @@ def test_the_goal_is_read_from_the_curves():
   assert figure["peer"] == 90.0 and figure["hflax"] == 20.0 and figure["ratio"] == 4.5
   assert figure["hflax_name"] == "hflax async" and "4.50x (>= 3x: PASS)" in table
   assert "hflax sync | 0.300 | 30.0 | 30.0 | -" in table
+
+
+def test_without_trl_the_stale_curve_is_compared_with_sync_per_step():
+  learning = _module()
+  sync = {"name": "hflax sync", "curve": [
+      {"step": 0, "accuracy": 0.2, "seconds": 0.0}, {"step": 4, "accuracy": 0.5, "seconds": 9.0},
+      {"step": 8, "accuracy": 0.7, "seconds": 18.0}]}
+  stale = {"name": "hflax one_step_off (TIS token)", "curve": [
+      {"step": 0, "accuracy": 0.2, "seconds": 0.0}, {"step": 4, "accuracy": 0.4, "seconds": 7.0},
+      {"step": 8, "accuracy": 0.8, "seconds": 14.0}]}
+  _, figure = learning.report([sync, stale], [0.5])
+  assert (figure["hflax"], figure["peer"], figure["ratio"]) == (0.6, 0.6, 1.0)  # steps 4, 8
+  assert figure["hflax_name"] == stale["name"] and figure["unit"].endswith("steps 4, 8")
+  assert learning.report([sync], [0.5])[1] is None
