@@ -45,6 +45,7 @@ def cli(argv: list[str], stderr=None) -> int:
     with holding_run_dir(cfg.trainer.run_dir):  # one run per run_dir, before any device work
       from hflax.launch.trainer import run as run_job
       run_job(cfg)
+      interrupts.raise_pending()  # a signal kept during the run's last part still ends it
   except BAD_INPUT as e:
     if os.environ.get("HFLAX_DEBUG") == "1":
       traceback.print_exc(file=stderr)

@@ -1,7 +1,9 @@
-"""Ctrl-C and SIGTERM for the launcher: each raises in the main thread, and is also kept as
-pending, because Python drops an exception raised while it runs a garbage-collection
-callback or a __del__ ("Exception ignored in ..."): a signal landing there would be lost
-and the run would carry on. The trainer calls raise_pending() between steps."""
+"""Ctrl-C and SIGTERM for the launcher: each raises in the main thread and is also kept as
+pending. Python drops an exception raised while it runs a garbage-collection callback
+(jax registers one) or a __del__, printing "Exception ignored in ..." and a traceback, and
+the run would carry on: a signal landing there is only kept, and the trainer raises it
+before its next step (raise_pending), the launcher at the latest when the run ends."""
+import gc
 import signal
 
 
@@ -16,7 +18,19 @@ _pending: list[type[KeyboardInterrupt]] = []
 def _on_signal(signum, frame):
   kind = Terminated if signum == signal.SIGTERM else KeyboardInterrupt
   _pending.append(kind)
-  raise kind()
+  if not _swallowed_at(frame):
+    raise kind()
+
+
+def _swallowed_at(frame) -> bool:
+  """Whether an exception raised at `frame` would be dropped: a __del__ or one of
+  gc.callbacks is running there or in a caller."""
+  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+  while frame is not None:
+    if frame.f_code.co_name == "__del__" or frame.f_code in callbacks:
+      return True
+    frame = frame.f_back
+  return False
 
 
 def install() -> None:
