@@ -13,18 +13,8 @@ def tiny_moe(seed: int = 0, router_std: float = 0.5, **overrides):
                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                 rope_theta=1000000.0, max_position_embeddings=256, rms_norm_eps=1e-6,
                 router_aux_loss_coef=0.01, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-  kwargs.update(overrides)
-  config = transformers.Qwen3MoeConfig(**kwargs)
-  config._attn_implementation = "eager"
-  torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(config)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:
-        p.add_(0.1 * torch.randn_like(p))
-      if name.endswith("mlp.gate.weight"):
-        p.normal_(0.0, router_std)
-  return model.eval()
+  return _random(transformers.Qwen3MoeConfig(**{**kwargs, **overrides}), seed, router_std,
+                 perturbed=("norm",))
 
 
 def tiny_qwen2_moe(seed: int = 0, router_std: float = 0.5, **overrides):
@@ -38,18 +28,56 @@ def tiny_qwen2_moe(seed: int = 0, router_std: float = 0.5, **overrides):
                 num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0,
                 max_position_embeddings=256, rms_norm_eps=1e-6, router_aux_loss_coef=0.01,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
-  kwargs.update(overrides)
-  config = transformers.Qwen2MoeConfig(**kwargs)
+  return _random(transformers.Qwen2MoeConfig(**{**kwargs, **overrides}), seed, router_std,
+                 perturbed=("norm", "bias", "shared_expert_gate"))
+
+
+def _random(config, seed: int, router_std: float, perturbed: tuple[str, ...]):
+  """The model of `config` at torch seed `seed`, eager attention, its routers drawn with
+  std `router_std` and the parameters whose names hold one of `perturbed` moved off their
+  initial values by 0.1 x N(0, 1)."""
   config._attn_implementation = "eager"
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(config)
   with torch.no_grad():
     for name, p in model.named_parameters():
-      if "norm" in name or name.endswith("bias") or "shared_expert_gate" in name:
+      if any(part in name for part in perturbed):
         p.add_(0.1 * torch.randn_like(p))
       if name.endswith("mlp.gate.weight"):
         p.normal_(0.0, router_std)
   return model.eval()
+
+
+def assert_greedy_equals_transformers(model, graphdef, state, prompts, max_new_tokens=10):
+  """hflax's greedy tokens for `prompts` (one padded batch) are transformers' generate's,
+  row by row (eos 2, pad 0)."""
+  import numpy as np
+  from hflax.rollout.sampler import SamplingParams, generate
+  out = generate(graphdef, state, prompts, SamplingParams(
+      max_new_tokens=max_new_tokens, temperature=0, eos_ids=(2,), pad_id=0))
+  for row, ids in enumerate(prompts):
+    with torch.no_grad():
+      want = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                            do_sample=False, eos_token_id=2, pad_token_id=0)[0, len(ids):]
+    got = np.asarray(out["responses"][row])[np.asarray(out["response_mask"][row], bool)]
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+def assert_export_round_trips(model, cfg, state, directory) -> dict:
+  """hflax's export of (cfg, state) loads in transformers with every tensor equal to
+  `model`'s, and its config.json reads back to cfg; returns that config.json."""
+  import json
+  from hflax.models import ModelConfig, hf
+  hf.export_checkpoint(str(directory), cfg, state)
+  with open(f"{directory}/config.json") as f:
+    config = json.load(f)
+  again = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
+  original, reloaded = model.state_dict(), again.state_dict()
+  assert set(original) == set(reloaded)
+  for name, tensor in original.items():
+    assert torch.equal(tensor, reloaded[name]), name
+  assert ModelConfig.from_hf(config) == cfg
+  return config
 
 
 def saved_tiny_moe(tmp_path_factory, name: str, seed: int, build=None) -> str:

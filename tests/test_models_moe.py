@@ -1,17 +1,15 @@
 """Qwen3-MoE parity with transformers: logits, greedy generation, the load-balancing loss,
 the config and HF checkpoint round trip."""
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from hflax.models import ModelConfig, forward, hf, logits_fn, moe
-from hflax.rollout.sampler import SamplingParams, generate
-from moe_models import hf_logits_and_aux, tiny_moe
+from moe_models import (assert_export_round_trips, assert_greedy_equals_transformers,
+                        hf_logits_and_aux, tiny_moe)
 
 logits_jit = jax.jit(logits_fn, static_argnums=0)
 
@@ -85,29 +83,15 @@ def test_aux_loss_without_mask_matches_transformers(ckpt):
 def test_greedy_generation_equals_transformers_generate(ckpt):
   model, path = ckpt
   _, graphdef, state = hf.load_checkpoint(path)
-  prompts = [[5, 17, 33, 9], [44, 3, 70, 71, 99, 12, 8]]
-  params = SamplingParams(max_new_tokens=10, temperature=0, eos_ids=(2,), pad_id=0)
-  out = generate(graphdef, state, prompts, params)
-  for row, ids in enumerate(prompts):
-    with torch.no_grad():
-      want = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False,
-                            eos_token_id=2, pad_token_id=0)[0, len(ids):].numpy()
-    got = np.asarray(out["responses"][row])[np.asarray(out["response_mask"][row], bool)]
-    np.testing.assert_array_equal(got, want)
+  assert_greedy_equals_transformers(model, graphdef, state, [[5, 17, 33, 9],
+                                                             [44, 3, 70, 71, 99, 12, 8]])
 
 
 def test_export_round_trip_gives_identical_tensors(ckpt, tmp_path):
   model, path = ckpt
   cfg, graphdef, state = hf.load_checkpoint(path)
-  hf.export_checkpoint(str(tmp_path), cfg, state)
-  config = json.load(open(tmp_path / "config.json"))
+  config = assert_export_round_trips(model, cfg, state, tmp_path)
   assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_experts"] == 8
-  again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
-  original, reloaded = model.state_dict(), again.state_dict()
-  assert set(original) == set(reloaded)
-  for name, tensor in original.items():
-    assert torch.equal(tensor, reloaded[name]), name
-  assert ModelConfig.from_hf(config) == cfg
 
 
 def test_bad_moe_config_is_refused_in_one_line():

@@ -1,18 +1,15 @@
 """Qwen2-MoE parity with transformers: its shared expert and q/k/v biases on top of the
 sparse layers test_models_moe.py checks for Qwen3-MoE (logits, load-balancing loss, greedy
 tokens, the config and the HF checkpoint round trip)."""
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from hflax.models import ModelConfig, forward, hf, logits_fn, moe
-from hflax.rollout.sampler import SamplingParams, generate
-from moe_models import hf_logits_and_aux, tiny_qwen2_moe
+from moe_models import (assert_export_round_trips, assert_greedy_equals_transformers,
+                        hf_logits_and_aux, tiny_qwen2_moe)
 
 
 @pytest.fixture(scope="module")
@@ -53,30 +50,16 @@ def test_logits_aux_loss_and_greedy_tokens_match_transformers(ckpt):
   aux = moe.load_balancing_loss(moe.stacked(record)[1], cfg.num_experts_per_tok,
                                 jnp.asarray(mask))
   assert abs(float(aux) - want_aux) <= 1e-6
-  prompts = [[5, 17, 33, 9], [44, 3, 70, 71, 99, 12, 8]]
-  out = generate(graphdef, state, prompts,
-                 SamplingParams(max_new_tokens=10, temperature=0, eos_ids=(2,), pad_id=0))
-  for row, prompt in enumerate(prompts):
-    with torch.no_grad():
-      tokens = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                              eos_token_id=2, pad_token_id=0)[0, len(prompt):].numpy()
-    got = np.asarray(out["responses"][row])[np.asarray(out["response_mask"][row], bool)]
-    np.testing.assert_array_equal(got, tokens)
+  assert_greedy_equals_transformers(model, graphdef, state, [[5, 17, 33, 9],
+                                                             [44, 3, 70, 71, 99, 12, 8]])
 
 
 def test_export_round_trip_gives_identical_tensors(ckpt, tmp_path):
   model, path = ckpt
   cfg, _, state = hf.load_checkpoint(path)
-  hf.export_checkpoint(str(tmp_path), cfg, state)
-  config = json.load(open(tmp_path / "config.json"))
+  config = assert_export_round_trips(model, cfg, state, tmp_path)
   assert config["architectures"] == ["Qwen2MoeForCausalLM"]
   assert config["shared_expert_intermediate_size"] == 40 and config["qkv_bias"]
-  again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
-  original, reloaded = model.state_dict(), again.state_dict()
-  assert set(original) == set(reloaded)
-  for name, tensor in original.items():
-    assert torch.equal(tensor, reloaded[name]), name
-  assert ModelConfig.from_hf(config) == cfg
 
 
 def test_a_shared_expert_without_experts_is_refused_in_one_line():

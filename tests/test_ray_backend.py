@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(
 import ppo_step  # noqa: E402
 from hflax.controller.batch import Batch  # noqa: E402
 from ppo_step import build_workers, ppo_step as run_step, prompts_batch  # noqa: E402
+from ray_cluster import loopback_session  # noqa: E402
 from hflax.sharding.placement import colocated  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +39,6 @@ SPLIT = {"pools": {"policy": 4, "scoring": 4},  # as in test_controller
                    "reward": {"pool": "scoring", "mesh": {"data": 4}}}}
 # Members compute like this process does (conftest sets the same precision here).
 JAX_CONFIG = {"jax_default_matmul_precision": "highest"}
-IDLE_WORKERS = "RAY_prestart_worker_first_driver"
 
 
 def build_pool(devices, spec, pool, roles):
@@ -53,24 +53,11 @@ def build_pool(devices, spec, pool, roles):
 
 @pytest.fixture(scope="module")
 def ray_session():
-  import ml_collections
   import ray.cloudpickle
-  from hflax.controller.ray_backend.session import RaySession
   # The members import hflax from this checkout; the test helpers travel by value.
   ray.cloudpickle.register_pickle_by_value(ppo_step)
   ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-  # Ray prestarts an idle worker per CPU for tasks; the pools' actors, with an environment
-  # of their own, never use them (about a second of CPU each).
-  before = os.environ.get(IDLE_WORKERS)
-  os.environ[IDLE_WORKERS] = "0"
-  try:
-    session = RaySession(ml_collections.ConfigDict(dict(
-        address="", require_loopback=True, temp_dir="", log_to_driver=False)))
-  finally:
-    if before is None:
-      del os.environ[IDLE_WORKERS]
-    else:
-      os.environ[IDLE_WORKERS] = before
+  session = loopback_session()
   yield session
   session.close()
 

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 from hflax.launch.backends import make_backend  # noqa: E402
 from hflax.launch.trainer import Trainer  # noqa: E402
 from hflax.models.lora import split_adapters  # noqa: E402
+from ray_cluster import loopback_session  # noqa: E402
 from tiny_config import get_config as tiny_config  # noqa: E402
 
 SPLIT = {"pools": {"train": 1, "rollout": 1},
@@ -36,25 +37,12 @@ TIMED = ("timing_s/", "perf/throughput", "perf/time")
 # The local split reshards onto the rollout device; Ray's replica receives the weights in
 # its own process and reshards them there (nothing crosses devices in that reshard).
 LAYOUT = ("reshard/",)
-IDLE_WORKERS = "RAY_prestart_worker_first_driver"
 
 
 @pytest.fixture(scope="module")
 def ray_session():
   """One Ray cluster for the file (the trainers join it, and leave it running)."""
-  import ml_collections
-  from hflax.controller.ray_backend.session import RaySession
-  # Ray prestarts an idle worker per CPU for tasks; the pools' actors never use them.
-  before = os.environ.get(IDLE_WORKERS)
-  os.environ[IDLE_WORKERS] = "0"
-  try:
-    session = RaySession(ml_collections.ConfigDict(dict(
-        address="", require_loopback=True, temp_dir="", log_to_driver=False)))
-  finally:
-    if before is None:
-      del os.environ[IDLE_WORKERS]
-    else:
-      os.environ[IDLE_WORKERS] = before
+  session = loopback_session()
   yield session
   session.close()
 
