@@ -92,7 +92,6 @@ def _grpo():
     ({"distill.coef": 0.0}, "config.distill.coef: and distill.task_reward_coef are both 0"),
     ({"distill.coef": -1.0}, "config.distill.coef: must be a finite number >= 0"),
     ({"distill.task_reward_coef": float("nan")}, "config.distill.task_reward_coef:"),
-    ({"placement.kind": "auto"}, "config.placement.kind: 'auto' does not plan a distillation"),
 ])
 def test_distill_config_errors(setting, message):
   c = _grpo()

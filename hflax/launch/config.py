@@ -440,7 +440,7 @@ DISTILL_ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
 
 
 def _check_distill(c, fail, algorithm) -> None:
-  """distill: its algorithm, weights and placement; the teacher's vocabulary is checked
+  """distill: its algorithm and weights; the teacher's vocabulary is checked
   once the checkpoint's config is read (hflax.launch.models.check_teacher)."""
   d = c.get("distill")
   if d is None or not d.teacher_path:
@@ -450,9 +450,6 @@ def _check_distill(c, fail, algorithm) -> None:
          f"{DISTILL_ALGORITHMS}, not {algorithm.name!r}")
   if not d.coef and not d.task_reward_coef:
     fail("distill.coef", "and distill.task_reward_coef are both 0: no advantage is left")
-  if c.placement.kind == "auto":
-    fail("placement.kind", "'auto' does not plan a distillation teacher yet; use "
-         "'colocated', 'standalone' or 'custom'")
 
 
 def wandb_project(c) -> str:

@@ -42,21 +42,35 @@ def teacher_path(cfg) -> str:
   return cfg.distill.teacher_path if "distill" in cfg else ""
 
 
+def read_teacher_config(cfg) -> ModelConfig:
+  """The teacher checkpoint's model config (a file read, no weights), errors naming
+  distill.teacher_path."""
+  path = teacher_path(cfg)
+  try:
+    refuse_incomplete(path)
+    return hf.read_config(path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.distill.teacher_path: {e}") from None
+
+
+def teacher_config(cfg, student_cfg: ModelConfig) -> ModelConfig:
+  """The teacher's shape as it runs: its checkpoint's, in the student's dtypes and
+  attention (hflax.controller.build.teacher_model loads it so)."""
+  return read_teacher_config(cfg).replace(param_dtype=student_cfg.param_dtype,
+                                          dtype=student_cfg.dtype,
+                                          attention=student_cfg.attention)
+
+
 def check_teacher(cfg, student_vocab: int) -> None:
   """Before any device work: the teacher's checkpoint reads, and embeds the student's
   vocabulary (distillation compares log-probs of the same token ids)."""
   from hflax.algorithms.distill import check_distill_vocab
-  path = teacher_path(cfg)
-  if not path:
+  if not teacher_path(cfg):
     return
-  try:
-    refuse_incomplete(path)
-    teacher = hf.read_config(path)
-  except (OSError, ValueError) as e:
-    raise ValueError(f"config.distill.teacher_path: {e}") from None
+  teacher = read_teacher_config(cfg)
   problem = check_distill_vocab(teacher.vocab_size, student_vocab)
   if problem:
-    raise ValueError(f"config.distill.teacher_path: {path}: {problem}")
+    raise ValueError(f"config.distill.teacher_path: {teacher_path(cfg)}: {problem}")
 
 
 def needed_roles(cfg) -> list[str]:

@@ -19,9 +19,9 @@ configure_cpu()  # before JAX starts
 
 def workload(cfg, policy_cfg):
   """The auto-mapper's Workload for a config (every model has the policy's shape unless a
-  checkpoint says otherwise)."""
+  checkpoint says otherwise; a distillation teacher has its checkpoint's)."""
   from hflax.launch.models import (actor_config, needed_roles, reference_in_actor,
-                                   remove_padding, token_budgets, with_lora)
+                                   remove_padding, teacher_config, token_budgets, with_lora)
   from hflax.models import hf
   from hflax.sharding import automap
   models = {}
@@ -30,6 +30,8 @@ def workload(cfg, policy_cfg):
             "cost": cfg.cost.model_path}.get(role, "")
     models[role] = hf.read_config(path) if path else policy_cfg
   models["actor"] = actor_config(cfg, policy_cfg)
+  if "teacher" in models:
+    models["teacher"] = teacher_config(cfg, policy_cfg)
   if "critic" in models:
     models["critic"] = with_lora(models["critic"], cfg.critic)
   micro = cfg.actor.ppo_micro_batch_size or cfg.actor.ppo_mini_batch_size * cfg.rollout.n

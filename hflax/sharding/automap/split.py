@@ -32,6 +32,7 @@ from hflax.sharding.automap.placements import device_counts
 from hflax.sharding.automap.plan import Plan, nbytes, seconds
 from hflax.sharding.automap.profile import DeviceProfile
 from hflax.sharding.automap.search import MAX_TENSOR, Planner, _powers_of_two, _stage_time
+from hflax.sharding.automap.teacher import explain_teacher
 from hflax.sharding.automap.workload import Workload
 
 MODES = ("sync", "one_step_off", "async")
@@ -197,18 +198,25 @@ def pick(workload: Workload, profile: DeviceProfile, num_devices: int, mode: str
   if consider_split and mode not in SPLIT_MODES:
     raise ValueError(f"mode: a rollout split overlaps nothing in {mode!r} mode; plan it for "
                      f"one of {SPLIT_MODES}")
-  synced = Planner(workload, profile, overheads).search(num_devices, top_k=1)
+  planner = Planner(workload, profile, overheads)
+  synced = planner.search(num_devices, top_k=1)
   sync = synced[0] if synced else None
   split = None
   if consider_split and num_devices > 1:
-    splits = SplitPlanner(workload, profile, overheads).search(num_devices, mode)
+    splitter = SplitPlanner(workload, profile, overheads)
+    splits = splitter.search(num_devices, mode)
     split = splits[0] if splits else None
   if sync is None and split is None:
     raise ValueError(f"no placement of these models fits on {num_devices} devices "
                      f"({profile.name})")
   best = split if split is not None and (sync is None or split.step_time < sync.step_time) \
       else sync
-  return Pick(mode, best, sync, split, explain(mode, num_devices, sync, split, best))
+  # A split's teacher sits among its training pools, planned on the devices beside rollout.
+  teacher = (explain_teacher(planner, sync, num_devices) if best is sync else
+             explain_teacher(splitter.trainer, split.train, num_devices - split.rollout.devices,
+                             "scoring and updating"))
+  explanation = explain(mode, num_devices, sync, split, best)
+  return Pick(mode, best, sync, split, f"{explanation}; {teacher}" if teacher else explanation)
 
 
 def _count(n: int, what: str) -> str:

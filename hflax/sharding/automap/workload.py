@@ -1,8 +1,10 @@
 """What one RL step asks of each model: the workload the auto-mapper plans for.
 
-Roles: "actor" (trained, and it generates), "critic" (trained), "ref", "reward" and
-"cost" (forward only). A step runs in three stages, in order (the paper's dataflow):
-generate, then every forward pass that scores the responses, then the updates.
+Roles: "actor" (trained, and it generates), "critic" (trained), "ref", "reward", "cost"
+and "teacher" (forward only). The teacher is on-policy distillation's: its log-probs on
+every step's samples, like the reference's, from a model of its own shape (often larger
+than the actor). A step runs in three stages, in order (the paper's dataflow): generate,
+then every forward pass that scores the responses, then the updates.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from hflax.models.config import ModelConfig
 from hflax.sharding.automap.memory import ATTENTIONS
 
 TRAINED = ("actor", "critic")
-KNOWN_ROLES = ("actor", "critic", "ref", "reward", "cost")
+KNOWN_ROLES = ("actor", "critic", "ref", "reward", "cost", "teacher")
 STAGES = ("generate", "forward", "train")
 KV_CACHES = ("sampler", "paged")
 
@@ -160,10 +162,13 @@ class Workload:
   @classmethod
   def ppo(cls, actor: ModelConfig, critic: ModelConfig | None = None, *,
           ref: ModelConfig | None = None, reward: ModelConfig | None = None,
-          cost: ModelConfig | None = None, **kw) -> Workload:
-    """PPO's four models: ref defaults to the actor's shape, reward to the critic's."""
+          cost: ModelConfig | None = None, teacher: ModelConfig | None = None,
+          **kw) -> Workload:
+    """PPO's four models: ref defaults to the actor's shape, reward to the critic's; cost
+    and a distillation teacher only when given."""
     critic = critic or actor
     models = {"actor": actor, "critic": critic, "ref": ref or actor, "reward": reward or critic}
-    if cost is not None:
-      models["cost"] = cost
+    for role, cfg in (("cost", cost), ("teacher", teacher)):
+      if cfg is not None:
+        models[role] = cfg
     return cls(models=models, **kw)
