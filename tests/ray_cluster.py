@@ -20,3 +20,17 @@ def loopback_session():
       del os.environ[IDLE_WORKERS]
     else:
       os.environ[IDLE_WORKERS] = before
+
+
+def on_loopback_only():
+  """A Ray test module's mark: it runs only where Ray is installed and the network is
+  loopback only (Ray must never listen beyond it); elsewhere the module skips, saying how
+  to run it. Call at module level: a missing Ray skips the module there and then."""
+  import pytest
+  pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]')")
+  from hflax.controller.ray_backend.session import loopback_only_reason
+  reason = loopback_only_reason()
+  return pytest.mark.skipif(
+      reason is not None,
+      reason=f"Ray tests run only in a loopback-only network namespace ({reason}); "
+             "run them as ../shared/bin/netless python -m pytest tests/test_ray*.py")

@@ -9,7 +9,7 @@ import torch
 
 from hflax.models import ModelConfig, forward, hf, logits_fn, moe
 from moe_models import (assert_export_round_trips, assert_greedy_equals_transformers,
-                        hf_logits_and_aux, tiny_moe)
+                        hf_logits_and_aux, saved_tiny_moe, tiny_moe)
 
 logits_jit = jax.jit(logits_fn, static_argnums=0)
 
@@ -24,10 +24,8 @@ def _batch(seed=0):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-  model = tiny_moe()
-  path = tmp_path_factory.mktemp("qwen3_moe")
-  model.save_pretrained(path)
-  return model, str(path)
+  # The saved model and the one compared with are both tiny_moe(seed=0).
+  return tiny_moe(seed=0), saved_tiny_moe(tmp_path_factory, "qwen3_moe", seed=0)
 
 
 def test_config_reads_the_experts(ckpt):

@@ -9,15 +9,14 @@ import pytest
 
 from hflax.models import ModelConfig, forward, hf, logits_fn, moe
 from moe_models import (assert_export_round_trips, assert_greedy_equals_transformers,
-                        hf_logits_and_aux, tiny_qwen2_moe)
+                        hf_logits_and_aux, saved_tiny_moe, tiny_qwen2_moe)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-  model = tiny_qwen2_moe()
-  path = tmp_path_factory.mktemp("qwen2_moe")
-  model.save_pretrained(path)
-  return model, str(path)
+  # The saved model and the one compared with are both tiny_qwen2_moe(seed=0).
+  return tiny_qwen2_moe(seed=0), saved_tiny_moe(tmp_path_factory, "qwen2_moe", seed=0,
+                                                 build=tiny_qwen2_moe)
 
 
 def test_config_counts_the_shared_expert(ckpt):

@@ -12,20 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]')")
+from ray_cluster import loopback_session, on_loopback_only  # noqa: E402
 
-from hflax.controller.ray_backend.session import loopback_only_reason  # noqa: E402
-
-_NOT_LOOPBACK = loopback_only_reason()
-pytestmark = pytest.mark.skipif(
-    _NOT_LOOPBACK is not None,
-    reason=f"Ray tests run only in a loopback-only network namespace ({_NOT_LOOPBACK}); "
-           "run them as ../shared/bin/netless python -m pytest tests/test_ray*.py")
+pytestmark = on_loopback_only()
 
 import ppo_step  # noqa: E402
 from hflax.controller.batch import Batch  # noqa: E402
 from ppo_step import build_workers, ppo_step as run_step, prompts_batch  # noqa: E402
-from ray_cluster import loopback_session  # noqa: E402
 from hflax.sharding.placement import colocated  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

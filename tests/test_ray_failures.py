@@ -20,15 +20,9 @@ import uuid
 
 import pytest
 
-pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]')")
+from ray_cluster import on_loopback_only  # noqa: E402
 
-from hflax.controller.ray_backend.session import loopback_only_reason  # noqa: E402
-
-_NOT_LOOPBACK = loopback_only_reason()
-pytestmark = pytest.mark.skipif(
-    _NOT_LOOPBACK is not None,
-    reason=f"Ray tests run only in a loopback-only network namespace ({_NOT_LOOPBACK}); "
-           "run them as ../shared/bin/netless python -m pytest tests/test_ray*.py")
+pytestmark = on_loopback_only()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL_STEPS = 4  # checkpoint 2, the kill in step 3, then steps 3 and 4 again

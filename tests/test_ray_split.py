@@ -15,20 +15,13 @@ import jax
 import numpy as np
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'ray[default]')")
+from ray_cluster import loopback_session, on_loopback_only  # noqa: E402
 
-from hflax.controller.ray_backend.session import loopback_only_reason  # noqa: E402
-
-_NOT_LOOPBACK = loopback_only_reason()
-pytestmark = pytest.mark.skipif(
-    _NOT_LOOPBACK is not None,
-    reason=f"Ray tests run only in a loopback-only network namespace ({_NOT_LOOPBACK}); "
-           "run them as ../shared/bin/netless python -m pytest tests/test_ray*.py")
+pytestmark = on_loopback_only()
 
 from hflax.launch.backends import make_backend  # noqa: E402
 from hflax.launch.trainer import Trainer  # noqa: E402
 from hflax.models.lora import split_adapters  # noqa: E402
-from ray_cluster import loopback_session  # noqa: E402
 from tiny_config import get_config as tiny_config  # noqa: E402
 
 SPLIT = {"pools": {"train": 1, "rollout": 1},

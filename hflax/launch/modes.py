@@ -75,16 +75,15 @@ class OneStepOff:
     self.batch = _generate(actor, self.prompts)
 
   def _pending(self) -> Batch | None:
-    if self.batch is not None and not isinstance(self.batch, Batch):
-      self.batch = self.batch.result()
+    self.batch = _waited(self.batch)
     return self.batch
 
   def take(self, actor, prompts: Batch, prompt_iter, prefetch: bool) -> Batch:
     batch = self.batch if self.batch is not None else _generate(actor, prompts)
     self.prompts = self.batch = None
-    if prefetch:
+    if prefetch:  # dispatched before waiting, so the rollout pool never idles between
       self._dispatch(actor, prompt_iter)
-    return batch if isinstance(batch, Batch) else batch.result()
+    return _waited(batch)
 
   # -- checkpoints ------------------------------------------------------------------------
   def state_dict(self) -> dict | None:
@@ -114,6 +113,11 @@ def _generate(actor, prompts: Batch):
   batch while the driver dispatches this step's training."""
   start = getattr(actor, "start_generation", None)
   return start(prompts) if start is not None else actor.generate_sequences(prompts)
+
+
+def _waited(batch):
+  """A pending batch (_generate's) once it has arrived; a Batch or None as it is."""
+  return batch if batch is None or isinstance(batch, Batch) else batch.result()
 
 
 class ServedOnce:

@@ -116,6 +116,7 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
       raise ValueError(f"{where}.pools.{name}: size must be >= 1, got {size}")
     pools[name] = ResourcePool(name, tuple(devices[start:start + int(size)]))
     start += int(size)
+  apart = rollout_pool(spec, where)
   placed = {}
   for role, rspec in roles_spec.items():
     field = f"{where}.roles.{role}"
@@ -127,9 +128,6 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
     if rspec.get("pool") not in pools:
       raise ValueError(f"{field}.pool: {rspec.get('pool')!r} is not one of {sorted(pools)}")
     pool = pools[rspec["pool"]]
-    if role == "rollout" and set(rspec) != {"pool"}:
-      raise ValueError(f"{field}: only 'pool' is set here; the generation layout is the "
-                       f"actor's (generate_tensor, generate_strided, max_num_seqs)")
     shape = dict(rspec.get("mesh") or {"fsdp": pool.size})
     unknown = set(shape) - set(MESH_AXES)
     if unknown:
@@ -139,9 +137,7 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
       raise ValueError(f"{field}.mesh: {shape} multiplies to {product} but pool "
                        f"{pool.name!r} has {pool.size} devices")
     tensor_g = int(rspec.get("generate_tensor", 1))
-    generates_on = pool
-    if role == "actor" and "rollout" in roles_spec:
-      generates_on = pools.get(roles_spec["rollout"].get("pool"), pool)
+    generates_on = pools[apart] if role == "actor" and apart else pool
     if generates_on.size % tensor_g:
       raise ValueError(f"{field}.generate_tensor: {tensor_g} does not divide pool "
                        f"{generates_on.name!r} of {generates_on.size} devices")
@@ -154,18 +150,28 @@ def build_placement(spec: Mapping[str, Any], devices=None, *,
                       int(shape.get("tensor", 1)), int(shape.get("expert", 1)))
     placed[role] = RolePlacement(role, pool, mesh, tensor_g,
                                  bool(rspec.get("generate_strided", True)), int(cap))
-  return _with_rollout(placed, where)
-
-
-def _with_rollout(placed: dict[str, RolePlacement], where: str) -> dict[str, RolePlacement]:
-  """The actor's generate_on from role "rollout" (a pool apart from the actor's)."""
-  rollout = placed.get("rollout")
-  if rollout is None:
-    return placed
-  actor = placed.get("actor")
-  if actor is None:
-    raise ValueError(f"{where}.roles.rollout: the rollout is the actor's generation; place "
-                     "the actor too")
-  if rollout.pool.name != actor.pool.name:
-    placed["actor"] = dataclasses.replace(actor, generate_on=rollout.mesh)
+  if apart:
+    placed["actor"] = dataclasses.replace(placed["actor"], generate_on=placed["rollout"].mesh)
   return placed
+
+
+def rollout_pool(spec: Mapping[str, Any], where: str = "placement") -> str | None:
+  """The pool of role "rollout" where it is apart from the actor's, else None. Checked
+  from the spec alone (pool names and sizes), so that the Ray driver, which holds no
+  devices, refuses a bad rollout role with build_placement's own errors."""
+  roles, pools = spec.get("roles") or {}, spec.get("pools") or {}
+  if "rollout" not in roles:
+    return None
+  rollout, field = roles["rollout"], f"{where}.roles.rollout"
+  if rollout.get("pool") not in pools:
+    raise ValueError(f"{field}.pool: {rollout.get('pool')!r} is not one of {sorted(pools)}")
+  if set(rollout) != {"pool"}:
+    raise ValueError(f"{field}: only 'pool' is set here; the generation layout is the "
+                     "actor's (generate_tensor, generate_strided, max_num_seqs)")
+  if "actor" not in roles:
+    raise ValueError(f"{field}: the rollout is the actor's generation; place the actor too")
+  pool, tensor = rollout["pool"], int(roles["actor"].get("generate_tensor", 1))
+  if int(pools[pool]) % tensor:
+    raise ValueError(f"{where}.roles.actor.generate_tensor: {tensor} does not divide pool "
+                     f"{pool!r} of {pools[pool]} devices")
+  return pool if pool != roles["actor"].get("pool") else None

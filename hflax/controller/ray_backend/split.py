@@ -36,32 +36,15 @@ from hflax.controller.build import build_roles
 from hflax.controller.ray_backend.transport import to_host, to_wire
 from hflax.controller.roles import Role
 from hflax.controller.training import trained_part
+from hflax.sharding import placement
 
 ROLE = "rollout"  # the replica's name among a pool's workers (placement role "rollout")
 
 
-def rollout_pool(spec: dict, where: str = "config.placement") -> str | None:
-  """The pool of placement role "rollout" where it is apart from the actor's, else None;
-  checked as the local backend's build_placement checks it (the driver has no devices to
-  build the placement on), each error naming its field."""
-  roles = spec["roles"]
-  if ROLE not in roles:
-    return None
-  rollout, field = roles[ROLE], f"{where}.roles.{ROLE}"
-  if rollout.get("pool") not in spec["pools"]:
-    raise ValueError(f"{field}.pool: {rollout.get('pool')!r} is not one of "
-                     f"{sorted(spec['pools'])}")
-  if set(rollout) != {"pool"}:
-    raise ValueError(f"{field}: only 'pool' is set here; the generation layout is the "
-                     "actor's (generate_tensor, generate_strided, max_num_seqs)")
-  if "actor" not in roles:
-    raise ValueError(f"{field}: the rollout is the actor's generation; place the actor too")
-  pool, size = rollout["pool"], int(spec["pools"][rollout["pool"]])
-  tensor = int(roles["actor"].get("generate_tensor", 1))
-  if size % tensor:
-    raise ValueError(f"{where}.roles.actor.generate_tensor: {tensor} does not divide pool "
-                     f"{pool!r} of {size} devices")
-  return pool if pool != roles["actor"].get("pool") else None
+def rollout_pool(spec: dict) -> str | None:
+  """The pool of placement role "rollout" where it is apart from the actor's, else None
+  (checked from the spec alone, as build_placement checks it)."""
+  return placement.rollout_pool(spec, "config.placement")
 
 
 def replica_plan(plan, pool: str, size: int):
