@@ -233,3 +233,22 @@ def test_launcher_runs_the_auto_plan_of_a_distillation_job(tmp_path):
     rows = [json.loads(line) for line in f if '"step"' in line]
   assert rows[-1]["step"] == 1
   assert np.isfinite(rows[-1]["distill/reverse_kl"]) and abs(rows[-1]["distill/reverse_kl"]) > 0
+
+
+def test_plan_cli_says_where_the_teacher_goes(tmp_path, capsys):
+  """python -m hflax.launch.plan with distill.teacher_path: the plans hold role teacher
+  and the explanation names its place."""
+  import os
+
+  from hflax.launch import plan
+  from hflax.sharding.automap.plan import count
+  from tiny_config import get_config
+  path, _, teacher = _export_teacher(get_config(), tmp_path / "teacher")
+  config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_config.py")
+  assert plan.main(["--config", config, "--profile", "a100-80gb", "--devices", "16",
+                    f"--config.distill.teacher_path={path}"]) == 0
+  out = capsys.readouterr().out
+  assert "teacher=(" in out.splitlines()[1]
+  assert f"the teacher ({count(teacher.num_params)} params, forward only) " \
+      "runs on pool" in out
+  assert "'teacher': {'pool': 'pool" in out

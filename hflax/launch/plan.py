@@ -5,7 +5,8 @@ devices per pool, mesh shapes, predicted step time per stage and peak memory, an
 placement fragment that runs the best one. `--config.placement.kind=auto` in the main job
 runs that plan directly. For trainer.mode one_step_off or async (the config's, or --mode)
 the pick also weighs a rollout pool of its own against those plans (automap.split), and
-says which wins and why.
+says which wins and why. With distill.teacher_path the teacher is planned with its
+checkpoint's shape, and the explanation says where it went and why.
 """
 from __future__ import annotations
 

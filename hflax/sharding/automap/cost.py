@@ -11,9 +11,10 @@ activations, the KV cache and the actor's generation copy (cast to the compute d
 the hybrid engine writes it) take its dtype's: 2 and 2 for the paper's bfloat16 models,
 4 and 4 for a float32 CPU job. A trained model keeps 16 bytes/param (weights and
 gradients, fp32 master copy, two fp32 Adam moments), sharded over fsdp x tensor and
-replicated over data. With LoRA only the adapters have gradients and optimizer state,
-and the backward pass skips the base weights' gradient matmuls: 2 forward-equivalents,
-not 3.
+replicated over data; a forward-only role (ref, reward, cost, a distillation teacher of
+any size) keeps its weights alone and runs one forward pass a step. With LoRA only the
+adapters have gradients and optimizer state, and the backward pass skips the base
+weights' gradient matmuls: 2 forward-equivalents, not 3.
 
 Mixture of experts: weights, gradients and optimizer state count every expert (the total
 parameters), FLOPs the experts a token runs through (terms.compute_params). An expert
