@@ -135,14 +135,20 @@ class ActorRolloutWorker(RoleWorker):
     return Batch(out, prompts.repeat(params.n).objects, {"metrics": metrics})
 
   # -- asynchronous rollouts (trainer.mode = "async", hflax.rollout.stream) -----------------
-  def streaming_engine(self, *, slots: int, max_prompt_len: int,
-                       steps_per_call: int) -> RolloutEngine:
+  def streaming_engine(self, *, slots: int, max_prompt_len: int, steps_per_call: int,
+                       max_new_tokens: int | None = None, max_turn_len: int = 0,
+                       max_context_len: int = 0) -> RolloutEngine:
     """A rollout engine of its own on the generation mesh, for requests streamed while the
-    actor trains; it gets its weights from `generation_weights`."""
+    actor trains; it gets its weights from `generation_weights`. max_new_tokens (a turn's,
+    default the response's), max_turn_len and max_context_len: for agent trajectories,
+    as multi_turn_rollout builds its engine."""
     data = self.engine.mesh.shape["data"]
-    return RolloutEngine(self.engine.graphdef, None, dataclasses.replace(self.sampling, n=1),
+    sampling = dataclasses.replace(self.sampling, n=1,
+                                   max_new_tokens=max_new_tokens or self.sampling.max_new_tokens)
+    return RolloutEngine(self.engine.graphdef, None, sampling,
                          mesh=self.engine.mesh, slots=-(-slots // data) * data,
-                         max_prompt_len=max_prompt_len, steps_per_call=steps_per_call)
+                         max_prompt_len=max_prompt_len, steps_per_call=steps_per_call,
+                         max_turn_len=max_turn_len, max_context_len=max_context_len)
 
   def generation_weights(self) -> tuple:
     """The weight sync: (graphdef, the current weights in the generation layout, their
@@ -176,19 +182,31 @@ class ActorRolloutWorker(RoleWorker):
     empty loss mask pad the rows to a multiple of the mini-batch. A call with sampling of
     its own (validation, ReMax's greedy baseline) is scored, not trained: it keeps each
     trajectory's last segment, one row a trajectory, as it holds the final answer."""
-    if self._tokenizer is None:
-      from hflax.models.tokenizer import load_tokenizer
-      self._tokenizer = load_tokenizer(self.tokenizer_spec or "byte")
     graphdef, state = self.rollout.weights
     fields, infos, agent_metrics = multi_turn_rollout(
         graphdef, state, version=self.rollout.version, mesh=self.engine.mesh, sampling=params,
-        settings=self.multi_turn, tokenizer=self._tokenizer,
+        settings=self.multi_turn, tokenizer=self.agent_tokenizer(),
         raw_prompts=list(prompts["raw_prompt"]), data_sources=list(prompts["data_source"]),
         extra_info=list(prompts["extra_info"]), rng=rng,
         response_width=params.max_new_tokens)
     self.rollout.release_weights()
-    count = len(prompts)
-    owner = np.arange(count * params.n)
+    return self.trajectory_batch(fields, infos, prompts, params.n,
+                                 {**metrics, **agent_metrics}, train=train)
+
+  def agent_tokenizer(self):
+    """The tokenizer agent trajectories are rendered with (loaded once)."""
+    if self._tokenizer is None:
+      from hflax.models.tokenizer import load_tokenizer
+      self._tokenizer = load_tokenizer(self.tokenizer_spec or "byte")
+    return self._tokenizer
+
+  def trajectory_batch(self, fields: dict, infos: list, prompts: Batch, n: int, metrics: dict,
+                       *, train: bool = True, token_versions: bool = False) -> Batch:
+    """trajectory_fields' rows (prompt i's n trajectories in rows i*n .. i*n + n - 1) as a
+    batch on the actor's home device: segments padded and tied (_trajectories), each
+    row's rollout_version its oldest model token's; token_versions keeps the per-token
+    "rollout_versions" too (the asynchronous stream's, whose rows span versions)."""
+    owner = np.arange(len(prompts) * n)
     if "segment_owner" in fields:
       mini = self.update_cfg.mini_batch_size if train and self.update_cfg is not None else 1
       fields, owner = segment_fields(fields, fields.pop("segment_owner"), mini)
@@ -196,12 +214,18 @@ class ActorRolloutWorker(RoleWorker):
         last = np.flatnonzero(fields.pop("segment_head") == np.arange(len(owner)))
         fields, owner = {k: v[last] for k, v in fields.items()}, owner[last]
       metrics["agent/segment_rows"] = float(len(owner))
+    versions = np.asarray(fields["rollout_versions"])
+    model = versions >= 0  # -1 off the model's tokens
+    oldest = np.where(model, versions, np.iinfo(np.int32).max).min(axis=1)
+    fields = {**fields, "rollout_version": np.where(model.any(axis=1), oldest,
+                                                    versions.max(axis=1)).astype(np.int32)}
+    if not token_versions:
+      del fields["rollout_versions"]
     out = {k: jax.device_put(v, self.home) for k, v in fields.items()}
-    out["rollout_version"] = out.pop("rollout_versions").max(axis=1)
-    out["group_ids"] = jax.device_put(jnp.asarray(owner // params.n, jnp.int32), self.home)
-    objects = {k: v[owner] for k, v in prompts.repeat(params.n).objects.items()}
+    out["group_ids"] = jax.device_put(jnp.asarray(owner // n, jnp.int32), self.home)
+    objects = {k: v[owner] for k, v in prompts.repeat(n).objects.items()}
     objects["extra_info"] = np.asarray(infos, dtype=object)[owner]
-    return Batch(out, objects, {"metrics": {**metrics, **agent_metrics}})
+    return Batch(out, objects, {"metrics": metrics})
 
   def old_log_probs(self, batch: Batch) -> Batch:
     """The behaviour policy's log-probs: the rollout's own, or recomputed when they differ,

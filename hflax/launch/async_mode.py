@@ -48,6 +48,10 @@ import numpy as np
 from hflax.controller.batch import Batch
 from hflax.launch.modes import ServedOnce
 from hflax.models.transformer import positions_from_mask
+from hflax.rollout.agents.loop import AgentLoop, model_versions
+from hflax.rollout.agents.rollout import environments, trajectory_fields
+from hflax.rollout.agents.streaming import Trajectories, tools_overhead
+from hflax.rollout.sampler import length_bucket
 from hflax.rollout.stream import RolloutStream, response_fields
 
 STEPS_PER_CALL = 8  # decode steps one engine call runs (the host admits between calls)
@@ -64,13 +68,33 @@ class AsyncRollouts:
     # Every request admission allows decodes at once, unless max_num_seqs caps them.
     slots = (max_staleness + 1) * groups * n
     slots = min(slots, max_num_seqs) if max_num_seqs else slots
-    engine = actor.streaming_engine(slots=slots, max_prompt_len=max_prompt_len,
-                                    steps_per_call=min(STEPS_PER_CALL, max(decode_steps, 1)))
-    self.stream = RolloutStream(engine, n, max_staleness)
+    steps = min(STEPS_PER_CALL, max(decode_steps, 1))
+    self.agent = actor.multi_turn  # rollout.multi_turn: each sample an agent trajectory
+    if self.agent is None:
+      engine, samples = actor.streaming_engine(slots=slots, max_prompt_len=max_prompt_len,
+                                               steps_per_call=steps), None
+    else:
+      engine, samples = self._agent_engine(slots, max_prompt_len, steps)
+    self.stream = RolloutStream(engine, n, max_staleness, samples)
     self._synced = False  # whether the engine holds the actor's current weights
     self._sync_metrics: dict = {}
     self._dropped_before = 0
     self.batch: Batch | None = None  # this step's generated rows, served to the driver
+
+  def _agent_engine(self, slots: int, max_prompt_len: int, steps: int):
+    """The engine and samples of multi-turn trajectories, as multi_turn_rollout builds
+    them, with a prompt width for any prompt the loader passes plus the tools' message."""
+    mt, worker = self.agent, self.worker
+    self.tokenizer, response = worker.agent_tokenizer(), worker.sampling.max_new_tokens
+    self.prompt_width = length_bucket(max_prompt_len + tools_overhead(mt, self.tokenizer))
+    # A new segment's context is a fresh request's prompt: as long as a whole trajectory.
+    width = self.prompt_width + response if mt.rewrite_history else self.prompt_width
+    engine = worker.streaming_engine(
+        slots=slots, max_prompt_len=width, steps_per_call=steps, max_turn_len=mt.max_turn_len,
+        max_new_tokens=min(mt.turn_tokens or response, response), max_context_len=width + response)
+    loop = AgentLoop(engine, self.tokenizer, max_turns=mt.max_turns,
+                     rewrite_history=mt.rewrite_history, lockstep=True)
+    return engine, Trajectories(loop, mt)
 
   # -- the trainer's schedule interface (as hflax.launch.modes.OneStepOff's) ---------------
   def step_prompts(self, prompt_iter) -> Batch:
@@ -116,13 +140,35 @@ class AsyncRollouts:
       key = self.worker.next_sampling_key()
       tokens, mask = np.asarray(prompts["prompts"]), np.asarray(prompts["prompt_mask"], bool)
       rows = np.asarray(prompts["row_index"])
+      if self.agent is not None:
+        self._admit_trajectories(prompts, rows, key)
+        continue
       for i in range(len(prompts)):
         self.stream.submit(int(rows[i]), tokens[i][mask[i]].tolist(), key, first_row=i * self.n)
+
+  def _admit_trajectories(self, prompts, rows, key):
+    """A batch's prompts as groups of agent trajectories: each prompt rendered with its
+    tools, and every trajectory's token limit the batch's prompt width plus the response
+    length, as multi_turn_rollout sets them for the batch."""
+    raw, sources = list(prompts["raw_prompt"]), list(prompts["data_source"])
+    envs = environments(self.agent, sources)
+    ids = [self.tokenizer.encode_chat(env.reset({"prompt": list(r)}), add_generation_prompt=True)
+           for env, r in zip(envs, raw)]
+    longest = max(len(x) for x in ids)
+    if longest > self.prompt_width:
+      raise ValueError(f"data.max_prompt_length: a prompt with its tools is {longest} tokens, "
+                       f"more than the stream's engine holds ({self.prompt_width}); raise it")
+    limit = length_bucket(longest) + self.worker.sampling.max_new_tokens
+    for i in range(len(prompts)):
+      context = {"raw_prompt": list(raw[i]), "data_source": str(sources[i]), "max_tokens": limit}
+      self.stream.submit(int(rows[i]), ids[i], key, first_row=i * self.n, context=context)
 
   def _rows(self, taken, prompts: Batch, metrics: dict) -> Batch:
     """The taken groups as the sampler's fields on the actor's devices, with the step's
     asynchronous metrics."""
     version = self.stream.engine.version
+    if self.agent is not None:
+      return self._trajectory_rows(taken, prompts, metrics)
     fields = response_fields(taken, self.worker.sampling.max_new_tokens,
                              self.worker.sampling.pad_id, version)
     per_row, token_staleness = fields.pop("versions_per_row"), fields.pop("token_staleness")
@@ -137,16 +183,43 @@ class AsyncRollouts:
     # Each row's prompt's dataset row: which trajectories a step trained on, in its dumps.
     fields["row_index"] = np.repeat(np.asarray([g.row_index for g in taken], np.int32), self.n)
     arrays = jax.device_put(fields, self.worker.home)
+    metrics = self._async_metrics(metrics, per_row, token_staleness)
+    return Batch(arrays, prompt_rows.objects, {"metrics": metrics})
+
+  def _trajectory_rows(self, taken, prompts: Batch, metrics: dict) -> Batch:
+    """The taken groups' trajectories as multi_turn_rollout's rows (trajectory_fields,
+    the actor's trajectory_batch: segments included), every token's version kept, with
+    the asynchronous metrics and the agent loop's over these trajectories."""
+    trajectories = [t for g in taken for t in g.done]
+    extra = [x for x in prompts["extra_info"] for _ in range(self.n)]
+    fields, infos = trajectory_fields(
+        trajectories, extra, pad_id=self.tokenizer.pad_id,
+        prompt_width=length_bucket(max(len(g.prompt_ids) for g in taken)),
+        response_width=self.worker.sampling.max_new_tokens)
+    versions = [model_versions(t) for t in trajectories]
+    lag = [self.stream.engine.version - v for vs in versions for v in vs]
+    per_row = np.asarray([len(set(vs)) for vs in versions], np.int32)
+    metrics = {**self._async_metrics(metrics, per_row, float(np.mean(lag)) if lag else 0.0),
+               **self.stream.samples.loop.summary(trajectories)}
+    batch = self.worker.trajectory_batch(fields, infos, prompts, self.n, metrics,
+                                         token_versions=True)
+    # Each row's prompt's dataset row: which trajectories a step trained on, in its dumps.
+    rows = np.asarray([g.row_index for g in taken], np.int32)
+    row_index = jax.device_put(rows[np.asarray(batch["group_ids"])], self.worker.home)
+    return Batch({**batch.arrays, "row_index": row_index}, batch.objects, batch.meta)
+
+  def _async_metrics(self, metrics: dict, per_row: np.ndarray, token_staleness: float) -> dict:
+    """The weight sync's and the stream's: groups dropped past the bound (this step, over
+    the run), groups untrained, weight versions per trajectory, the mean token lag."""
     dropped = self.stream.dropped - self._dropped_before
     self._dropped_before = self.stream.dropped
-    metrics = {**self._sync_metrics, **metrics,
-               "async/dropped_groups": float(dropped),
-               "async/dropped_groups_total": float(self.stream.dropped),
-               "async/untrained_groups": float(len(self.stream.groups)),
-               "async/versions_per_trajectory_mean": float(per_row.mean()),
-               "async/versions_per_trajectory_max": float(per_row.max()),
-               "async/token_staleness_mean": token_staleness}
-    return Batch(arrays, prompt_rows.objects, {"metrics": metrics})
+    return {**self._sync_metrics, **metrics,
+            "async/dropped_groups": float(dropped),
+            "async/dropped_groups_total": float(self.stream.dropped),
+            "async/untrained_groups": float(len(self.stream.groups)),
+            "async/versions_per_trajectory_mean": float(per_row.mean()),
+            "async/versions_per_trajectory_max": float(per_row.max()),
+            "async/token_staleness_mean": token_staleness}
 
   # -- checkpoints ------------------------------------------------------------------------
   def state_dict(self) -> dict:

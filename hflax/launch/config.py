@@ -357,9 +357,6 @@ def _check_mode(c, fail, algorithm) -> None:
     if algorithm.takes_prompt_iterator:
       fail("trainer.mode", f"async trains one batch of groups per step; "
            f"{algorithm.name} draws as many as it needs within a step")
-    if c.rollout.multi_turn.get("enable", False):
-      fail("trainer.mode", "async streams single responses; rollout.multi_turn is not "
-           "streamed yet (use sync or one_step_off)")
     if c.cluster.backend != "local":
       fail("trainer.mode", f"async runs its rollout engine in the controller's process "
            f"(cluster.backend='local'), got cluster.backend={c.cluster.backend!r}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class Trajectory:
   holds no more); segments: where the history was rewritten, the earlier segments (each a
   Trajectory of the ids its turns were sampled from), in order: this object holds the
   last one (its prompt_len is then that segment's context)."""
-  index: int
+  index: Hashable
   token_ids: list[int]
   model_mask: list[bool]
   log_probs: list[float]
@@ -76,12 +76,20 @@ class AgentLoop:
   (the model's turns as their text) and, where that text is not the kept ids' text plus
   the new messages' (a template that drops earlier reasoning), continue from the
   rendering as a new segment. Off, only an environment's Observation.context starts one.
+  lockstep: each environment step runs during one engine step and is waited for after it
+  (not taken whenever its thread is done), so which turn samples at which engine step,
+  and so with which weights, does not depend on timing (the asynchronous trainer's).
   template_vars: the chat template's switches (tools=[schemas] where it renders tools).
+
+  `run` runs a batch of trajectories to the end. The same state machine, driven step by
+  step: `submit` starts a trajectory, `advance` steps the engine once and the environments
+  due and returns the trajectories that finished, `abort` ends one unfinished,
+  `sampled_versions` reads the versions it has so far (hflax.rollout.agents.streaming).
   """
 
   def __init__(self, engine: RolloutEngine, tokenizer: Tokenizer, *, max_turns: int = 4,
                max_tokens: int | None = None, threads: int = 16, reuse_cache: bool = True,
-               rewrite_history: bool = False, **template_vars):
+               rewrite_history: bool = False, lockstep: bool = False, **template_vars):
     if not engine.max_turn_len:
       raise ValueError("AgentLoop: the engine needs max_turn_len > 0 (turns continue its cache)")
     if max_turns < 1:
@@ -91,6 +99,89 @@ class AgentLoop:
     self.template_vars = template_vars
     self.delta = MessageDelta(tokenizer, **template_vars)
     self.threads, self.reuse_cache, self.rewrite_history = threads, reuse_cache, rewrite_history
+    self.lockstep = lockstep
+    self._begin()
+
+  # -- the incremental interface (what `run` and hflax.rollout.agents.streaming drive) ----
+  def _begin(self):
+    """Empties the loop's state: no trajectory in it, the timing at 0."""
+    self._trajectories, self._envs, self._messages, self._texts = {}, {}, {}, {}
+    self._row, self._key, self._limit, self._request_id = {}, {}, {}, {}
+    self._pending, self._older, self._finished = {}, [], []
+    self._timing = {"decode_seconds": 0.0, "tool_wait_seconds": 0.0}
+
+  def submit(self, tid: Hashable, environment: Environment, sample: Any, *, row: int,
+             key=None, max_tokens: int | None = None) -> Trajectory:
+    """Starts trajectory `tid` (its requests' ids are (tid, turn)): the environment's
+    first messages as its prompt; turn t samples as row `row + t` with `key` (default:
+    the engine's); max_tokens its own limit (default: the loop's)."""
+    if tid in self._trajectories:
+      raise ValueError(f"AgentLoop.submit: trajectory {tid!r} is already in the loop")
+    messages = list(environment.reset(sample))
+    self._messages[tid] = messages  # the conversation, re-rendered where it is rewritten
+    text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                              **self.template_vars)
+    self._texts[tid] = text  # the kept ids' text, to compare with a re-rendering
+    prompt = self.tokenizer.encode(text, add_special_tokens=False)  # encode_chat's ids
+    trajectory = Trajectory(tid, [], [], [], [], len(prompt))
+    trajectory.append(prompt, model=False)
+    trajectory.metrics = dict.fromkeys(COUNTS, 0) | {"model_tokens": 0, "tool_tokens": 0}
+    self._trajectories[tid], self._envs[tid] = trajectory, environment
+    self._row[tid], self._key[tid] = int(row), key
+    self._limit[tid] = max_tokens or self.max_tokens
+    self.engine.submit(self._request(tid, prompt, turn=0))
+    return trajectory
+
+  @property
+  def busy(self) -> int:
+    """Trajectories started and not finished (decoding, waiting, or in their environment)."""
+    return len(self._trajectories)
+
+  def advance(self) -> list[Trajectory]:
+    """One engine step (or, with nothing to decode, a wait for an environment), then the
+    environment steps that are due; returns the trajectories that finished, in order."""
+    self._advance()
+    finished, self._finished = self._finished, []
+    return finished
+
+  def sampled_versions(self, tid: Hashable) -> list[int]:
+    """The versions of the model tokens trajectory `tid` has sampled so far, its turn
+    still decoding included: what a staleness bound reads before it finishes."""
+    out = model_versions(self._trajectories[tid])
+    try:
+      return out + self.engine.sampled_versions(self._request_id[tid])
+    except KeyError:  # its turn finished (kept): its tokens are in the trajectory already
+      return out
+
+  def abort(self, tid: Hashable):
+    """Ends trajectory `tid` unfinished: its request stopped, its kept slots released, an
+    environment step still running left to end with its result ignored."""
+    self._trajectories.pop(tid)
+    request = self._request_id.pop(tid)
+    try:
+      self.engine.abort(request)
+    except KeyError:  # not decoding nor waiting: finished and kept, or never admitted
+      pass
+    for kept in [k for k in self.engine.kept if k[0] == tid]:
+      self.engine.release(kept)
+    for future in [f for f, (t, _) in self._pending.items() if t == tid]:
+      del self._pending[future]
+    self._older = [f for f in self._older if f in self._pending]
+    for table in (self._envs, self._messages, self._texts, self._row, self._key, self._limit):
+      table.pop(tid, None)
+
+  def summary(self, trajectories: Sequence[Trajectory]) -> dict:
+    """The loop's metrics over `trajectories`, with its timing since the last summary."""
+    out = self._summary(trajectories)
+    self._timing = dict.fromkeys(self._timing, 0.0)
+    return out
+
+  def close(self):
+    """Ends the environment threads (a later submit starts new ones)."""
+    pool = getattr(self, "_pool", None)
+    if pool is not None:
+      pool.shutdown(wait=True)
+      self._pool = None
 
   def run(self, environments: Sequence[Environment], samples: Sequence[Any], *,
           first_row: int = 0) -> tuple[list[Trajectory], dict]:
@@ -99,40 +190,42 @@ class AgentLoop:
     if len(environments) != len(samples):
       raise ValueError(f"AgentLoop.run: {len(environments)} environments for {len(samples)} "
                        "samples")
-    self._trajectories, self._envs = [], list(environments)
-    self._first_row, self._pending, self._messages, self._texts = first_row, {}, [], []
-    self._timing = {"decode_seconds": 0.0, "tool_wait_seconds": 0.0}
+    if self.busy:
+      raise RuntimeError(f"AgentLoop.run: {self.busy} trajectories already in the loop")
+    self._begin()
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(self.threads, "hflax-env") as pool:
-      self._pool = pool
+    done = {}
+    try:
       for i, (env, sample) in enumerate(zip(environments, samples)):
-        messages = list(env.reset(sample))
-        self._messages.append(messages)  # the conversation, re-rendered where it is rewritten
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  **self.template_vars)
-        self._texts.append(text)  # the kept ids' text, to compare with a re-rendering
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # encode_chat's ids
-        trajectory = Trajectory(i, [], [], [], [], len(prompt))
-        trajectory.append(prompt, model=False)
-        trajectory.metrics = dict.fromkeys(COUNTS, 0) | {"model_tokens": 0, "tool_tokens": 0}
-        self._trajectories.append(trajectory)
-        self.engine.submit(self._request(i, prompt, turn=0))
-      while self._pending or self.engine.busy:
-        self._advance()
+        self.submit(i, env, sample, row=first_row + i * self.max_turns)
+      while self.busy:
+        done.update((t.index, t) for t in self.advance())
+    finally:
+      self.close()
     self._timing["seconds"] = time.perf_counter() - start
-    return self._trajectories, self._summary()
+    trajectories = [done[i] for i in range(len(samples))]
+    return trajectories, self._summary(trajectories)
 
-  def _request(self, i: int, ids, turn: int, fresh: bool = False) -> Request:
-    row = self._first_row + i * self.max_turns + turn
+  def _request(self, i: Hashable, ids, turn: int, fresh: bool = False) -> Request:
+    row, key = self._row[i] + turn, self._key[i]
+    self._request_id[i] = (i, turn)
     if turn and (fresh or not self.reuse_cache):  # the whole context, in a fresh slot
       self.engine.release((i, turn - 1))
-      return Request(self._trajectories[i].token_ids, id=(i, turn), keep=True, row=row)
+      return Request(self._trajectories[i].token_ids, id=(i, turn), keep=True, row=row,
+                     key=key)
     return Request(ids, id=(i, turn), keep=True, continues=None if turn == 0 else (i, turn - 1),
-                   row=row)
+                   row=row, key=key)
+
+  def _environment_pool(self):
+    if getattr(self, "_pool", None) is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "hflax-env")
+    return self._pool
 
   def _advance(self):
     """One engine step (or, with nothing to decode, a wait for an environment), then
-    every environment step that is ready."""
+    every environment step that is ready: those done (lockstep: those submitted before
+    this engine step, waited for, in the order they were submitted)."""
+    submitted_before = self._older
     if self.engine.busy:
       start = time.perf_counter()
       finished = self.engine.step()
@@ -141,9 +234,21 @@ class AgentLoop:
         self._turn_done(completion)
     else:
       start = time.perf_counter()
-      concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
+      if self.lockstep:
+        submitted_before = list(self._pending)
+        concurrent.futures.wait(submitted_before)
+      else:
+        concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
       self._timing["tool_wait_seconds"] += time.perf_counter() - start
-    for future in [f for f in self._pending if f.done()]:
+    if self.lockstep:
+      start = time.perf_counter()
+      concurrent.futures.wait(submitted_before)
+      self._timing["tool_wait_seconds"] += time.perf_counter() - start
+      due = [f for f in submitted_before if f in self._pending]
+      self._older = [f for f in self._pending if f not in set(due)]
+    else:
+      due = [f for f in self._pending if f.done()]
+    for future in due:
       i, turn = self._pending.pop(future)
       self._observed(i, turn, future.result())
 
@@ -156,10 +261,11 @@ class AgentLoop:
     trajectory.turns.append(text)
     self._messages[i].append({"role": "assistant", "content": text})
     self._texts[i] += self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
-    future = self._pool.submit(self._envs[i].step, Turn(text, tuple(c.token_ids), turn))
+    future = self._environment_pool().submit(self._envs[i].step,
+                                             Turn(text, tuple(c.token_ids), turn))
     self._pending[future] = (i, turn)
 
-  def _observed(self, i: int, turn: int, obs: Observation):
+  def _observed(self, i: Hashable, turn: int, obs: Observation):
     trajectory = self._trajectories[i]
     if obs.reward is not None:
       trajectory.rewards.append(float(obs.reward))
@@ -168,10 +274,14 @@ class AgentLoop:
     text = "" if obs.done else self.delta.text(obs.messages)
     ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
     context = None if obs.done else self._rewritten(i, obs, text)
-    stop = self._stop(trajectory, turn, obs, len(ids), context)
+    stop = self._stop(trajectory, turn, obs, len(ids), context, self._limit[i])
     if stop:
       trajectory.stop = stop
       self.engine.release((i, turn))
+      self._finished.append(trajectory)
+      for table in (self._trajectories, self._envs, self._messages, self._texts, self._row,
+                    self._key, self._limit, self._request_id):
+        del table[i]
       return
     trajectory.metrics["tool_tokens"] += len(ids)
     if context is None:
@@ -186,7 +296,7 @@ class AgentLoop:
       trajectory.append(context, model=False)
     self.engine.submit(self._request(i, ids, turn + 1, fresh=context is not None))
 
-  def _rewritten(self, i: int, obs: Observation, text: str) -> list[int] | None:
+  def _rewritten(self, i: Hashable, obs: Observation, text: str) -> list[int] | None:
     """The next turn's context where the history is rewritten (None: the kept ids and the
     new messages' `text` go on, today's append). The conversation is the environment's
     context, else the history with the turn and the new messages; it is rewritten where
@@ -207,18 +317,20 @@ class AgentLoop:
     return self.tokenizer.encode(rendered, add_special_tokens=False)
 
   def _stop(self, trajectory: Trajectory, turn: int, obs: Observation, ids: int,
-            context: list[int] | None = None) -> str:
+            context: list[int] | None = None, max_tokens: int | None = None) -> str:
     """Why the trajectory ends after this turn ("" if it goes on); ids: how many tokens
-    the messages after the turn would add; context: a new segment's context, if any."""
+    the messages after the turn would add; context: a new segment's context, if any;
+    max_tokens: the trajectory's limit (default: the loop's)."""
+    max_tokens = max_tokens or self.max_tokens
     if obs.done:
       return "done"
     if turn + 1 >= self.max_turns:
       return "max_turns"
     if context is not None:  # a fresh request: its context is the prompt
-      if len(context) >= self.max_tokens:
+      if len(context) >= max_tokens:
         return "max_tokens"
       return "context" if len(context) > self.engine.prompt_width else ""
-    if len(trajectory.token_ids) + ids >= self.max_tokens:
+    if len(trajectory.token_ids) + ids >= max_tokens:
       return "max_tokens"
     if not self.reuse_cache:  # the whole context is the next request's prompt
       return "context" if len(trajectory.token_ids) + ids > self.engine.prompt_width else ""
@@ -228,8 +340,7 @@ class AgentLoop:
       return "context"
     return ""
 
-  def _summary(self) -> dict:
-    ts = self._trajectories
+  def _summary(self, ts: Sequence[Trajectory]) -> dict:
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
     out = {f"agent/{k}/mean": mean([t.metrics.get(k, 0) for t in ts])
            for k in COUNTS + ("model_tokens", "tool_tokens")}
@@ -239,6 +350,12 @@ class AgentLoop:
       out[f"agent/stop/{reason}"] = mean([t.stop == reason for t in ts])
     out.update({f"timing_s/agent_{k}": v for k, v in self._timing.items()})
     return out
+
+
+def model_versions(trajectory: Trajectory) -> list[int]:
+  """The weight versions of a trajectory's model tokens, its earlier segments' first."""
+  return [v for s in list(trajectory.segments) + [trajectory]
+          for v, m in zip(s.versions, s.model_mask) if m]
 
 
 def to_batch_fields(trajectories: Sequence[Trajectory], pad_id: int,

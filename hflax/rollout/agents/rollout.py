@@ -123,21 +123,33 @@ def multi_turn_rollout(graphdef, state, *, version: int, mesh, sampling: Samplin
   loop = AgentLoop(engine, tokenizer, max_turns=settings.max_turns,
                    max_tokens=width + response_width, rewrite_history=settings.rewrite_history)
   trajectories, metrics = loop.run(envs, samples)
+  fields, infos = trajectory_fields(trajectories, [x for x in extra_info for _ in range(n)],
+                                    pad_id=tokenizer.pad_id, prompt_width=width,
+                                    response_width=response_width)
+  return fields, infos, metrics
+
+
+def trajectory_fields(trajectories: Sequence, extra_info: Sequence, *, pad_id: int,
+                      prompt_width: int, response_width: int) -> tuple[dict, list[dict]]:
+  """The trajectories as the sampler's fields (one row each, or one a segment where a
+  history was rewritten, with fields["segment_owner"]) and each one's extra_info with its
+  agent record (turns, stop, final turn, tool counts): what multi_turn_rollout and the
+  asynchronous stream (hflax.launch.async_mode) hand the trainer."""
   segments, owner = trajectory_rows(trajectories)
   if len(segments) == len(trajectories):  # every history append-only: one row a trajectory
-    fields = to_batch_fields(trajectories, tokenizer.pad_id, prompt_width=width,
+    fields = to_batch_fields(trajectories, pad_id, prompt_width=prompt_width,
                              response_width=response_width)
   else:  # a segment's prompt is its shared prefix, so its rest may outgrow the response
     longest = max(len(r.token_ids) - r.prompt_len for r in segments)
-    fields = to_batch_fields(segments, tokenizer.pad_id, prompt_width=width,
+    fields = to_batch_fields(segments, pad_id, prompt_width=prompt_width,
                              response_width=max(response_width, longest))
     fields["segment_owner"] = np.asarray(owner, np.int32)
   infos = []
-  for t, info in zip(trajectories, [x for x in extra_info for _ in range(n)]):
+  for t, info in zip(trajectories, extra_info, strict=True):
     agent = {"turns": len(t.turns), "stop": t.stop, "final_turn": t.turns[-1] if t.turns else "",
              **{k: t.metrics.get(k, 0) for k in ("tool_calls", "tool_errors", "tool_timeouts")}}
     infos.append({**(info or {}), "agent": agent})
-  return fields, infos, metrics
+  return fields, infos
 
 
 def segment_fields(fields: dict, owner, multiple: int) -> tuple[dict, np.ndarray]:
