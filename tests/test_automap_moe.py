@@ -137,6 +137,43 @@ def test_expert_exchange_bytes_by_hand():
         tiny_moe(), m, tokens, 1) == (0.0, 0.0)
 
 
+def test_all_to_all_exchange_bytes_by_hand():
+  """All-to-all dispatch: per sparse layer and pass, two all-to-alls of a device's buffer
+  (e blocks of `capacity` rows of width 64, float32) over the expert axis, and its own
+  experts gathered whole over fsdp x tensor; the traffic of a device does not grow with
+  the data axis (sorted dispatch's does); without an expert axis it is sorted dispatch."""
+  cfg = tiny_moe(moe_dispatch="all_to_all")
+  sim = Simulator(small_workload(cfg), UNIT_LINKS)
+  tokens, sparse, k = 16, 2, 2
+  stacks = 4 * 3 * 8 * 64 * 48  # a sparse layer's three expert stacks, float32
+  for m, e, group in ((MeshShape(data=2, expert=4), 4, 1),
+                      (MeshShape(data=4, expert=2), 2, 1),
+                      (MeshShape(fsdp=2, expert=4), 4, 2),
+                      (MeshShape(expert=4, tensor=2), 4, 2)):
+    buffer = e * tokens * k * 64 * 4  # capacity factor 0: all of a device's picks
+    own = stacks / e
+    want = sparse * (2 * buffer * (e - 1) / e + own * (group - 1) / group)
+    assert sim._expert_exchange(cfg, m, tokens, 1) == pytest.approx((want, want)), m
+  # A capacity factor sends that multiple of a balanced share (rounded up) to each device.
+  capped = tiny_moe(moe_dispatch="all_to_all", moe_capacity_factor=1.25)
+  buffer = 4 * 10 * 64 * 4  # ceil(1.25 x 32 picks / 4) = 10 rows a block
+  assert sim._expert_exchange(capped, MeshShape(data=2, expert=4), tokens, 1)[1] == \
+      pytest.approx(sparse * 2 * buffer * 3 / 4)
+  # With no expert axis it computes as sorted dispatch, and counts the same.
+  sorted_cfg = tiny_moe(moe_dispatch="sorted")
+  for m in (MeshShape(data=8), MeshShape(fsdp=4, data=2)):
+    assert sim._expert_exchange(cfg, m, tokens, 1) == \
+        sim._expert_exchange(sorted_cfg, m, tokens, 1)
+  # A device's traffic at data 2 x expert 4 and at data 8 x expert 4 (32 devices) is the
+  # same; sorted dispatch's all-reduce carries the whole pool's picks.
+  assert sim._expert_exchange(cfg, MeshShape(data=8, expert=4), tokens, 1) == \
+      sim._expert_exchange(cfg, MeshShape(data=2, expert=4), tokens, 1)
+  assert sim._expert_exchange(sorted_cfg, MeshShape(data=8, expert=4), tokens, 1)[1] > \
+      3 * sim._expert_exchange(sorted_cfg, MeshShape(data=2, expert=4), tokens, 1)[1]
+  # FLOPs count the active experts, as sorted dispatch's.
+  assert terms.compute_params(cfg) == terms.compute_params(sorted_cfg)
+
+
 def test_expert_axis_must_divide_the_experts():
   sim = Simulator(small_workload(tiny_moe(num_experts=6)), A100)
   assert "does not divide num_experts=6" in sim.mesh_problem("actor", MeshShape(expert=4))

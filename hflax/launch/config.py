@@ -77,9 +77,12 @@ def base_config() -> ml_collections.ConfigDict:
       use_remove_padding=False, attention="auto", share_prompts=True,
       # moe_dispatch: how a mixture of experts' sparse layers compute their experts:
       # "dense" (every expert on every token; the default: jax lowers the grouped matmul
-      # on CPU to k times dense's FLOPs) or "sorted" (tokens grouped by expert for
-      # jax.lax.ragged_dot's grouped matmul; docs/models.md).
-      moe_dispatch="dense",
+      # on CPU to k times dense's FLOPs), "sorted" (tokens grouped by expert for
+      # jax.lax.ragged_dot's grouped matmul) or "all_to_all" (expert parallelism: each
+      # pick sent to its expert's device over the placement mesh's expert axis and back;
+      # docs/models.md). moe_capacity_factor: all_to_all's rows a device sends another, as
+      # a multiple of a balanced share (0: all its picks, none dropped).
+      moe_dispatch="dense", moe_capacity_factor=0.0,
       # LoRA (verl's names): lora_rank 0 trains every weight; > 0 trains rank-r adapters
       # on target_modules ("all-linear", or HF names such as "q_proj,v_proj") and nothing
       # else, and the reference policy is the frozen base (no copy of its own).

@@ -129,7 +129,8 @@ def policy_model(cfg, vocab_size: int, tokenizer=None):
       return hf.load_checkpoint(cfg.model.path, param_dtype=cfg.model.param_dtype,
                                 dtype=cfg.model.dtype, remat=cfg.model.remat,
                                 attention=cfg.model.get("attention", "auto"),
-                                moe_dispatch=cfg.model.get("moe_dispatch", "dense"))
+                                moe_dispatch=cfg.model.get("moe_dispatch", "dense"),
+                                moe_capacity_factor=cfg.model.get("moe_capacity_factor", 0.0))
     except (OSError, ValueError) as e:
       raise ValueError(f"config.model.path: {e}") from None
   model_cfg = builtin_config(cfg, vocab_size, tokenizer)

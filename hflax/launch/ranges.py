@@ -94,6 +94,7 @@ RANGES: dict[str, Range] = {
     "model.builtin.num_heads": at_least_one(),
     "model.builtin.num_kv_heads": at_least_one(),
     "model.builtin.rope_theta": positive(),
+    "model.moe_capacity_factor": non_negative("(0: every pick sent, none dropped)"),
     "algorithm.kl_ctrl.kl_coef": non_negative(),
     "algorithm.kl_ctrl.target_kl": positive("(the adaptive controller divides by it)"),
     "algorithm.kl_ctrl.horizon": positive("(samples over which adaptive KL adjusts)"),

@@ -22,7 +22,7 @@ ARCHITECTURES = {prefix + head: switches for prefix, switches in _FAMILIES.items
 # kept here so that the config does not import jax.
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "blockwise", "cudnn", "splash")
 # How a mixture of experts' sparse layer computes its experts (hflax.models.moe).
-MOE_DISPATCHES = ("dense", "sorted")
+MOE_DISPATCHES = ("dense", "sorted", "all_to_all")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The linear layers LoRA can adapt, by their HF module names (PEFT's "all-linear" is all
 # of them: the output layer is never adapted).
@@ -80,10 +80,15 @@ class ModelConfig:
   # Qwen2-MoE: every token also runs through a shared SwiGLU expert of this width (0: none),
   # scaled by a sigmoid gate of its own, and added to the routed experts' sum.
   shared_expert_intermediate_size: int = 0
-  # How a sparse layer computes its experts (MOE_DISPATCHES, hflax.models.moe): "dense"
+  # How a sparse layer computes its experts (MOE_DISPATCHES, hflax.models.experts): "dense"
   # runs every expert on every token; "sorted" groups tokens by expert for a grouped
-  # matmul. Equal results; which is faster depends on the backend's grouped matmul.
+  # matmul; "all_to_all" sends each pick to its expert's device over the mesh's expert
+  # axis and back (expert parallelism). Equal results (all_to_all with capacity factor 0).
   moe_dispatch: str = "dense"
+  # all_to_all: rows a device sends each other, as a multiple of its picks / expert-axis
+  # size (0: all its picks, so none is dropped; c > 0: picks past c x the balanced share
+  # of an expert device are dropped).
+  moe_capacity_factor: float = 0.0
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -100,6 +105,9 @@ class ModelConfig:
       raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
     if self.moe_dispatch not in MOE_DISPATCHES:
       raise ValueError(f"moe_dispatch={self.moe_dispatch!r} is not one of {MOE_DISPATCHES}")
+    if not self.moe_capacity_factor >= 0:
+      raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor!r} must be >= 0 "
+                       "(0: no pick dropped)")
     unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
     if unknown:
       raise ValueError(f"lora_targets {unknown} are not among {LORA_TARGETS}")

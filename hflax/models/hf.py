@@ -119,7 +119,8 @@ def _open(file: str):
 
 def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: str | None = None,
                     dtype: str | None = None, remat: bool = False, seed: int = 0,
-                    attention: str = "auto", moe_dispatch: str = "dense"):
+                    attention: str = "auto", moe_dispatch: str = "dense",
+                    moe_capacity_factor: float = 0.0):
   """Loads a Llama/Qwen2/Qwen3/Qwen3-MoE HF checkpoint directory.
 
   Args:
@@ -133,13 +134,15 @@ def load_checkpoint(path: str, *, head: str = "lm", sharding=None, param_dtype: 
     param_dtype / dtype: storage and compute dtypes (default: float32 for both).
     remat: recompute layer activations in the backward pass (less memory for training).
     attention: the attention implementation (ModelConfig.attention).
-    moe_dispatch: how a mixture of experts' sparse layers compute (ModelConfig.moe_dispatch).
+    moe_dispatch, moe_capacity_factor: how a mixture of experts' sparse layers compute
+      (ModelConfig.moe_dispatch, moe_capacity_factor).
   Returns:
     (config, graphdef, state).
   """
   cfg = read_config(path)
   cfg = cfg.replace(param_dtype=param_dtype or cfg.param_dtype, dtype=dtype or cfg.dtype,
-                    remat=remat, attention=attention, moe_dispatch=moe_dispatch)
+                    remat=remat, attention=attention, moe_dispatch=moe_dispatch,
+                    moe_capacity_factor=moe_capacity_factor)
   graphdef, abstract = create_abstract(cfg, head=head)
   gguf_file = gguf.resolve(path)
   index = gguf.TensorIndex(gguf_file) if gguf_file else _TensorIndex(path)

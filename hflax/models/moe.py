@@ -1,16 +1,11 @@
 """Qwen3-MoE's and Qwen2-MoE's sparse MLP: a top-k router over stacked SwiGLU experts.
 
 The router is HF's: logits in the compute dtype, a softmax over all experts in float32,
-the top k of those probabilities, renormalised to sum to 1 when norm_topk_prob. By
-default (ModelConfig.moe_dispatch "dense") the experts are computed by dense dispatch:
-every expert's SwiGLU runs on every token and a [tokens, experts] matrix of combine weights
-(zero outside a token's k experts) sums them. That is num_experts / k times the FLOPs of a
-gather, but it is a pair of einsums over the stacked expert weights [E, D, F], so an
-"expert" mesh axis on E splits the work (each device runs its own experts on every token;
-the combine is a sum over E that XLA reduces across the axis), with no capacity, no
-dropped tokens, and gradients for the router through the combine weights. "sorted"
-(sorted_experts) groups the tokens by expert for a grouped matmul (jax.lax.ragged_dot):
-the same function, at k experts' FLOPs a token where the backend has a grouped kernel.
+the top k of those probabilities, renormalised to sum to 1 when norm_topk_prob. How the
+picked experts are computed (ModelConfig.moe_dispatch: every expert on every token,
+grouped by expert, or exchanged all-to-all over an "expert" mesh axis) is
+hflax.models.experts; all give the same function and the router its gradient through the
+combine weights.
 
 Qwen2-MoE adds a shared expert: a dense SwiGLU MLP every token runs through, scaled by
 sigmoid(x @ shared_expert_gate) and added to the routed experts' sum (HF's order). The
@@ -27,6 +22,7 @@ module made outside it), for the rollout to keep and for the load-balancing loss
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import jax
@@ -34,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hflax.models.config import ModelConfig
+from hflax.models.experts import DISPATCH
 from hflax.models.matmul import dense_dot
 
 _INIT = jax.nn.initializers.normal(0.02)
@@ -54,7 +51,8 @@ class SparseMoE(nnx.Module):
     self.down = param((e, f, d), ("expert", "expert_mlp", "embed"))
     self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
     self.dtype = jnp.dtype(cfg.dtype)
-    self.dispatch = cfg.moe_dispatch  # "dense" or "sorted" (ModelConfig.moe_dispatch)
+    # "dense", "sorted" or "all_to_all" (ModelConfig.moe_dispatch, hflax.models.experts)
+    self.dispatch, self.capacity_factor = cfg.moe_dispatch, cfg.moe_capacity_factor
     # An input of the next call, never part of the state: expert indices to replay
     # ([..., k] int32, shaped like the tokens; set_replay).
     self.replay = nnx.data(None)
@@ -80,54 +78,13 @@ class SparseMoE(nnx.Module):
       _recorders.stack[-1].append((routes, logits))
     x = x_BxTxD.astype(self.dtype)
     kernels = [w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)]
-    experts = sorted_experts if self.dispatch == "sorted" else dense_experts
+    experts = DISPATCH[self.dispatch]
+    if self.dispatch == "all_to_all":
+      experts = functools.partial(experts, capacity_factor=self.capacity_factor)
     out = experts(x, routes, weights.astype(self.dtype), *kernels)
     if self.shared_expert is not None:
       out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
     return out
-
-
-def dense_experts(x_BxTxD, routes_BxTxK, weights_BxTxK, gate_ExDxF, up_ExDxF, down_ExFxD):
-  """Dense dispatch: every expert on every token, summed with combine weights that are zero
-  outside a token's k experts."""
-  n = gate_ExDxF.shape[0]
-  # [..., E]: each token's weight for each expert, zero outside its k.
-  combine = jnp.einsum("...k,...ke->...e", weights_BxTxK,
-                       jax.nn.one_hot(routes_BxTxK, n, dtype=weights_BxTxK.dtype))
-  gate = jnp.einsum("btd,edf->btef", x_BxTxD, gate_ExDxF)
-  up = jnp.einsum("btd,edf->btef", x_BxTxD, up_ExDxF)
-  hidden = _swiglu(gate, up) * combine[..., None]
-  return jnp.einsum("btef,efd->btd", hidden, down_ExFxD)
-
-
-def sorted_experts(x_BxTxD, routes_BxTxK, weights_BxTxK, gate_ExDxF, up_ExDxF, down_ExFxD):
-  """Sorted (grouped) dispatch: each of the B*T*k (token, expert) picks becomes a row, the
-  rows are sorted by expert, and jax.lax.ragged_dot multiplies each expert's contiguous
-  group of rows by that expert's weights alone (a grouped matmul: the FLOPs of k experts a
-  token, not all E). The rows' outputs, scaled by their routing weights, are put back in
-  pick order and summed over each token's k picks. No capacity: a group holds however
-  many rows its expert got, so no token is dropped. How fast it is depends on how jax
-  lowers ragged_dot: on GPU and TPU to XLA's ragged-dot instruction (a grouped matmul);
-  on CPU to a masked product over every group, k times dense dispatch's FLOPs."""
-  B, T, D = x_BxTxD.shape
-  k, n = routes_BxTxK.shape[-1], gate_ExDxF.shape[0]
-  experts = routes_BxTxK.reshape(-1)  # [B*T*k], pick i is token i // k's
-  order = jnp.argsort(experts, stable=True)
-  rows_RxD = jnp.take(x_BxTxD.reshape(B * T, D), order // k, axis=0)
-  sizes = jnp.bincount(experts, length=n).astype(jnp.int32)
-  gate = jax.lax.ragged_dot(rows_RxD, gate_ExDxF, sizes)
-  up = jax.lax.ragged_dot(rows_RxD, up_ExDxF, sizes)
-  out_RxD = jax.lax.ragged_dot(_swiglu(gate, up), down_ExFxD, sizes)
-  out_RxD = out_RxD * jnp.take(weights_BxTxK.reshape(-1), order)[:, None]
-  # Back in pick order (the inverse permutation), then each token's k picks summed.
-  picks = jnp.zeros_like(out_RxD).at[order].set(out_RxD, unique_indices=True)
-  return picks.reshape(B, T, k, D).sum(axis=2)
-
-
-def _swiglu(gate, up):
-  """silu(gate) * up, in float32 for 16-bit dtypes and rounded once (as the dense MLP)."""
-  wide = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32))
-  return wide.astype(gate.dtype)
 
 
 def sparse_modules(model) -> list[SparseMoE]:

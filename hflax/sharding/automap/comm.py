@@ -45,6 +45,14 @@ def all_reduce(profile: DeviceProfile, nbytes: float, size: int, span: int) -> f
       2 * nbytes * (size - 1) / size / link_bandwidth(profile, span)
 
 
+def all_to_all(profile: DeviceProfile, nbytes: float, size: int, span: int) -> float:
+  """Every device sends 1/size of its `nbytes` buffer to each other device of the group
+  (and keeps its own block)."""
+  if size <= 1:
+    return 0.0
+  return _latency(profile, size) + nbytes * (size - 1) / size / link_bandwidth(profile, span)
+
+
 def transfer(profile: DeviceProfile, nbytes: float, span: int) -> float:
   """Every device receives `nbytes` from peers spread over `span` devices."""
   return profile.collective_latency + nbytes / link_bandwidth(profile, span)

@@ -148,14 +148,32 @@ class Simulator:
     sorted dispatch, whenever the batch is split (an expert axis or not): the sort by
       expert runs over the whole batch, and every device all-reduces all of its
       num_experts_per_tok x tokens picked rows over the pool; the experts stay split.
-    Not an all-to-all of a token's k picks: hflax has no explicit dispatch."""
+    all-to-all dispatch on an expert axis of e > 1 (hflax.models.experts): each device
+      sends the others a buffer of e x capacity rows (capacity: its tokens x k picks, or
+      moe_capacity_factor x that / e) and receives the outputs back, two all-to-alls over
+      the expert axis; its own experts are gathered whole over fsdp x tensor for the
+      exchange (in the backward pass, their gradients reduce-scattered). Without an
+      expert axis it is sorted dispatch."""
     layers, d = cfg.num_sparse_layers, cfg.hidden_size
     g, n = mesh.fsdp * mesh.expert, mesh.size
-    if not layers or (cfg.moe_dispatch == "sorted" and mesh.batch_ways == 1) or \
-        (cfg.moe_dispatch == "dense" and g == 1):
+    dispatch = cfg.moe_dispatch
+    if dispatch == "all_to_all" and mesh.expert == 1:
+      dispatch = "sorted"
+    if not layers or (dispatch == "sorted" and mesh.batch_ways == 1) or \
+        (dispatch == "dense" and g == 1):
       return 0.0, 0.0
     act = compute_bytes(cfg)
-    if cfg.moe_dispatch == "sorted":
+    if dispatch == "all_to_all":
+      e, group = mesh.expert, mesh.fsdp * mesh.tensor
+      picks = tokens * cfg.num_experts_per_tok
+      capacity = (min(picks, math.ceil(cfg.moe_capacity_factor * picks / e))
+                  if cfg.moe_capacity_factor else picks)
+      buffer = e * capacity * d * act
+      own = self._expert_stacks(cfg, mesh) * mesh.tensor / e  # its experts, whole
+      time = (2 * comm.all_to_all(self.prof, buffer, e, e * mesh.tensor)
+              + comm.all_gather(self.prof, own, group, mesh.model_span, pieces=3))
+      moved = 2 * buffer * (e - 1) / e + own * (group - 1) / group
+    elif dispatch == "sorted":
       picks = mesh.batch_ways * tokens * cfg.num_experts_per_tok * d * act
       time, moved = comm.all_reduce(self.prof, picks, n, n), 2 * picks * (n - 1) / n
     elif self._gathers_experts(cfg, mesh, tokens):

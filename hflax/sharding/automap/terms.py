@@ -76,11 +76,12 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def compute_params(cfg: ModelConfig) -> int:
-  """Parameters each token's matmuls run through. A mixture of experts with sorted
-  dispatch runs a token through its num_experts_per_tok experts only (the active
-  parameters); dense dispatch (hflax.models.moe.dense_experts) runs every expert on every
-  token and zeroes the others' outputs, so it pays for all of them (the total)."""
-  if cfg.num_experts and cfg.moe_dispatch == "sorted":
+  """Parameters each token's matmuls run through. A mixture of experts with sorted or
+  all-to-all dispatch runs a token through its num_experts_per_tok experts only (the
+  active parameters); dense dispatch (hflax.models.experts.dense_experts) runs every
+  expert on every token and zeroes the others' outputs, so it pays for all of them (the
+  total)."""
+  if cfg.num_experts and cfg.moe_dispatch in ("sorted", "all_to_all"):
     return cfg.num_active_params
   return cfg.num_params
 
