@@ -62,14 +62,14 @@ def params(trainer):
 
 
 def test_async_multi_turn_with_staleness_0_is_sync(tmp_path):
-  sync = fit(config(tmp_path, "sync", mode="sync"))
+  sync = fit(config(tmp_path, "sync", mode="sync", total_steps=2))
   trained = {}
-  stream = fit(config(tmp_path, "async", max_staleness=0),
+  stream = fit(config(tmp_path, "async", max_staleness=0, total_steps=2),
                lambda info: trained.update({info.step: np.asarray(info.batch["responses"])}))
   for x, y in zip(params(sync), params(stream), strict=True):
     np.testing.assert_array_equal(x, y)
   ms, ma = metrics(tmp_path, "sync"), metrics(tmp_path, "async")
-  for step in (1, 2, 3):
+  for step in (1, 2):
     for key, value in ms[step].items():
       if key in TIMED:
         continue
@@ -83,7 +83,7 @@ def test_async_multi_turn_with_staleness_0_is_sync(tmp_path):
     assert extra["async/dropped_groups_total"] == 0 and extra["async/untrained_groups"] == 0
     assert extra["async/versions_per_trajectory_max"] == 1
     assert extra["async/token_staleness_mean"] == 0
-  assert len(trained) == 3 and trained[1].shape == (8, 64)
+  assert len(trained) == 2 and trained[1].shape == (8, 64)
 
 
 def host_params(trainer):
@@ -92,7 +92,7 @@ def host_params(trainer):
 
 def test_trajectories_span_weight_updates_each_token_keeps_its_version(tmp_path):
   bound = 1
-  c = config(tmp_path, "async", max_staleness=bound, total_steps=4, async_decode_steps=2)
+  c = config(tmp_path, "async", max_staleness=bound, total_steps=3, async_decode_steps=2)
   c.actor.optim.lr = 3e-3  # updates large enough that a lag shows in the ratios
   c.algorithm.rollout_correction.update(rollout_is="token", rollout_rs="token",
                                         rollout_rs_threshold=1.001)
@@ -228,3 +228,31 @@ def test_checkpoint_keeps_finished_trajectories_whole_and_resubmits_the_rest(tmp
                 for r, ids, v, lp in trained)
   dropped = metrics(tmp_path, "run")[3]["async/dropped_groups_total"] - saved["dropped"]
   assert len(finished) - kept <= dropped * c.rollout.n and kept > 0
+
+
+def test_async_segments_with_staleness_0_are_syncs(tmp_path, monkeypatch):
+  """rewrite_history under a template that drops earlier turns' text (every trajectory
+  two segments): the async rows are sync's segment rows, padded and tied the same way."""
+  from hflax.models import tokenizer as tokenizer_module
+  from test_agent_segments import DropsReasoning
+  real = tokenizer_module.load_tokenizer
+  monkeypatch.setattr(tokenizer_module, "load_tokenizer",
+                      lambda spec, *a, **kw: DropsReasoning() if spec == "byte" else real(
+                          spec, *a, **kw))
+  runs = {}
+  for mode in ("sync", "async"):
+    c = config(tmp_path, mode, mode=mode, max_staleness=0, total_steps=2)
+    c.rollout.multi_turn.rewrite_history = True
+    # Segment rows fill more than one mini-batch; the later ones read old log-probs,
+    # recomputed by the trainer here rather than the engine's (rounded by its shapes).
+    c.actor.recompute_log_prob = True
+    runs[mode] = params(fit(c))
+  for x, y in zip(runs["sync"], runs["async"], strict=True):
+    np.testing.assert_array_equal(x, y)
+  ms, ma = metrics(tmp_path, "sync"), metrics(tmp_path, "async")
+  for step in (1, 2):
+    assert ms[step]["agent/segments/mean"] > 1 and ms[step]["agent/segment_rows"] > 8
+    for key, value in ms[step].items():
+      if key not in TIMED:
+        assert abs(ma[step][key] - value) < 1e-6 if key in READS_ROLLOUT_LOG_PROBS else (
+            ma[step][key] == value), (step, key)
