@@ -21,6 +21,7 @@ from hflax.launch.trainer import Trainer
 from hflax.models.logprobs import sequence_log_probs
 from hflax.rewards import registry
 from hflax.rollout.agents import tools as tools_module
+from hflax.rollout.agents.loop import model_versions
 from hflax.rollout.agents.tools import ToolCall
 from tiny_config import fit, mode_config, run_metrics as metrics
 
@@ -256,3 +257,41 @@ def test_async_segments_with_staleness_0_are_syncs(tmp_path, monkeypatch):
       if key not in TIMED:
         assert abs(ma[step][key] - value) < 1e-6 if key in READS_ROLLOUT_LOG_PROBS else (
             ma[step][key] == value), (step, key)
+
+
+def test_a_group_past_the_bound_is_dropped_with_its_tool_steps_and_slots():
+  """The stream over agent trajectories on a small engine: a group whose first turns were
+  sampled by version 0 is dropped when version 1 arrives with a bound of 0, while its tool
+  steps are still pending: its requests end, its kept slots are freed, and a group
+  submitted after it runs to the end with version 1 alone."""
+  from hflax.models import ModelConfig, create
+  from hflax.models.tokenizer import ByteTokenizer
+  from hflax.rollout import RolloutEngine, SamplingParams
+  from hflax.rollout.agents.loop import AgentLoop
+  from hflax.rollout.agents.rollout import MultiTurn
+  from hflax.rollout.agents.streaming import Trajectories
+  from hflax.rollout.stream import RolloutStream
+  tok = ByteTokenizer()
+  graphdef, state = create(ModelConfig(vocab_size=264, hidden_size=32, intermediate_size=64,
+                                       num_layers=1, num_heads=4, num_kv_heads=2), seed=3)
+  sampling = SamplingParams(max_new_tokens=8, temperature=1.0, eos_ids=tok.eos_ids,
+                            pad_id=tok.pad_id)
+  engine = RolloutEngine(graphdef, state, sampling, slots=4, steps_per_call=8,
+                         max_prompt_len=768, max_turn_len=64, max_context_len=900)
+  loop = AgentLoop(engine, tok, max_turns=2, lockstep=True)
+  stream = RolloutStream(engine, 2, 0, Trajectories(loop, MultiTurn(format="every_turn")))
+  context = {"raw_prompt": [{"role": "user", "content": "What is 12*34?"}],
+             "data_source": "arithmetic_tools", "max_tokens": 900}
+  stale = stream.submit(0, [1], jax.random.key(0), first_row=0, context=context)
+  stream.step(1)  # each trajectory's first turn (8 tokens), its calculator step pending
+  assert stream.oldest(stale) == 0 and loop.busy == 2 and not engine.busy
+  assert len(engine.kept) == 2 and len(loop._pending) == 2
+  assert stream.set_weights(state, version=1) == 1  # past the bound: dropped
+  assert not stream.groups and loop.busy == 0 and not loop._pending and engine.kept == ()
+  fresh = stream.submit(1, [1], jax.random.key(1), first_row=0, context=context)
+  stream.fill(1)
+  (taken,) = stream.take(1)
+  assert taken is fresh and stream.dropped == 1 and engine.kept == ()
+  for t in taken.done:
+    assert set(model_versions(t)) == {1} and len(t.turns) == 2
+    assert t.metrics["tool_calls"] == 2 and t.stop == "max_turns"

@@ -162,7 +162,7 @@ class AgentLoop:
       self.engine.abort(request)
     except KeyError:  # not decoding nor waiting: finished and kept, or never admitted
       pass
-    for kept in [k for k in self.engine.kept if k[0] == tid]:
+    for kept in [k for k in self.engine.kept if isinstance(k, tuple) and k[0] == tid]:
       self.engine.release(kept)
     for future in [f for f, (t, _) in self._pending.items() if t == tid]:
       del self._pending[future]
