@@ -33,6 +33,14 @@ independent of timing: a run is reproducible, and its tests are.
 max_staleness = 0 admits one batch per version, after the weight sync, and nothing is in
 flight during an update: the sync schedule, on this code path.
 
+Multi-turn (rollout.multi_turn.enable): each sample is an agent trajectory
+(hflax.rollout.agents.streaming), its engine built and its rows made as multi_turn_rollout
+builds and makes them (the same trajectory_fields and actor.trajectory_batch, segments
+included); an engine step of the stream is the agent loop's advance, its environment
+steps in lockstep with the engine so the schedule stays independent of timing. A turn in
+flight at a weight sync decodes on with the new weights and later turns sample with them;
+a trajectory's age is its oldest model token's version.
+
 Checkpoints hold the stream's state (hflax.rollout.stream: finished-but-untrained samples
 whole, unfinished ones regenerated on resume by the weights then current) next to the
 loader position past every submitted prompt, so a resumed run loses no finished
@@ -138,11 +146,11 @@ class AsyncRollouts:
     while len(self.stream.groups) + self.groups <= capacity:
       prompts = next(prompt_iter)
       key = self.worker.next_sampling_key()
-      tokens, mask = np.asarray(prompts["prompts"]), np.asarray(prompts["prompt_mask"], bool)
       rows = np.asarray(prompts["row_index"])
       if self.agent is not None:
         self._admit_trajectories(prompts, rows, key)
         continue
+      tokens, mask = np.asarray(prompts["prompts"]), np.asarray(prompts["prompt_mask"], bool)
       for i in range(len(prompts)):
         self.stream.submit(int(rows[i]), tokens[i][mask[i]].tolist(), key, first_row=i * self.n)
 
@@ -166,9 +174,9 @@ class AsyncRollouts:
   def _rows(self, taken, prompts: Batch, metrics: dict) -> Batch:
     """The taken groups as the sampler's fields on the actor's devices, with the step's
     asynchronous metrics."""
-    version = self.stream.engine.version
     if self.agent is not None:
       return self._trajectory_rows(taken, prompts, metrics)
+    version = self.stream.engine.version
     fields = response_fields(taken, self.worker.sampling.max_new_tokens,
                              self.worker.sampling.pad_id, version)
     per_row, token_staleness = fields.pop("versions_per_row"), fields.pop("token_staleness")
