@@ -39,6 +39,27 @@ def test_ray_needs_a_device_count_and_no_auto_placement():
     validate(c)
 
 
+def test_async_on_ray_streams_in_one_process_of_a_rollout_pool_of_its_own():
+  c = ray_config()
+  c.trainer.mode = "async"
+  with pytest.raises(ValueError, match=r"^config.trainer.mode: async runs its rollout engine in "
+                                       r"the rollout pool's process on cluster.backend='ray': "
+                                       r"place role 'rollout' on a pool of its own"):
+    validate(c)  # colocated: no process generates beside training
+  c.placement.update(kind="custom", pools={"train": 4, "rollout": 4},
+                     roles={"actor": {"pool": "train"}, "critic": {"pool": "train"},
+                            "rollout": {"pool": "train"}})
+  with pytest.raises(ValueError, match=r"^config.trainer.mode: async runs"):
+    validate(c)  # the rollout role on the actor's pool
+  c.placement.roles.rollout.pool = "rollout"
+  validate(c)  # one process a pool
+  c.cluster.devices_per_process = 2
+  with pytest.raises(ValueError, match=r"^config.cluster.devices_per_process: trainer.mode="
+                                       r"'async' on Ray streams in one process; rollout pool "
+                                       r"'rollout' would have 2$"):
+    validate(c)
+
+
 def _layouts(c):
   roles = needed_roles(c)
   return pool_layouts(c.cluster, placement_spec(c, roles, 8), roles)

@@ -41,6 +41,14 @@ steps in lockstep with the engine so the schedule stays independent of timing. A
 flight at a weight sync decodes on with the new weights and later turns sample with them;
 a trajectory's age is its oldest model token's version.
 
+Where the stream runs. Its engine and host state (hflax.controller.stream_host.StreamHost)
+sit beside the actor's generation: in the controller's process on the local backend, in
+the rollout pool's process on the Ray backend's split placement (the actor's open_stream,
+hflax.controller.ray_backend.split_actor), where step 4's decode calls are submitted as
+the step takes its batch and run in that process while the train pool computes the
+update; the weight sync then goes from the train pool through Ray's object store. This
+class drives either through the same calls, in the same order, so both sample alike.
+
 Checkpoints hold the stream's state (hflax.rollout.stream: finished-but-untrained samples
 whole, unfinished ones regenerated on resume by the weights then current) next to the
 loader position past every submitted prompt, so a resumed run loses no finished
@@ -54,55 +62,41 @@ import jax
 import numpy as np
 
 from hflax.controller.batch import Batch
+from hflax.controller.stream_host import StreamHost
 from hflax.launch.modes import ServedOnce
 from hflax.models.transformer import positions_from_mask
-from hflax.rollout.agents.loop import AgentLoop, model_versions
-from hflax.rollout.agents.rollout import environments, trajectory_fields
-from hflax.rollout.agents.streaming import Trajectories, tools_overhead
-from hflax.rollout.sampler import length_bucket
-from hflax.rollout.stream import RolloutStream, response_fields
 
 STEPS_PER_CALL = 8  # decode steps one engine call runs (the host admits between calls)
 
 
+def open_stream(actor, **settings):
+  """The stream's host beside the actor's generation: the actor's own (the Ray split's
+  RemoteStream, in the rollout pool's process) or a StreamHost in this process."""
+  opener = getattr(actor, "open_stream", None)
+  return opener(**settings) if opener is not None else StreamHost(actor, **settings)
+
+
 class AsyncRollouts:
-  """trainer.mode = "async" (module docstring). actor: the local actor worker; collate:
-  the loader's rows -> prompt fields; groups: prompts a step trains on."""
+  """trainer.mode = "async" (module docstring). actor: the actor as the driver sees it;
+  collate: the loader's rows -> prompt fields; groups: prompts a step trains on."""
 
   def __init__(self, actor, collate, *, groups: int, n: int, max_staleness: int,
                decode_steps: int, max_prompt_len: int, max_num_seqs: int = 0):
     self.worker, self.collate, self.groups, self.n = actor, collate, groups, n
-    self.max_staleness, self.decode_steps = max_staleness, decode_steps
+    self.max_staleness = max_staleness
     # Every request admission allows decodes at once, unless max_num_seqs caps them.
     slots = (max_staleness + 1) * groups * n
     slots = min(slots, max_num_seqs) if max_num_seqs else slots
     steps = min(STEPS_PER_CALL, max(decode_steps, 1))
-    self.agent = actor.multi_turn  # rollout.multi_turn: each sample an agent trajectory
-    if self.agent is None:
-      engine, samples = actor.streaming_engine(slots=slots, max_prompt_len=max_prompt_len,
-                                               steps_per_call=steps), None
-    else:
-      engine, samples = self._agent_engine(slots, max_prompt_len, steps)
-    self.stream = RolloutStream(engine, n, max_staleness, samples)
+    self.decode_calls = -(-decode_steps // steps)  # the engine calls beside each update
+    self.host = open_stream(actor, n=n, max_staleness=max_staleness, slots=slots, steps=steps,
+                            max_prompt_len=max_prompt_len)
+    self.stream = getattr(self.host, "stream", None)  # in this process: for inspection
+    self._untrained = 0  # groups submitted and neither trained nor dropped
     self._synced = False  # whether the engine holds the actor's current weights
     self._sync_metrics: dict = {}
     self._dropped_before = 0
     self.batch: Batch | None = None  # this step's generated rows, served to the driver
-
-  def _agent_engine(self, slots: int, max_prompt_len: int, steps: int):
-    """The engine and samples of multi-turn trajectories, as multi_turn_rollout builds
-    them, with a prompt width for any prompt the loader passes plus the tools' message."""
-    mt, worker = self.agent, self.worker
-    self.tokenizer, response = worker.agent_tokenizer(), worker.sampling.max_new_tokens
-    self.prompt_width = length_bucket(max_prompt_len + tools_overhead(mt, self.tokenizer))
-    # A new segment's context is a fresh request's prompt: as long as a whole trajectory.
-    width = self.prompt_width + response if mt.rewrite_history else self.prompt_width
-    engine = worker.streaming_engine(
-        slots=slots, max_prompt_len=width, steps_per_call=steps, max_turn_len=mt.max_turn_len,
-        max_new_tokens=min(mt.turn_tokens or response, response), max_context_len=width + response)
-    loop = AgentLoop(engine, self.tokenizer, max_turns=mt.max_turns,
-                     rewrite_history=mt.rewrite_history, lockstep=True)
-    return engine, Trajectories(loop, mt)
 
   # -- the trainer's schedule interface (as hflax.launch.modes.OneStepOff's) ---------------
   def step_prompts(self, prompt_iter) -> Batch:
@@ -112,12 +106,14 @@ class AsyncRollouts:
       self._sync()
     self._admit(prompt_iter)
     began = time.perf_counter()
-    calls = self.stream.fill(self.groups)
+    taken = self.host.take(self.groups)
     waited = time.perf_counter() - began
-    taken = self.stream.take(self.groups)
-    prompts = Batch.from_dict(self.collate(np.asarray([g.row_index for g in taken])))
+    self._untrained = taken["untrained"]
+    # On Ray these decode calls run in the rollout process from now on, beside the update.
+    self.host.start_decode(self.decode_calls)
+    prompts = Batch.from_dict(self.collate(np.asarray(taken["rows"])))
     self.batch = self._rows(taken, prompts, {"timing_s/rollout_wait": waited,
-                                             "async/fill_decode_calls": float(calls)})
+                                             "async/fill_decode_calls": float(taken["calls"])})
     return prompts
 
   def actor(self, actor, prompt_iter):
@@ -132,54 +128,33 @@ class AsyncRollouts:
   def after_update(self, actor, prompt_iter):
     """Decodes on with the pre-update weights (overlapping the update), then the weight
     sync and admission."""
-    self.stream.step(-(-self.decode_steps // self.stream.engine.steps_per_call))
+    self.host.finish_decode()
     self._sync()
     self._admit(prompt_iter)
 
   def _sync(self):
-    graphdef, state, version, metrics = self.worker.generation_weights()
-    self.stream.set_weights(state, version, graphdef=graphdef)
-    self._sync_metrics, self._synced = metrics, True
+    out = self.host.sync()
+    self._sync_metrics, self._untrained, self._synced = out["metrics"], out["untrained"], True
 
   def _admit(self, prompt_iter):
     capacity = (self.max_staleness + 1) * self.groups
-    while len(self.stream.groups) + self.groups <= capacity:
+    while self._untrained + self.groups <= capacity:
       prompts = next(prompt_iter)
-      key = self.worker.next_sampling_key()
-      rows = np.asarray(prompts["row_index"])
-      if self.agent is not None:
-        self._admit_trajectories(prompts, rows, key)
-        continue
-      tokens, mask = np.asarray(prompts["prompts"]), np.asarray(prompts["prompt_mask"], bool)
-      for i in range(len(prompts)):
-        self.stream.submit(int(rows[i]), tokens[i][mask[i]].tolist(), key, first_row=i * self.n)
+      self._untrained = self.host.admit(prompts, self.worker.next_sampling_key())
 
-  def _admit_trajectories(self, prompts, rows, key):
-    """A batch's prompts as groups of agent trajectories: each prompt rendered with its
-    tools, and every trajectory's token limit the batch's prompt width plus the response
-    length, as multi_turn_rollout sets them for the batch."""
-    raw, sources = list(prompts["raw_prompt"]), list(prompts["data_source"])
-    envs = environments(self.agent, sources)
-    ids = [self.tokenizer.encode_chat(env.reset({"prompt": list(r)}), add_generation_prompt=True)
-           for env, r in zip(envs, raw)]
-    longest = max(len(x) for x in ids)
-    if longest > self.prompt_width:
-      raise ValueError(f"data.max_prompt_length: a prompt with its tools is {longest} tokens, "
-                       f"more than the stream's engine holds ({self.prompt_width}); raise it")
-    limit = length_bucket(longest) + self.worker.sampling.max_new_tokens
-    for i in range(len(prompts)):
-      context = {"raw_prompt": list(raw[i]), "data_source": str(sources[i]), "max_tokens": limit}
-      self.stream.submit(int(rows[i]), ids[i], key, first_row=i * self.n, context=context)
+  def _place(self, x):
+    """On the actor's home device in this process; host values where the actor is in
+    other processes (the Ray backend's batches are host values on the driver)."""
+    home = getattr(self.worker, "home", None)
+    return x if home is None else jax.device_put(x, home)
 
-  def _rows(self, taken, prompts: Batch, metrics: dict) -> Batch:
+  def _rows(self, taken: dict, prompts: Batch, metrics: dict) -> Batch:
     """The taken groups as the sampler's fields on the actor's devices, with the step's
     asynchronous metrics."""
-    if self.agent is not None:
+    metrics = self._async_metrics(metrics, taken)
+    if "infos" in taken:  # rollout.multi_turn: each sample an agent trajectory
       return self._trajectory_rows(taken, prompts, metrics)
-    version = self.stream.engine.version
-    fields = response_fields(taken, self.worker.sampling.max_new_tokens,
-                             self.worker.sampling.pad_id, version)
-    per_row, token_staleness = fields.pop("versions_per_row"), fields.pop("token_staleness")
+    fields = dict(taken["fields"])
     prompt_rows = prompts.repeat(self.n)
     fields["prompts"] = np.asarray(prompt_rows["prompts"], np.int32)
     fields["prompt_mask"] = np.asarray(prompt_rows["prompt_mask"], bool)
@@ -187,57 +162,47 @@ class AsyncRollouts:
     fields["attention_mask"] = np.concatenate([fields["prompt_mask"], fields["response_mask"]],
                                               axis=1)
     fields["position_ids"] = positions_from_mask(fields["attention_mask"])
-    fields["group_ids"] = np.repeat(np.arange(len(taken), dtype=np.int32), self.n)
+    fields["group_ids"] = np.repeat(np.arange(len(taken["rows"]), dtype=np.int32), self.n)
     # Each row's prompt's dataset row: which trajectories a step trained on, in its dumps.
-    fields["row_index"] = np.repeat(np.asarray([g.row_index for g in taken], np.int32), self.n)
-    arrays = jax.device_put(fields, self.worker.home)
-    metrics = self._async_metrics(metrics, per_row, token_staleness)
-    return Batch(arrays, prompt_rows.objects, {"metrics": metrics})
+    fields["row_index"] = np.repeat(np.asarray(taken["rows"], np.int32), self.n)
+    return Batch(self._place(fields), prompt_rows.objects, {"metrics": metrics})
 
-  def _trajectory_rows(self, taken, prompts: Batch, metrics: dict) -> Batch:
+  def _trajectory_rows(self, taken: dict, prompts: Batch, metrics: dict) -> Batch:
     """The taken groups' trajectories as multi_turn_rollout's rows (trajectory_fields,
     the actor's trajectory_batch: segments included), every token's version kept, with
     the asynchronous metrics and the agent loop's over these trajectories."""
-    trajectories = [t for g in taken for t in g.done]
     extra = [x for x in prompts["extra_info"] for _ in range(self.n)]
-    fields, infos = trajectory_fields(
-        trajectories, extra, pad_id=self.tokenizer.pad_id,
-        prompt_width=length_bucket(max(len(g.prompt_ids) for g in taken)),
-        response_width=self.worker.sampling.max_new_tokens)
-    versions = [model_versions(t) for t in trajectories]
-    lag = [self.stream.engine.version - v for vs in versions for v in vs]
-    per_row = np.asarray([len(set(vs)) for vs in versions], np.int32)
-    metrics = {**self._async_metrics(metrics, per_row, float(np.mean(lag)) if lag else 0.0),
-               **self.stream.samples.loop.summary(trajectories)}
-    batch = self.worker.trajectory_batch(fields, infos, prompts, self.n, metrics,
-                                         token_versions=True)
+    infos = [{**(e or {}), **info} for e, info in zip(extra, taken["infos"], strict=True)]
+    batch = self.worker.trajectory_batch(taken["fields"], infos, prompts, self.n,
+                                         {**metrics, **taken["summary"]}, token_versions=True)
     # Each row's prompt's dataset row: which trajectories a step trained on, in its dumps.
-    rows = np.asarray([g.row_index for g in taken], np.int32)
-    row_index = jax.device_put(rows[np.asarray(batch["group_ids"])], self.worker.home)
+    rows = np.asarray(taken["rows"], np.int32)
+    row_index = self._place(rows[np.asarray(batch["group_ids"])])
     return Batch({**batch.arrays, "row_index": row_index}, batch.objects, batch.meta)
 
-  def _async_metrics(self, metrics: dict, per_row: np.ndarray, token_staleness: float) -> dict:
+  def _async_metrics(self, metrics: dict, taken: dict) -> dict:
     """The weight sync's and the stream's: groups dropped past the bound (this step, over
     the run), groups untrained, weight versions per trajectory, the mean token lag."""
-    dropped = self.stream.dropped - self._dropped_before
-    self._dropped_before = self.stream.dropped
+    dropped = taken["dropped"] - self._dropped_before
+    self._dropped_before = taken["dropped"]
+    per_row = np.asarray(taken["per_row"])
     return {**self._sync_metrics, **metrics,
             "async/dropped_groups": float(dropped),
-            "async/dropped_groups_total": float(self.stream.dropped),
-            "async/untrained_groups": float(len(self.stream.groups)),
+            "async/dropped_groups_total": float(taken["dropped"]),
+            "async/untrained_groups": float(taken["untrained"]),
             "async/versions_per_trajectory_mean": float(per_row.mean()),
             "async/versions_per_trajectory_max": float(per_row.max()),
-            "async/token_staleness_mean": token_staleness}
+            "async/token_staleness_mean": float(taken["token_staleness"])}
 
   # -- checkpoints ------------------------------------------------------------------------
   def state_dict(self) -> dict:
-    return {"stream": self.stream.state_dict(), "dropped_before": self._dropped_before}
+    return {"stream": self.host.state_dict(), "dropped_before": self._dropped_before}
 
   def load_state_dict(self, state: dict | None, collate=None):
     """The stream as saved; its unfinished samples are resubmitted, and the engine gets
     the restored weights before the next step."""
     if state is None:
       return
-    self.stream.load_state_dict(state["stream"])
+    self._untrained = self.host.load_state_dict(state["stream"])
     self._dropped_before = int(state["dropped_before"])
     self._synced = False

@@ -360,9 +360,8 @@ def _check_mode(c, fail, algorithm) -> None:
     if algorithm.takes_prompt_iterator:
       fail("trainer.mode", f"async trains one batch of groups per step; "
            f"{algorithm.name} draws as many as it needs within a step")
-    if c.cluster.backend != "local":
-      fail("trainer.mode", f"async runs its rollout engine in the controller's process "
-           f"(cluster.backend='local'), got cluster.backend={c.cluster.backend!r}")
+    if c.cluster.backend == "ray":
+      _check_async_on_ray(c, fail)
   if t.mode == "one_step_off":
     if t.max_staleness > 1:
       fail("trainer.max_staleness", f"one_step_off lags 1 version (0: sync's schedule), "
@@ -370,6 +369,22 @@ def _check_mode(c, fail, algorithm) -> None:
     if algorithm.takes_prompt_iterator:
       fail("trainer.mode", f"one_step_off pre-generates one batch per step; "
            f"{algorithm.name} draws as many as it needs within a step")
+
+
+def _check_async_on_ray(c, fail) -> None:
+  """Async on Ray streams in the rollout pool's process, which must be one process."""
+  roles = c.placement.roles if c.placement.kind == "custom" else {}
+  pool = (roles.get("rollout") or {}).get("pool")
+  if pool is None or pool == (roles.get("actor") or {}).get("pool"):
+    fail("trainer.mode", "async runs its rollout engine in the rollout pool's process on "
+         "cluster.backend='ray': place role 'rollout' on a pool of its own (placement.roles)")
+  size, k = int(c.placement.pools.get(pool, 1)), c.cluster
+  processes = k.processes_per_pool or (size // k.devices_per_process if k.devices_per_process
+                                       else 1)
+  if processes != 1:
+    field = "processes_per_pool" if k.processes_per_pool else "devices_per_process"
+    fail(f"cluster.{field}", f"trainer.mode='async' on Ray streams in one process; rollout "
+         f"pool {pool!r} would have {processes}")
 
 
 def _check_directories(c, fail) -> None:

@@ -106,6 +106,20 @@ class PoolMember:
                                                    **from_wire(kwargs)))
     return out if self.process_id == 0 else None
 
+  def open_stream(self, role: str, settings: dict) -> bool:
+    """trainer.mode = "async": the stream's host beside the replica `role`, then called as
+    the worker STREAM (ray_backend.split_actor.RemoteStream)."""
+    from hflax.controller.ray_backend.split import STREAM
+    self.workers[role].open_stream(settings)
+    self.workers[STREAM] = self.workers[role].stream
+    return True
+
+  def sync_stream(self, role: str, weights: dict):
+    """The stream's weight sync: `weights` is the train pool's process 0's answer."""
+    from hflax.controller.ray_backend.transport import to_host
+    out = to_host(self.workers[role].sync_stream(weights))
+    return out if self.process_id == 0 else None
+
   def get(self, role: str, attribute: str):
     from hflax.controller.ray_backend.transport import to_host
     out = to_host(getattr(self.workers[role], attribute))

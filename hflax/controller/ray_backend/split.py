@@ -39,6 +39,7 @@ from hflax.controller.training import trained_part
 from hflax.sharding import placement
 
 ROLE = "rollout"  # the replica's name among a pool's workers (placement role "rollout")
+STREAM = "stream"  # trainer.mode = "async": the stream's host beside the replica
 
 
 def rollout_pool(spec: dict) -> str | None:
@@ -95,9 +96,8 @@ class RolloutReplica:
   def home(self, sharding):  # the pool member collects results there
     self.actor.home = sharding
 
-  def generate_with(self, weights: dict, prompts, sampling=None, rng=None):
-    """The actor's generate_sequences with the trainer's `weights` (trainer_weights'),
-    sampling with its drawn key unless `rng` is given; the sync's time and bytes added."""
+  def load(self, weights: dict) -> float:
+    """The trainer's `weights` (trainer_weights') as the actor's; returns the seconds."""
     actor, start = self.actor, time.perf_counter()
     own, frozen = trained_part(actor.params, actor.trainable)
     placed = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
@@ -105,11 +105,32 @@ class RolloutReplica:
     actor.params = placed if frozen is None else nnx.merge_state(frozen, placed)
     actor.updates = weights["version"]  # the rows' rollout_version
     jax.block_until_ready(actor.params)
-    loaded = time.perf_counter() - start
+    return time.perf_counter() - start
+
+  def generate_with(self, weights: dict, prompts, sampling=None, rng=None):
+    """The actor's generate_sequences with the trainer's `weights` (trainer_weights'),
+    sampling with its drawn key unless `rng` is given; the sync's time and bytes added."""
+    actor, loaded = self.actor, self.load(weights)
     key = rng if rng is not None else weights["key"].to_key()
     out = actor.generate_sequences(prompts, sampling=sampling, rng=key)
     metrics = out.meta["metrics"]
     metrics["timing_s/weight_sync"] = (weights["pack_s"] + loaded +
                                        metrics.get("timing_s/reshard", 0.0))
+    metrics["rollout/weight_sync_bytes"] = weights["bytes"]
+    return out
+
+  # -- trainer.mode = "async": the stream's host (controller.stream_host) beside the actor --
+  def open_stream(self, settings: dict):
+    """The async stream's engine and host state in this process (StreamHost's settings)."""
+    from hflax.controller.stream_host import StreamHost
+    self.stream = StreamHost(self.actor, **settings)
+
+  def sync_stream(self, weights: dict) -> dict:
+    """The stream's weight sync from the trainer's `weights` (trainer_weights', no key):
+    StreamHost.sync's answer, its time and bytes those of the sync through the store."""
+    loaded = self.load(weights)
+    out = self.stream.sync()
+    metrics = out["metrics"]
+    metrics["timing_s/weight_sync"] += weights["pack_s"] + loaded
     metrics["rollout/weight_sync_bytes"] = weights["bytes"]
     return out

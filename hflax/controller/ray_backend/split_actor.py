@@ -1,10 +1,11 @@
 """The driver's side of the split placement on the Ray backend (ray_backend.split): the
 actor as the algorithm drivers see it, training on its pool and generating on the
-rollout pool, and a generation submitted there and not yet waited for."""
+rollout pool, a generation submitted there and not yet waited for, and trainer.mode =
+"async"'s stream in the rollout pool's process (RemoteStream)."""
 from __future__ import annotations
 
 from hflax.controller.ray_backend.group import wait_all
-from hflax.controller.ray_backend.split import ROLE
+from hflax.controller.ray_backend.split import ROLE, STREAM
 from hflax.controller.ray_backend.transport import to_wire
 
 
@@ -54,5 +55,57 @@ class SplitActor:
   def generate_sequences(self, prompts, sampling=None, rng=None):
     return self.start_generation(prompts, sampling, rng).result()
 
+  def open_stream(self, **settings) -> "RemoteStream":
+    """trainer.mode = "async": the stream's host in the rollout pool's process."""
+    return RemoteStream(self._train.group, self._rollout.group, settings)
+
   def __repr__(self):
     return f"SplitActor(train={self._train!r}, rollout={self._rollout!r})"
+
+
+class RemoteStream:
+  """hflax.controller.stream_host.StreamHost's calls (those AsyncRollouts makes), run by
+  the StreamHost in the rollout pool's process (one process: its engine's host state is
+  that process's). Two differ from the local ones: start_decode submits the decode calls
+  and returns, so they run there while the driver goes on to the train pool's update
+  (finish_decode waits for them), and sync sends the train pool's weights to it through
+  Ray's object store (trainer_weights), never through the driver."""
+
+  def __init__(self, train, rollout, settings: dict):
+    self._train, self._rollout = train, rollout
+    rollout.broadcast(f"opening the async stream on pool {rollout.name!r}", "open_stream",
+                      ROLE, settings)
+    self._decoding: PendingBatch | None = None
+
+  def _call(self, method: str, *args):
+    return self._rollout.call(STREAM, method, *args)
+
+  def admit(self, prompts, key) -> int:
+    return self._call("admit", prompts, key)
+
+  def take(self, count: int) -> dict:
+    return self._call("take", count)
+
+  def start_decode(self, calls: int):
+    import ray
+    payload = ray.put(to_wire(((calls,), {})))
+    refs = [m.call.remote(STREAM, "step", payload) for m in self._rollout.members]
+    self._decoding = PendingBatch([(self._rollout, i, r) for i, r in enumerate(refs)], 0,
+                                  f"async decode steps on pool {self._rollout.name!r}")
+
+  def finish_decode(self) -> int:
+    decoding, self._decoding = self._decoding, None
+    return 0 if decoding is None else decoding.result()
+
+  def sync(self) -> dict:
+    sent = [m.trainer_weights.remote("actor", False) for m in self._train.members]
+    synced = [m.sync_stream.remote(ROLE, sent[0]) for m in self._rollout.members]
+    calls = [(self._train, i, r) for i, r in enumerate(sent)] + [
+        (self._rollout, i, r) for i, r in enumerate(synced)]
+    return wait_all(calls, f"async weight sync to pool {self._rollout.name!r}")[len(sent)]
+
+  def state_dict(self) -> dict:
+    return self._call("state_dict")
+
+  def load_state_dict(self, state: dict) -> int:
+    return self._call("load_state_dict", state)

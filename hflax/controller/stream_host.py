@@ -1,0 +1,145 @@
+"""The host side of trainer.mode = "async" (hflax.launch.async_mode): the actor's streaming
+RolloutEngine and the RolloutStream over it, with what the driver's AsyncRollouts asks of
+them as calls taking and returning host values.
+
+It lives beside the actor's generation: in the controller's process on the local backend
+(AsyncRollouts calls it directly), in the rollout pool's process on the Ray backend's split
+placement (hflax.controller.ray_backend.split_actor.RemoteStream calls it there, so the
+engine decodes in that process while the train pool updates). Either way the calls and
+their order are the same, so the two runs sample the same tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hflax.rollout.agents.loop import AgentLoop, model_versions
+from hflax.rollout.agents.rollout import environments, trajectory_fields
+from hflax.rollout.agents.streaming import Trajectories, tools_overhead
+from hflax.rollout.sampler import length_bucket
+from hflax.rollout.stream import RolloutStream, response_fields
+
+
+class StreamHost:
+  """A RolloutStream of n samples a prompt on a streaming engine of `actor`'s (its
+  streaming_engine; multi-turn trajectories where actor.multi_turn is set). slots: decode
+  slots; steps: decode steps one engine call runs."""
+
+  def __init__(self, actor, *, n: int, max_staleness: int, slots: int, steps: int,
+               max_prompt_len: int):
+    self.actor, self.n, self.agent = actor, n, actor.multi_turn
+    if self.agent is None:
+      engine, samples = actor.streaming_engine(slots=slots, max_prompt_len=max_prompt_len,
+                                               steps_per_call=steps), None
+    else:
+      engine, samples = self._agent_engine(slots, max_prompt_len, steps)
+    self.stream = RolloutStream(engine, n, max_staleness, samples)
+    self._decode_calls = 0  # start_decode's, run by finish_decode
+
+  def _agent_engine(self, slots: int, max_prompt_len: int, steps: int):
+    """The engine and samples of multi-turn trajectories, as multi_turn_rollout builds
+    them, with a prompt width for any prompt the loader passes plus the tools' message."""
+    mt, actor = self.agent, self.actor
+    self.tokenizer, response = actor.agent_tokenizer(), actor.sampling.max_new_tokens
+    self.prompt_width = length_bucket(max_prompt_len + tools_overhead(mt, self.tokenizer))
+    # A new segment's context is a fresh request's prompt: as long as a whole trajectory.
+    width = self.prompt_width + response if mt.rewrite_history else self.prompt_width
+    engine = actor.streaming_engine(
+        slots=slots, max_prompt_len=width, steps_per_call=steps, max_turn_len=mt.max_turn_len,
+        max_new_tokens=min(mt.turn_tokens or response, response), max_context_len=width + response)
+    loop = AgentLoop(engine, self.tokenizer, max_turns=mt.max_turns,
+                     rewrite_history=mt.rewrite_history, lockstep=True)
+    return engine, Trajectories(loop, mt)
+
+  @property
+  def untrained(self) -> int:
+    return len(self.stream.groups)
+
+  # -- admission ----------------------------------------------------------------------------
+  def admit(self, prompts, key) -> int:
+    """A batch of prompts (the loader's fields) as groups drawing with `key`, sample j of
+    prompt i as row i * n + j; returns the groups untrained now."""
+    rows = np.asarray(prompts["row_index"])
+    if self.agent is not None:
+      self._admit_trajectories(prompts, rows, key)
+      return self.untrained
+    tokens, mask = np.asarray(prompts["prompts"]), np.asarray(prompts["prompt_mask"], bool)
+    for i in range(len(rows)):
+      self.stream.submit(int(rows[i]), tokens[i][mask[i]].tolist(), key, first_row=i * self.n)
+    return self.untrained
+
+  def _admit_trajectories(self, prompts, rows, key):
+    """A batch's prompts as groups of agent trajectories: each prompt rendered with its
+    tools, and every trajectory's token limit the batch's prompt width plus the response
+    length, as multi_turn_rollout sets them for the batch."""
+    raw, sources = list(prompts["raw_prompt"]), list(prompts["data_source"])
+    envs = environments(self.agent, sources)
+    ids = [self.tokenizer.encode_chat(env.reset({"prompt": list(r)}), add_generation_prompt=True)
+           for env, r in zip(envs, raw)]
+    longest = max(len(x) for x in ids)
+    if longest > self.prompt_width:
+      raise ValueError(f"data.max_prompt_length: a prompt with its tools is {longest} tokens, "
+                       f"more than the stream's engine holds ({self.prompt_width}); raise it")
+    limit = length_bucket(longest) + self.actor.sampling.max_new_tokens
+    for i in range(len(rows)):
+      context = {"raw_prompt": list(raw[i]), "data_source": str(sources[i]), "max_tokens": limit}
+      self.stream.submit(int(rows[i]), ids[i], key, first_row=i * self.n, context=context)
+
+  # -- a step's batch -----------------------------------------------------------------------
+  def take(self, count: int) -> dict:
+    """Steps the engine until `count` groups are ready and takes them (oldest first). Host
+    values: rows (each group's dataset row), calls (engine calls it waited for), the
+    sampler's fields of the samples (single responses: response_fields'; trajectories:
+    trajectory_fields' with their infos, whose extra_info the driver adds), per_row
+    (versions that sampled each row), token_staleness, dropped (over the run), untrained."""
+    calls = self.stream.fill(count)
+    taken = self.stream.take(count)
+    version = self.stream.engine.version
+    out = {"rows": [g.row_index for g in taken], "calls": calls,
+           "dropped": self.stream.dropped, "untrained": self.untrained}
+    if self.agent is None:
+      fields = response_fields(taken, self.actor.sampling.max_new_tokens,
+                               self.actor.sampling.pad_id, version)
+      out["per_row"], out["token_staleness"] = (fields.pop("versions_per_row"),
+                                                fields.pop("token_staleness"))
+      return {**out, "fields": fields}
+    trajectories = [t for g in taken for t in g.done]
+    fields, infos = trajectory_fields(
+        trajectories, [None] * len(trajectories), pad_id=self.tokenizer.pad_id,
+        prompt_width=length_bucket(max(len(g.prompt_ids) for g in taken)),
+        response_width=self.actor.sampling.max_new_tokens)
+    versions = [model_versions(t) for t in trajectories]
+    lag = [version - v for vs in versions for v in vs]
+    return {**out, "fields": fields, "infos": infos,
+            "per_row": np.asarray([len(set(vs)) for vs in versions], np.int32),
+            "token_staleness": float(np.mean(lag)) if lag else 0.0,
+            "summary": self.stream.samples.loop.summary(trajectories)}
+
+  def step(self, calls: int) -> int:
+    return self.stream.step(calls)
+
+  # The overlap with the update, as the controller's process runs it: JAX dispatch is
+  # asynchronous, so decode calls made after the update's programs are queued run beside
+  # them on a split placement. RemoteStream instead submits them at the take.
+  def start_decode(self, calls: int):
+    self._decode_calls = calls
+
+  def finish_decode(self) -> int:
+    calls, self._decode_calls = self._decode_calls, 0
+    return self.step(calls)
+
+  # -- weights ------------------------------------------------------------------------------
+  def sync(self) -> dict:
+    """The actor's current weights in the generation layout become the engine's next
+    version (requests in flight decode on with them); groups past the bound are dropped.
+    Returns the sync's metrics and the groups untrained."""
+    graphdef, state, version, metrics = self.actor.generation_weights()
+    self.stream.set_weights(state, version, graphdef=graphdef)
+    return {"metrics": metrics, "untrained": self.untrained}
+
+  # -- checkpoints --------------------------------------------------------------------------
+  def state_dict(self) -> dict:
+    return self.stream.state_dict()
+
+  def load_state_dict(self, state: dict) -> int:
+    self.stream.load_state_dict(state)
+    return self.untrained
