@@ -249,3 +249,18 @@ def test_split_async_on_ray_resumes_with_its_finished_trajectories(tmp_path, ray
     trainer.close()
   for row, samples in finished.items():  # held finished at step 2: trained as they were
     assert sorted(trained[row]) == samples, row
+
+
+def test_split_async_multi_turn_on_ray_is_the_local_split(tmp_path, ray_session):
+  """Agent trajectories (the tool task's prompts, hermes tool calls): the stream's agent
+  loop in the rollout process, the rows made by the train pool's actor."""
+  def multi_turn(run, backend):
+    c = async_config(tmp_path, run, backend, steps=2)
+    c.data.builtin.update(data_source="arithmetic_tools")
+    c.data.update(max_prompt_length=128, max_response_length=32)
+    c.rollout.multi_turn.update(enable=True, max_assistant_turns=2, max_turn_tokens=16)
+    return c
+  ray_run = run(multi_turn("ray", "ray"))
+  local_run = run(multi_turn("local", "local"))
+  assert_same(ray_run, local_run)
+  assert "agent/turns/mean" in ray_run[2][1]
