@@ -10,6 +10,8 @@ their order are the same, so the two runs sample the same tokens.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from hflax.rollout.agents.loop import AgentLoop, model_versions
@@ -114,8 +116,11 @@ class StreamHost:
             "token_staleness": float(np.mean(lag)) if lag else 0.0,
             "summary": self.stream.samples.loop.summary(trajectories)}
 
-  def step(self, calls: int) -> int:
-    return self.stream.step(calls)
+  def decode(self, calls: int) -> dict:
+    """Up to `calls` engine calls; the seconds they took (timing_s/async_decode)."""
+    start = time.perf_counter()
+    self.stream.step(calls)
+    return {"timing_s/async_decode": time.perf_counter() - start}
 
   # The overlap with the update, as the controller's process runs it: JAX dispatch is
   # asynchronous, so decode calls made after the update's programs are queued run beside
@@ -123,9 +128,12 @@ class StreamHost:
   def start_decode(self, calls: int):
     self._decode_calls = calls
 
-  def finish_decode(self) -> int:
+  def finish_decode(self) -> dict:
+    """The decode's metrics; timing_s/async_decode_wait: the seconds the controller spent
+    on it after the update was dispatched (here all of it)."""
     calls, self._decode_calls = self._decode_calls, 0
-    return self.step(calls)
+    out = self.decode(calls)
+    return {**out, "timing_s/async_decode_wait": out["timing_s/async_decode"]}
 
   # -- weights ------------------------------------------------------------------------------
   def sync(self) -> dict:

@@ -128,8 +128,9 @@ class AsyncRollouts:
   def after_update(self, actor, prompt_iter):
     """Decodes on with the pre-update weights (overlapping the update), then the weight
     sync and admission."""
-    self.host.finish_decode()
+    decoded = self.host.finish_decode()
     self._sync()
+    self._sync_metrics.update(decoded)  # reported with the next step, as the sync is
     self._admit(prompt_iter)
 
   def _sync(self):

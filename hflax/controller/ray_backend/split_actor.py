@@ -4,6 +4,8 @@ rollout pool, a generation submitted there and not yet waited for, and trainer.m
 "async"'s stream in the rollout pool's process (RemoteStream)."""
 from __future__ import annotations
 
+import time
+
 from hflax.controller.ray_backend.group import wait_all
 from hflax.controller.ray_backend.split import ROLE, STREAM
 from hflax.controller.ray_backend.transport import to_wire
@@ -89,13 +91,17 @@ class RemoteStream:
   def start_decode(self, calls: int):
     import ray
     payload = ray.put(to_wire(((calls,), {})))
-    refs = [m.call.remote(STREAM, "step", payload) for m in self._rollout.members]
+    refs = [m.call.remote(STREAM, "decode", payload) for m in self._rollout.members]
     self._decoding = PendingBatch([(self._rollout, i, r) for i, r in enumerate(refs)], 0,
                                   f"async decode steps on pool {self._rollout.name!r}")
 
-  def finish_decode(self) -> int:
+  def finish_decode(self) -> dict:
+    """The decode's metrics (StreamHost.finish_decode's); the wait is what the update and
+    the driver's work since the take did not hide."""
     decoding, self._decoding = self._decoding, None
-    return 0 if decoding is None else decoding.result()
+    start = time.perf_counter()
+    out = {} if decoding is None else dict(decoding.result())
+    return {**out, "timing_s/async_decode_wait": time.perf_counter() - start}
 
   def sync(self) -> dict:
     sent = [m.trainer_weights.remote("actor", False) for m in self._train.members]
