@@ -3,7 +3,8 @@
   session.py    starting/joining Ray (a local cluster only on loopback), shutdown
   member.py     PoolMember: one process of a pool (a Ray actor in a jax.distributed job)
   split.py      the split placement (a rollout pool of its own): the weight sync, the
-                rollout pool's replica of the actor; split_actor.py the driver's side
+                rollout pool's replica of the actor (and async's stream beside it);
+                split_actor.py the driver's side
   group.py      WorkerGroup (a pool's processes), RoleHandle, failure detection
   transport.py  Batches and arguments as host numpy between driver and members
   backend.py    RayBackend: the roles of a run on worker groups (restarts, checkpoints)

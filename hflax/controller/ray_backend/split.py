@@ -19,6 +19,11 @@ rollout pool's.
   (hflax.launch.modes) takes the next batch this way, so the rollout pool generates
   step k + 1's batch while the train pool runs step k.
 
+- trainer.mode = "async": the replica also holds the stream (open_stream: a
+  hflax.controller.stream_host.StreamHost over its actor, which the driver's
+  split_actor.RemoteStream calls); its weight sync (sync_stream) loads trainer_weights'
+  payload into the actor and hands the engine the next version.
+
 The metrics are the local split's: `timing_s/weight_sync` (the trainer's copy to host,
 the replica's copy onto its devices and its reshard to the generation layout; Ray's
 transfer between the two, shared memory on one host, is not timed) and
