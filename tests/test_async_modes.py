@@ -9,6 +9,7 @@ import pytest
 from hflax.launch.config import validate
 from hflax.launch.trainer import Trainer
 from tiny_config import fit, mode_config, run_metrics as metrics
+from trainer_hooks import Killed, kill_at
 
 
 def config(tmp_path, run, mode="sync", **trainer):
@@ -60,17 +61,6 @@ def test_one_step_off_batches_lag_one_version_and_are_corrected(tmp_path):
   assert m[3]["actor/rollout_corr/k3_kl"] > 1e-7
   assert m[3]["actor/rollout_corr/rollout_is_max"] > 1.001
   assert 0 < m[3]["actor/rollout_corr/rollout_rs_masked_fraction"] < 1
-
-
-class Killed(Exception):
-  pass
-
-
-def kill_at(step):
-  def hook(info):
-    if info.step == step:
-      raise Killed
-  return hook
 
 
 def test_one_step_off_resumes_to_the_uninterrupted_run(tmp_path):

@@ -24,6 +24,7 @@ from hflax.rollout.agents import tools as tools_module
 from hflax.rollout.agents.loop import model_versions
 from hflax.rollout.agents.tools import ToolCall
 from tiny_config import fit, mode_config, run_metrics as metrics
+from trainer_hooks import Killed, kill_at
 
 READS_ROLLOUT_LOG_PROBS = ("actor/ppo_kl",)  # engine programs of other shapes: fp32 rounding
 TIMED = ("agent/tool_seconds/mean",)  # how long the calculator took: a time, not the run
@@ -142,17 +143,6 @@ def test_trajectories_span_weight_updates_each_token_keeps_its_version(tmp_path)
   assert any(m[s]["actor/rollout_corr/k3_kl"] > 1e-9 for s in lagging if s >= 3)
   for s in m:
     assert m[s]["agent/turns/mean"] == 2 and m[s]["agent/tool_calls/mean"] == 2
-
-
-class Killed(Exception):
-  pass
-
-
-def kill_at(step):
-  def hook(info):
-    if info.step == step:
-      raise Killed
-  return hook
 
 
 def same_trajectory(a, b):
