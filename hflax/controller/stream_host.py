@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from hflax.rollout.agents.loop import AgentLoop, model_versions
-from hflax.rollout.agents.rollout import environments, trajectory_fields
+from hflax.rollout.agents.rollout import chat_prompts, engine_widths, trajectory_fields
 from hflax.rollout.agents.streaming import Trajectories, tools_overhead
 from hflax.rollout.sampler import length_bucket
 from hflax.rollout.stream import RolloutStream, response_fields
@@ -43,11 +43,8 @@ class StreamHost:
     mt, actor = self.agent, self.actor
     self.tokenizer, response = actor.agent_tokenizer(), actor.sampling.max_new_tokens
     self.prompt_width = length_bucket(max_prompt_len + tools_overhead(mt, self.tokenizer))
-    # A new segment's context is a fresh request's prompt: as long as a whole trajectory.
-    width = self.prompt_width + response if mt.rewrite_history else self.prompt_width
-    engine = actor.streaming_engine(
-        slots=slots, max_prompt_len=width, steps_per_call=steps, max_turn_len=mt.max_turn_len,
-        max_new_tokens=min(mt.turn_tokens or response, response), max_context_len=width + response)
+    engine = actor.streaming_engine(slots=slots, steps_per_call=steps,
+                                    **engine_widths(mt, self.prompt_width, response))
     loop = AgentLoop(engine, self.tokenizer, max_turns=mt.max_turns,
                      rewrite_history=mt.rewrite_history, lockstep=True)
     return engine, Trajectories(loop, mt)
@@ -74,9 +71,7 @@ class StreamHost:
     tools, and every trajectory's token limit the batch's prompt width plus the response
     length, as multi_turn_rollout sets them for the batch."""
     raw, sources = list(prompts["raw_prompt"]), list(prompts["data_source"])
-    envs = environments(self.agent, sources)
-    ids = [self.tokenizer.encode_chat(env.reset({"prompt": list(r)}), add_generation_prompt=True)
-           for env, r in zip(envs, raw)]
+    _, ids = chat_prompts(self.agent, self.tokenizer, raw, sources)
     longest = max(len(x) for x in ids)
     if longest > self.prompt_width:
       raise ValueError(f"data.max_prompt_length: a prompt with its tools is {longest} tokens, "

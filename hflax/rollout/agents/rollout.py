@@ -105,21 +105,18 @@ def multi_turn_rollout(graphdef, state, *, version: int, mesh, sampling: Samplin
   and fields["segment_owner"] gives each row's trajectory."""
   n = sampling.n
   rows = len(raw_prompts) * n
-  envs = environments(settings, [s for s in data_sources for _ in range(n)])
-  samples = [{"prompt": list(p)} for p in raw_prompts for _ in range(n)]
-  prompts = [tokenizer.encode_chat(env.reset(sample), add_generation_prompt=True)
-             for env, sample in zip(envs, samples)]
+  raw = [p for p in raw_prompts for _ in range(n)]
+  envs, prompts = chat_prompts(settings, tokenizer, raw,
+                               [s for s in data_sources for _ in range(n)])
+  samples = [{"prompt": list(p)} for p in raw]
   width = length_bucket(max(len(p) for p in prompts))
-  # A new segment's context is a fresh request's prompt: as long as a whole trajectory.
-  prompt_len = width + response_width if settings.rewrite_history else width
   replicas = mesh.shape.get("data", 1) if mesh is not None else 1
   slots = settings.slots or rows
   slots += -slots % replicas
+  shape = engine_widths(settings, width, response_width)
   engine = RolloutEngine(graphdef, state, dataclasses.replace(
-      sampling, n=1, max_new_tokens=min(settings.turn_tokens or response_width,
-                                        response_width)), slots=slots,
-      max_prompt_len=prompt_len, max_turn_len=settings.max_turn_len,
-      max_context_len=prompt_len + response_width, mesh=mesh, version=version, key=rng)
+      sampling, n=1, max_new_tokens=shape.pop("max_new_tokens")), slots=slots, **shape,
+      mesh=mesh, version=version, key=rng)
   loop = AgentLoop(engine, tokenizer, max_turns=settings.max_turns,
                    max_tokens=width + response_width, rewrite_history=settings.rewrite_history)
   trajectories, metrics = loop.run(envs, samples)
@@ -127,6 +124,26 @@ def multi_turn_rollout(graphdef, state, *, version: int, mesh, sampling: Samplin
                                     pad_id=tokenizer.pad_id, prompt_width=width,
                                     response_width=response_width)
   return fields, infos, metrics
+
+
+def chat_prompts(settings: MultiTurn, tokenizer: Tokenizer, raw_prompts: Sequence,
+                 data_sources: Sequence[str]) -> tuple[list, list[list[int]]]:
+  """Each prompt's environment (its data source's tools) and its ids: the chat messages
+  with the tools rendered, ready for the model's first turn."""
+  envs = environments(settings, list(data_sources))
+  ids = [tokenizer.encode_chat(env.reset({"prompt": list(p)}), add_generation_prompt=True)
+         for env, p in zip(envs, raw_prompts)]
+  return envs, ids
+
+
+def engine_widths(settings: MultiTurn, width: int, response_width: int) -> dict:
+  """An agent engine's widths (RolloutEngine's keywords) for rendered prompts up to `width`
+  tokens and trajectories of response_width more, and a turn's new-token limit."""
+  # A new segment's context is a fresh request's prompt: as long as a whole trajectory.
+  prompt_len = width + response_width if settings.rewrite_history else width
+  return {"max_prompt_len": prompt_len, "max_turn_len": settings.max_turn_len,
+          "max_context_len": prompt_len + response_width,
+          "max_new_tokens": min(settings.turn_tokens or response_width, response_width)}
 
 
 def trajectory_fields(trajectories: Sequence, extra_info: Sequence, *, pad_id: int,
