@@ -26,6 +26,18 @@ class PendingBatch:
     return self._batch
 
 
+def with_trainer_weights(train, rollout, method: str, draw_key: bool, *args):
+  """Submits the train pool's weights (split.trainer_weights, with a drawn sampling key
+  where draw_key) and the rollout pool's `method`(its replica, those weights, *args) on
+  every member; the weights' ref goes from pool to pool without the driver. Returns the
+  calls (as wait_all takes them) and the index of the rollout pool's process 0's."""
+  sent = [m.trainer_weights.remote("actor", draw_key) for m in train.members]
+  made = [getattr(m, method).remote(ROLE, sent[0], *args) for m in rollout.members]
+  calls = [(train, i, r) for i, r in enumerate(sent)] + [(rollout, i, r)
+                                                        for i, r in enumerate(made)]
+  return calls, len(sent)
+
+
 class SplitActor:
   """The actor on a split placement, as the driver sees it: `train` (the actor's handle on
   its pool) for everything but generation, which runs on `rollout` (the replica's)."""
@@ -45,14 +57,11 @@ class SplitActor:
     from the train pool to the rollout pool without the driver, and Ray runs each
     process's calls in submission order, so they are the weights before any later call."""
     import ray
-    train, rollout = self._train.group, self._rollout.group
-    sent = [m.trainer_weights.remote("actor", rng is None) for m in train.members]
     payload = ray.put(to_wire(((prompts,), {"sampling": sampling, "rng": rng})))
-    made = [m.generate_with.remote(ROLE, sent[0], payload) for m in rollout.members]
-    calls = [(train, i, r) for i, r in enumerate(sent)] + [(rollout, i, r)
-                                                          for i, r in enumerate(made)]
-    return PendingBatch(calls, len(sent), "actor.generate_sequences (weight sync and "
-                        f"generation on pool {rollout.name!r})")
+    calls, answer = with_trainer_weights(self._train.group, self._rollout.group,
+                                         "generate_with", rng is None, payload)
+    return PendingBatch(calls, answer, "actor.generate_sequences (weight sync and "
+                        f"generation on pool {self._rollout.group.name!r})")
 
   def generate_sequences(self, prompts, sampling=None, rng=None):
     return self.start_generation(prompts, sampling, rng).result()
@@ -104,11 +113,8 @@ class RemoteStream:
     return {**out, "timing_s/async_decode_wait": time.perf_counter() - start}
 
   def sync(self) -> dict:
-    sent = [m.trainer_weights.remote("actor", False) for m in self._train.members]
-    synced = [m.sync_stream.remote(ROLE, sent[0]) for m in self._rollout.members]
-    calls = [(self._train, i, r) for i, r in enumerate(sent)] + [
-        (self._rollout, i, r) for i, r in enumerate(synced)]
-    return wait_all(calls, f"async weight sync to pool {self._rollout.name!r}")[len(sent)]
+    calls, answer = with_trainer_weights(self._train, self._rollout, "sync_stream", False)
+    return wait_all(calls, f"async weight sync to pool {self._rollout.name!r}")[answer]
 
   def state_dict(self) -> dict:
     return self._call("state_dict")
