@@ -65,6 +65,8 @@ def test_async_killed_then_resumed_keeps_its_finished_trajectories(tmp_path):
   run_dir, dumps = tmp_path / "run", tmp_path / "rollouts"
   command = _command(run_dir, "--config.trainer.mode=async", f"--config.trainer.max_staleness={BOUND}",
                      "--config.trainer.async_decode_steps=4", "--config.actor.optim.lr=0.003",
+                     # every submitted sample in a slot: groups finish ahead of their step
+                     f"--config.rollout.max_num_seqs={(BOUND + 1) * 4 * 2}",
                      f"--config.trainer.rollout_data_dir={dumps}")
   _kill_after_step(command, run_dir, tmp_path, 3)
   ckpt = Checkpointer(str(run_dir / "checkpoints"), keep=None, save_every=2)

@@ -181,6 +181,8 @@ def test_checkpoint_keeps_finished_trajectories_whole_and_resubmits_the_rest(tmp
   bound = 2
   c = config(tmp_path, "run", max_staleness=bound, total_steps=3, async_decode_steps=16,
              save_every=1)
+  # Every submitted trajectory in a slot, so groups finish ahead of the step training them.
+  c.rollout.max_num_seqs = (bound + 1) * c.data.train_batch_size * c.rollout.n
   c.actor.optim.lr = 3e-3
   killed = Trainer(c, log=lambda *_: None)
   counts = {}

@@ -7,7 +7,10 @@ import jax
 import numpy as np
 import pytest
 
+from hflax import platforms
+from hflax.controller.stream_host import stream_slots
 from hflax.launch.config import validate
+from hflax.launch.trainer import Trainer
 from tiny_config import fit, mode_config, run_metrics as metrics
 
 # Metrics that read the rollout's recorded log-probs: the engine's and the batch sampler's
@@ -45,9 +48,12 @@ def test_async_with_staleness_0_is_sync(tmp_path):
   assert len(trained) == 3 and trained[1].shape == (8, 8)
 
 
-@pytest.mark.parametrize("bound", [1, 2])
-def test_async_never_trains_past_the_bound_and_rolls_out_partially(tmp_path, bound):
+# bound 1 with the CPU's default decode slots (one batch: 4 prompts x 2 samples); bound 2
+# with every submitted sample in a slot (3 batches), as accelerators decode by default.
+@pytest.mark.parametrize("bound,slots", [(1, 0), (2, 24)])
+def test_async_never_trains_past_the_bound_and_rolls_out_partially(tmp_path, bound, slots):
   c = config(tmp_path, "async", max_staleness=bound, total_steps=5, async_decode_steps=2)
+  c.rollout.max_num_seqs = slots
   c.actor.optim.lr = 3e-3  # updates large enough that a lag shows in the ratios
   c.algorithm.rollout_correction.update(rollout_is="token", rollout_rs="token",
                                         rollout_rs_threshold=1.001)
@@ -73,6 +79,9 @@ def test_async_never_trains_past_the_bound_and_rolls_out_partially(tmp_path, bou
       assert versions == sorted(versions)  # a trajectory's versions only grow
       partial += len(set(versions)) > 1
     assert m[step]["rollout/staleness_max"] <= bound
+    assert m[step]["async/engine_slots"] == (slots or 8)
+    assert m[step]["async/kv_cache_bytes"] == trainer.schedule.stream.engine.cache_bytes(
+        trainer.roles.actor.cfg)
     assert m[step]["async/versions_per_trajectory_max"] == max(len(set(v)) for v in trained)
   assert partial > 0  # some trajectories were sampled by two weight versions
   assert max(m[s]["rollout/staleness_max"] for s in m) >= 1  # and trained on stale rows
@@ -80,6 +89,29 @@ def test_async_never_trains_past_the_bound_and_rolls_out_partially(tmp_path, bou
   lagging = [s for s in m if m[s]["rollout/staleness_max"] >= 1 and s >= 3]
   assert lagging and all(m[s]["actor/rollout_corr/k3_kl"] > 1e-9 for s in lagging)
   assert any(m[s]["actor/rollout_corr/rollout_rs_masked_fraction"] > 0 for s in lagging)
+
+
+@pytest.mark.parametrize("step_time_follows_rows", [True, False])
+def test_decode_slots_by_default_asked_and_fitted(monkeypatch, step_time_follows_rows):
+  monkeypatch.setattr(platforms, "step_time_follows_rows", lambda: step_time_follows_rows)
+  default = 8 if step_time_follows_rows else 24  # one batch of 8 samples, or all 3 batches
+  assert stream_slots(8, 2) == default
+  assert stream_slots(8, 2, fits=6) == 6  # the placement's KV budget caps the default
+  assert stream_slots(8, 2, asked=16) == 16  # rollout.max_num_seqs sets them
+  assert stream_slots(8, 2, asked=40) == 24  # but never more than the samples submitted
+  assert stream_slots(8, 2, asked=16, fits=12) == 12
+  assert stream_slots(8, 0) == 8  # bound 0: one batch either way
+
+
+def test_an_engine_whose_cache_cannot_fit_is_refused_in_one_line(tmp_path, monkeypatch):
+  asked = []
+  monkeypatch.setattr(platforms, "free_memory", lambda devices: asked.append(devices) or 4096)
+  with pytest.raises(ValueError, match=r"^trainer.mode=async: the rollout engine's 8 slots x "
+                     r"\d+ columns need .* GiB of KV cache, more than the 0.0 GiB free on its "
+                     r"devices; lower rollout.max_num_seqs \(\d+ MiB a slot\) or the "
+                     r"response length$"):
+    Trainer(config(tmp_path, "async", max_staleness=1), log=lambda *_: None)
+  assert [d.platform for d in asked[0]] == ["cpu"] * 2  # the generation mesh's devices
 
 
 @pytest.mark.parametrize("field,value,message", [

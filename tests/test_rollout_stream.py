@@ -10,6 +10,7 @@ import pytest
 from hflax.models import ModelConfig, create
 from hflax.rollout import SamplingParams, generate
 from hflax.rollout.engine import RolloutEngine
+from hflax.rollout.requests import MAX_STOP_IDS
 from hflax.rollout.stream import RolloutStream, response_fields
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -110,3 +111,19 @@ def test_state_dict_keeps_finished_samples_and_resubmits_the_rest(model):
   for index in (1, 2):
     assert ([c.token_ids for c in restored.groups[index].done] ==
             [c.token_ids for c in s.groups[index].done])
+
+
+def test_cache_bytes_are_what_the_first_admission_allocates(model):
+  s = stream(model, 1, slots=6)
+  engine = s.engine
+  expected = engine.cache_bytes(CFG)
+  assert engine._carry is None  # nothing allocated before a request comes in
+  s.submit(100, PROMPTS[0], jax.random.key(0), first_row=0)
+  s.step(1)
+  allocated = sum(x.nbytes for x in jax.tree.leaves(engine._carry))
+  assert allocated == expected
+  # By hand: per layer, keys and values of 2 kv heads x 8 dims over the cache's columns.
+  kv = CFG.num_layers * 2 * 6 * CFG.num_kv_heads * CFG.head_dim * engine.cache_width * 4
+  # Each slot's visibility mask, six int32 counters, its flag, key (two uint32) and stops.
+  rest = 6 * (engine.cache_width + 6 * 4 + 1 + 2 * 4 + MAX_STOP_IDS * 4)
+  assert expected == kv + rest

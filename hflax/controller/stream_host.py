@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 
+from hflax import platforms
 from hflax.rollout.agents.loop import AgentLoop, model_versions
 from hflax.rollout.agents.rollout import chat_prompts, engine_widths, trajectory_fields
 from hflax.rollout.agents.streaming import Trajectories, tools_overhead
@@ -21,19 +23,39 @@ from hflax.rollout.sampler import length_bucket
 from hflax.rollout.stream import RolloutStream, response_fields
 
 
+def stream_slots(batch_rows: int, max_staleness: int, asked: int = 0, fits: int = 0) -> int:
+  """Decode slots of an async stream's engine. The stream keeps max_staleness + 1 batches
+  of `batch_rows` samples submitted, so more slots than that would idle. asked
+  (rollout.max_num_seqs; 0: the default): that many. By default, where a decode step
+  costs about the same whatever its rows (accelerators), all the submitted samples decode
+  at once; where its time grows with its rows (the CPU), slots past one batch would add
+  cache memory and no tokens per second, so one batch's. fits (the placement's KV budget,
+  0: none): at most that many."""
+  most = (max_staleness + 1) * batch_rows
+  if asked:
+    slots = min(asked, most)
+  else:
+    slots = batch_rows if platforms.step_time_follows_rows() else most
+  return min(slots, fits) if fits else slots
+
+
 class StreamHost:
   """A RolloutStream of n samples a prompt on a streaming engine of `actor`'s (its
-  streaming_engine; multi-turn trajectories where actor.multi_turn is set). slots: decode
-  slots; steps: decode steps one engine call runs."""
+  streaming_engine; multi-turn trajectories where actor.multi_turn is set). batch_rows:
+  the samples of one step's batch; max_num_seqs: the decode slots asked for (0: the
+  default; stream_slots), the actor's own cap (its placement's) applying too; steps:
+  decode steps one engine call runs."""
 
-  def __init__(self, actor, *, n: int, max_staleness: int, slots: int, steps: int,
-               max_prompt_len: int):
+  def __init__(self, actor, *, n: int, max_staleness: int, batch_rows: int, steps: int,
+               max_prompt_len: int, max_num_seqs: int = 0):
     self.actor, self.n, self.agent = actor, n, actor.multi_turn
+    slots = stream_slots(batch_rows, max_staleness, max_num_seqs, actor.max_num_seqs)
     if self.agent is None:
       engine, samples = actor.streaming_engine(slots=slots, max_prompt_len=max_prompt_len,
                                                steps_per_call=steps), None
     else:
       engine, samples = self._agent_engine(slots, max_prompt_len, steps)
+    self.cache_metrics = _check_cache(engine, actor.cfg)
     self.stream = RolloutStream(engine, n, max_staleness, samples)
     self._decode_calls = 0  # start_decode's, run by finish_decode
 
@@ -137,7 +159,7 @@ class StreamHost:
     Returns the sync's metrics and the groups untrained."""
     graphdef, state, version, metrics = self.actor.generation_weights()
     self.stream.set_weights(state, version, graphdef=graphdef)
-    return {"metrics": metrics, "untrained": self.untrained}
+    return {"metrics": {**metrics, **self.cache_metrics}, "untrained": self.untrained}
 
   # -- checkpoints --------------------------------------------------------------------------
   def state_dict(self) -> dict:
@@ -146,3 +168,19 @@ class StreamHost:
   def load_state_dict(self, state: dict) -> int:
     self.stream.load_state_dict(state)
     return self.untrained
+
+
+def _check_cache(engine, cfg) -> dict:
+  """Refuses, before anything is allocated, an engine whose slots' cache alone exceeds
+  the free memory of its devices (the cache has no paging: each slot reserves its whole
+  width for the run); returns the engine's size as metrics."""
+  devices = [d for d in engine.mesh.devices.flat if d.process_index == jax.process_index()]
+  need = engine.cache_bytes(cfg) * len(devices) // engine.mesh.devices.size
+  free = platforms.free_memory(devices)
+  if need > free:
+    raise ValueError(
+        f"trainer.mode=async: the rollout engine's {engine.slots} slots x "
+        f"{engine.cache_width} columns need {need / 2**30:.1f} GiB of KV cache, more than "
+        f"the {free / 2**30:.1f} GiB free on its devices; lower rollout.max_num_seqs "
+        f"({need // engine.slots / 2**20:.0f} MiB a slot) or the response length")
+  return {"async/engine_slots": float(engine.slots), "async/kv_cache_bytes": float(need)}

@@ -84,13 +84,11 @@ class AsyncRollouts:
                decode_steps: int, max_prompt_len: int, max_num_seqs: int = 0):
     self.worker, self.collate, self.groups, self.n = actor, collate, groups, n
     self.max_staleness = max_staleness
-    # Every request admission allows decodes at once, unless max_num_seqs caps them.
-    slots = (max_staleness + 1) * groups * n
-    slots = min(slots, max_num_seqs) if max_num_seqs else slots
     steps = min(STEPS_PER_CALL, max(decode_steps, 1))
     self.decode_calls = -(-decode_steps // steps)  # the engine calls beside each update
-    self.host = open_stream(actor, n=n, max_staleness=max_staleness, slots=slots, steps=steps,
-                            max_prompt_len=max_prompt_len)
+    self.host = open_stream(actor, n=n, max_staleness=max_staleness, batch_rows=groups * n,
+                            steps=steps, max_prompt_len=max_prompt_len,
+                            max_num_seqs=max_num_seqs)
     self.stream = getattr(self.host, "stream", None)  # in this process: for inspection
     self._untrained = 0  # groups submitted and neither trained nor dropped
     self._synced = False  # whether the engine holds the actor's current weights

@@ -107,7 +107,8 @@ MEANINGS = {
     "rollout.val_temperature": "validation temperature (0: greedy)",
     "rollout.val_top_k": "validation top-k (0: off)",
     "rollout.val_top_p": "validation top-p (1: off)",
-    "rollout.max_num_seqs": "most sequences a generation replica holds at once (0: all)",
+    "rollout.max_num_seqs": "most sequences a generation replica holds at once (0: all; "
+                            "async: its decode slots, docs/async.md)",
     "rollout.continuous_batching": "decode slots refilled as sequences end, instead of waves",
     "rollout.multi_turn.enable": "each sample a multi-turn trajectory with tools (docs/agents.md)",
     "rollout.multi_turn.max_assistant_turns": "model turns a trajectory",

@@ -101,6 +101,19 @@ def all_cpu(devices: Iterable) -> bool:
   return all(d.platform == "cpu" for d in devices)
 
 
+def free_memory(devices) -> int:
+  """Bytes that arrays spread evenly over `devices` (this process's) can still take, all
+  together: on accelerators the fullest device's free memory times the devices; XLA:CPU's
+  devices share the host's available memory (a container's limit included)."""
+  devices = list(devices)
+  if all_cpu(devices):
+    from hflax.platforms.cpu.decoding_copy import available_memory
+    return available_memory()
+  free = [s["bytes_limit"] - s.get("bytes_in_use", 0)
+          for s in (d.memory_stats() or {} for d in devices) if s.get("bytes_limit")]
+  return min(free) * len(devices) if len(free) == len(devices) else 2**62
+
+
 def train_compiler_options(devices, compute_dtype="float32") -> dict | None:
   """XLA options for a training step on `devices` computing in `compute_dtype`: XLA:CPU's
   (cpu/options.py) where every device is a CPU, None (XLA's defaults) elsewhere."""

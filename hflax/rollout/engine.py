@@ -44,7 +44,7 @@ from jax.sharding import Mesh
 
 from hflax.rollout import sampler
 from hflax.rollout.decoding import SamplingParams
-from hflax.rollout.engine_programs import decode_steps
+from hflax.rollout.engine_programs import carry_bytes, decode_steps
 # Request, Completion and MAX_STOP_IDS are this module's public names as well.
 from hflax.rollout.requests import MAX_STOP_IDS, Completion, Live, Request, completion
 from hflax.rollout.slots import SlotTable
@@ -128,6 +128,17 @@ class RolloutEngine(SlotTable):
     if self.busy:
       raise RuntimeError(f"RolloutEngine: {self.busy} requests still in; abort them first")
     self._state, self._carry = None, None
+
+  @property
+  def cache_width(self) -> int:
+    """Columns of a slot's cache: the longest context, plus a continuation's room."""
+    return self.context_width + self._slack
+
+  def cache_bytes(self, cfg) -> int:
+    """Bytes the slots' cache and counters take for a model of config `cfg`, all slots
+    over all the engine's devices; allocated at the first admission, kept until
+    release_weights."""
+    return carry_bytes(cfg, self.slots, self.cache_width)
 
   @property
   def weights(self):

@@ -28,6 +28,12 @@ def empty_carry(cfg, slots: int, width: int) -> dict:
           "stops": jnp.full((S, MAX_STOP_IDS), -1, jnp.int32)}
 
 
+def carry_bytes(cfg, slots: int, width: int) -> int:
+  """Bytes empty_carry(cfg, slots, width) takes (shapes only, nothing allocated)."""
+  shapes = jax.eval_shape(lambda: empty_carry(cfg, slots, width))
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
 def sampling_keys(key_data, steps, rows):
   """Each slot's key for its token `steps`: fold_in(fold_in(key, step), row)."""
   def fold(k, s, r):

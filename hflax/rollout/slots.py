@@ -25,7 +25,7 @@ class SlotTable:
     graphdef, state = self.weights
     if self._carry is None:
       self._carry = self._place(empty_carry(nnx.merge(graphdef, state).cfg, self.slots,
-                                            self.context_width + self._slack))
+                                            self.cache_width))
     finished = self._continue([r for r in self._waiting if r.continues is not None])
     self._waiting = [r for r in self._waiting if r.continues is None]
     held = {h.slot for h in self._held.values()}
