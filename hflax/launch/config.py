@@ -169,6 +169,9 @@ def base_config() -> ml_collections.ConfigDict:
       experiment_name="",
       profile_steps=(),
       stage_timing=True, export_hf=True, devices=0, val_only=False,
+      # export_gguf: also write the actor (LoRA merged) as run_dir/gguf_actor/model.gguf,
+      # F32, for llama.cpp and ollama (hflax.models.gguf_export).
+      export_gguf=False,
       # verl's: each step's samples (text, score, advantage) as {dir}/{step}.jsonl.
       rollout_data_dir="", validation_data_dir="",
       # verl's: this many validation samples (the same prompts each time) to the console,
@@ -242,6 +245,9 @@ def _check_choices(c, fail):
   if wandb_project(c) and not importlib.util.find_spec("wandb"):
     fail("trainer.wandb_project", "logging to wandb needs the wandb package "
          "(pip install 'hflax[wandb]')")
+  if c.trainer.export_gguf and not importlib.util.find_spec("gguf"):
+    fail("trainer.export_gguf", "writing a .gguf file needs the gguf package "
+         "(pip install 'hflax[gguf]')")
   for field in ("model.dtype", "model.param_dtype", "rollout.dtype"):
     name = _get(c, field)
     if name is not None and name not in FLOAT_DTYPES:

@@ -30,7 +30,7 @@ _CONTEXT = {
     "cost.memory_limit_gb": {"algorithm.name": "safe_rlhf"},
 }
 # Fields whose check depends on the machine (an installed package, a file), not the tree.
-_NOT_PROBED = {"trainer.wandb_project", "trainer.project_name"}
+_NOT_PROBED = {"trainer.wandb_project", "trainer.project_name", "trainer.export_gguf"}
 _BOGUS = "no-such-name"
 
 # What each field means, in a few words (shown beside its check; a field without an entry
@@ -134,6 +134,7 @@ MEANINGS = {
     "trainer.profile_steps": "steps to trace with the JAX profiler",
     "trainer.stage_timing": "wait for each stage to time it (False: overlap roles)",
     "trainer.export_hf": "write the actor as an HF directory at the end",
+    "trainer.export_gguf": "also write the actor as run_dir/gguf_actor/model.gguf (F32)",
     "trainer.devices": "devices to use (0: every local device)",
     "trainer.val_only": "validate the current policy and exit",
     "trainer.mode": "sync, one_step_off (next batch generated while this one trains) or "

@@ -175,6 +175,35 @@ def export_actor(trainer):
   return export
 
 
+def export_gguf_actor(trainer):
+  """The trained actor (LoRA merged) as run_dir/gguf_actor/model.gguf, in F32, with its
+  tokenizer: a file llama.cpp and ollama run (hflax.models.gguf_export)."""
+
+  def export(info: StepInfo):
+    from hflax.launch.roles import actor_config
+    from hflax.models.gguf_export import write_gguf
+    cfg = trainer.cfg
+    out = os.path.join(cfg.trainer.run_dir, "gguf_actor")
+    model_cfg = actor_config(cfg, trainer.model_cfg) if cfg.model.lora_rank else trainer.model_cfg
+    with atomic_directory(out) as partial:  # whole or absent, as hf_actor
+      write_gguf(os.path.join(partial, "model.gguf"), model_cfg, trainer.roles.actor.params,
+                 trainer.tokenizer)
+    trainer.log(f"exported the actor as GGUF to {out}/model.gguf")
+  return export
+
+
+def check_gguf_export(model_cfg, tokenizer) -> None:
+  """trainer.export_gguf's refusals before the run: a policy (None: the built-in llama) or
+  a tokenizer llama.cpp cannot take, in one line naming the field."""
+  from hflax.models import gguf_export
+  try:
+    if model_cfg is not None:
+      gguf_export.check_exportable(model_cfg)
+    gguf_export.check_tokenizer(tokenizer)
+  except ValueError as e:
+    raise ValueError(f"config.trainer.export_gguf: {e}") from None
+
+
 def plot(run_dir: str, log=print):
   """run_dir/metrics.png from run_dir/metrics.jsonl (skipped, said, without matplotlib)."""
 

@@ -84,6 +84,8 @@ class Trainer:
     cfg, log = self.cfg, self.log
     checkpoint = read_model_configs(cfg, driver_only=cfg.cluster.backend == "ray")
     self.tokenizer = load_tokenizer(tokenizer_spec(cfg))
+    if cfg.trainer.export_gguf:
+      side_jobs.check_gguf_export(checkpoint, self.tokenizer)
     if checkpoint is not None:
       check_vocab(cfg, checkpoint, self.tokenizer)
     check_teacher(cfg, checkpoint.vocab_size if checkpoint else self.tokenizer.vocab_size)
@@ -254,6 +256,8 @@ class Trainer:
     hooks.add_hook(self._report_hook, at_end=True)
     if t.export_hf:
       hooks.add_hook(side_jobs.export_actor(self), at_end=True)
+    if t.export_gguf:
+      hooks.add_hook(side_jobs.export_gguf_actor(self), at_end=True)
     hooks.add_hook(side_jobs.plot(t.run_dir, self.log), at_end=True)
     hooks.extend(self.hooks)  # hooks a caller added run after the built-in ones
     return hooks
