@@ -2,6 +2,7 @@
 to the same weights, config and logits; the shipped SmolLM2 file rewritten keeps its
 tensors, metadata keys and tokenizer; transformers' GGUF loader reads the written tiny
 llama and qwen2 files to hflax's logits; the launcher's trainer.export_gguf."""
+import json
 import os
 
 import jax
@@ -258,6 +259,21 @@ def test_hf_tokenizer_is_written_as_llama_cpps_converter_writes_it(smollm2, tmp_
   again = load_tokenizer(path)
   for text in ("What is 23+45?", "naïve café", "<|im_start|>user\nhi<|im_end|>"):
     assert again.encode(text) == tok.encode(text)
+  # The same vocabulary behind Qwen2's split: named "qwen2", and read back to the HF
+  # tokenizer's ids, which differ from GPT-2's split on runs of newlines.
+  spec = json.loads((tmp_path / "tokenizer.json").read_text())
+  spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+      {"type": "Split", "pattern": {"Regex": gguf._QWEN2_SPLIT}, "behavior": "Isolated",
+       "invert": False},
+      {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+       "use_regex": False}]}
+  (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+  qwen_tok = load_tokenizer(str(tmp_path))
+  write_gguf(path, cfg, create(cfg)[1], qwen_tok)
+  assert gguf._reader_class()(path).fields["tokenizer.ggml.pre"].contents() == "qwen2"
+  text = "ok!!\n\nnext x\n\n\ny"
+  assert qwen_tok.encode(text) != tok.encode(text)
+  assert load_tokenizer(path).encode(text) == qwen_tok.encode(text)
 
 
 # -- transformers' GGUF loader ------------------------------------------------------------------
@@ -279,15 +295,51 @@ def test_written_file_loads_in_transformers_with_hflax_logits(family, tmp_path):
 
 
 # -- the launcher -----------------------------------------------------------------------------
-def test_launcher_export_gguf_writes_the_final_actor(tmp_path):
+def test_launcher_export_gguf_writes_the_final_actor_lora_merged(tmp_path):
+  """A LoRA run: the file holds the final actor with its adapters merged, the very weights
+  of the HF export beside it."""
+  from hflax.launch.roles import actor_config
   from tiny_config import fit, get_config
   c = get_config()
-  c.trainer.update(total_steps=1, run_dir=str(tmp_path / "run"), export_gguf=True,
-                   export_hf=False)
+  c.model.lora_rank = 4
+  c.trainer.update(total_steps=1, run_dir=str(tmp_path / "run"), export_gguf=True)
   trainer = fit(c)
-  path = tmp_path / "run" / "gguf_actor" / "model.gguf"
-  assert (tmp_path / "run" / "gguf_actor" / "EXPORT_COMPLETE").is_file()
-  back_cfg, _, back = hf.load_checkpoint(str(path))
-  assert back_cfg.num_layers == trainer.model_cfg.num_layers == 1
-  _assert_same_weights(back, trainer.roles.actor.params)
-  assert load_tokenizer(str(path)).encode("12+34=") == BYTE.encode("12+34=")
+  run = tmp_path / "run"
+  assert (run / "gguf_actor" / "EXPORT_COMPLETE").is_file()
+  back_cfg, _, back = hf.load_checkpoint(str(run / "gguf_actor" / "model.gguf"))
+  assert back_cfg.lora_rank == 0 and back_cfg.num_layers == trainer.model_cfg.num_layers
+  merged = merge_adapters(actor_config(c, trainer.model_cfg), trainer.roles.actor.params)
+  _assert_same_weights(back, merged)
+  _, _, exported = hf.load_checkpoint(str(run / "hf_actor"))
+  _assert_same_weights(back, exported)
+  assert load_tokenizer(str(run / "gguf_actor" / "model.gguf")).encode("12+34=") == \
+      BYTE.encode("12+34=")
+
+
+def test_launcher_refuses_what_it_could_not_export_before_the_run(tmp_path, capsys,
+                                                                   monkeypatch):
+  import importlib.util
+
+  import tokenizers
+
+  from hflax.launch.__main__ import cli
+  from hflax.launch.config import validate
+  from tiny_config import get_config
+  # A word-level tokenizer: no llama.cpp vocabulary type hflax writes.
+  words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "1": 1, "+": 2},
+                                                           unk_token="[UNK]"))
+  words.save(str(tmp_path / "tokenizer.json"))
+  tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_config.py")
+  code = cli(["--config", tiny, f"--config.trainer.run_dir={tmp_path}/run",
+              f"--config.model.tokenizer={tmp_path}", "--config.trainer.export_gguf=True"])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and "config.trainer.export_gguf: tokenizer" in err, err
+  assert "only byte-level BPE" in err and "\n" not in err
+  assert not (tmp_path / "run" / "checkpoints").exists()
+  c = get_config()
+  c.trainer.export_gguf = True
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "gguf" else real(name, *a))
+  with pytest.raises(ValueError, match=r"config.trainer.export_gguf: .*pip install"):
+    validate(c)

@@ -183,6 +183,7 @@ def write_gguf(path: str, cfg: ModelConfig, state, tokenizer: Tokenizer, *,
       writer.write_tensor_data(_tensor_data(gguf, cfg, entry))
     writer.close()
     os.replace(partial, path)
+    gguf_read._open.cache_clear()  # it may hold a file this one replaced, by path
   except BaseException:
     writer.close()
     if os.path.exists(partial):
@@ -286,7 +287,8 @@ def _add_byte_tokenizer(gguf, w, vocab_size: int) -> None:
 def _pre_tokenizer_name(spec: dict | None) -> str | None:
   """llama.cpp's tokenizer.ggml.pre for the pre-tokenizers hflax's reader rebuilds: GPT-2's
   byte-level regex, Llama 3's split and Qwen2's split."""
-  if spec and spec.get("type") == "ByteLevel" and spec.get("use_regex", True):
+  if (spec and spec.get("type") == "ByteLevel" and spec.get("use_regex", True)
+      and not spec.get("add_prefix_space", False)):
     return "gpt-2"
   parts = (spec or {}).get("pretokenizers") or []
   if (len(parts) == 2 and parts[0].get("type") == "Split"
