@@ -122,10 +122,6 @@ class ModelConfig:
                                                     and not self.num_experts):
       raise ValueError(f"shared_expert_intermediate_size={self.shared_expert_intermediate_size}"
                        " needs num_experts > 0 (a shared expert sits beside routed ones)")
-    mlp_targets = [t for t in self.lora_targets if t in ("gate_proj", "up_proj", "down_proj")]
-    if self.num_experts and mlp_targets:
-      raise ValueError(f"lora_targets {mlp_targets}: the experts of a mixture-of-experts model "
-                       "take no LoRA adapters (attention's projections do)")
     if self.lora_rank < 0 or (self.lora_rank > 0) != bool(self.lora_targets):
       raise ValueError(f"lora_rank={self.lora_rank} with lora_targets={self.lora_targets}: a "
                        "positive rank needs targets, and targets need a positive rank")
@@ -175,12 +171,18 @@ class ModelConfig:
 
   @property
   def num_lora_params(self) -> int:
-    """Parameters of the LoRA adapters (rank x (in + out) per adapted layer)."""
-    d, h, kv, hd, f = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                       self.intermediate_size)
-    sizes = {"q_proj": d + h * hd, "k_proj": d + kv * hd, "v_proj": d + kv * hd,
-             "o_proj": h * hd + d, "gate_proj": d + f, "up_proj": d + f, "down_proj": f + d}
-    return self.num_layers * self.lora_rank * sum(sizes[t] for t in self.lora_targets)
+    """Parameters of the LoRA adapters: rank x (in + out) per adapted layer; in a sparse
+    layer one pair an expert, and the shared expert's like a dense MLP's."""
+    d, h, kv, hd = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+    attn = {"q_proj": d + h * hd, "k_proj": d + kv * hd, "v_proj": d + kv * hd,
+            "o_proj": h * hd + d}
+    sparse, shared = self.num_sparse_layers, self.shared_expert_intermediate_size
+    # One MLP projection's in + out, summed over every layer's MLPs (experts included).
+    mlp = ((self.num_layers - sparse) * (d + self.intermediate_size)
+           + sparse * (self.num_experts * (d + self.moe_intermediate_size)
+                       + (d + shared if shared else 0)))
+    return self.lora_rank * sum(self.num_layers * attn[t] if t in attn else mlp
+                                for t in self.lora_targets)
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)

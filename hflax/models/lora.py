@@ -2,8 +2,10 @@
 and export use, the base model beneath the adapters (the reference policy, for free), and
 PEFT's adapter format.
 
-Adapters are `nnx.LoRAParam`s (a subclass of `nnx.Param`) on the targeted `Dense` layers;
-everything here tells them apart by that type.
+Adapters are `nnx.LoRAParam`s (a subclass of `nnx.Param`): lora_a and lora_b on the
+targeted `Dense` layers, and on a mixture of experts' stacks (hflax.models.moe) one pair
+an expert, stacked as <proj>_lora_a [E, in, r] and <proj>_lora_b [E, r, out] beside the
+stack <proj>; everything here tells them apart by that type.
 """
 from __future__ import annotations
 
@@ -78,20 +80,35 @@ def split_for_merge(state: nnx.State) -> tuple[nnx.State, nnx.State, nnx.State]:
   """(the adapted kernels, the adapters, every other weight): a merge reads the first
   two and leaves the third as it is."""
   adapters, base = split_adapters(state)
-  layers = {path[:-1] for path, _ in nnx.to_flat_state(adapters)}
-  kernels, rest = nnx.split_state(
-      base, lambda path, _: path[-1] == "kernel" and tuple(path[:-1]) in layers, ...)
+  adapted = {_kernel_of(path) for path, _ in nnx.to_flat_state(adapters)}
+  kernels, rest = nnx.split_state(base, lambda path, _: tuple(path) in adapted, ...)
   return kernels, adapters, rest
 
 
+def _kernel_of(adapter_path: tuple) -> tuple:
+  """The kernel an adapter matrix adds to: a Dense's (..., q, lora_a) -> (..., q, kernel);
+  an expert stack's (..., mlp, gate_lora_a) -> (..., mlp, gate)."""
+  *module, name = adapter_path
+  return (*module, name[:-len("_lora_a")] or "kernel")
+
+
+def _adapters_of(kernel_path: tuple) -> tuple[tuple, tuple]:
+  """The paths of A and B of an adapted kernel (_kernel_of's inverse)."""
+  *module, name = kernel_path
+  prefix = "" if name == "kernel" else name + "_"
+  return (*module, prefix + "lora_a"), (*module, prefix + "lora_b")
+
+
 def merged_kernels(cfg: ModelConfig, kernels: nnx.State, adapters: nnx.State) -> nnx.State:
-  """W + scale * A B for each adapted kernel, summed in float32 and cast back to W's dtype
-  (in bfloat16 weights, an adapter change below W's precision rounds away)."""
+  """W + scale * A B for each adapted kernel (an expert stack's: W_e + scale * A_e B_e), summed
+  in float32 and cast back to W's dtype (in bfloat16 weights, an adapter change below W's
+  precision rounds away)."""
   flat = dict(nnx.to_flat_state(adapters))
   out = []
   for path, var in nnx.to_flat_state(kernels):
-    a, b, w = flat[path[:-1] + ("lora_a",)][...], flat[path[:-1] + ("lora_b",)][...], var[...]
-    delta = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
+    a, b = (flat[p][...] for p in _adapters_of(tuple(path)))
+    w = var[...]
+    delta = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))
     out.append((path, var.replace(value=(w.astype(jnp.float32) + cfg.lora_scale * delta)
                                   .astype(w.dtype))))
   return nnx.from_flat_state(out)
@@ -103,14 +120,19 @@ def base_config(cfg: ModelConfig) -> ModelConfig:
 
 def export_adapter(path: str, cfg: ModelConfig, state: nnx.State, *, base_model: str = ""):
   """Writes the adapters as PEFT's `save_pretrained` does (adapter_config.json and
-  adapter_model.safetensors), for `PeftModel.from_pretrained(base, path)`."""
+  adapter_model.safetensors), for `PeftModel.from_pretrained(base, path)`. An expert
+  stack's adapters are written one pair an expert under the checkpoints' per-expert names
+  (mlp.experts.{e}.gate_proj.lora_A.weight), which PEFT on transformers 5 fuses as it
+  fuses the experts' weights."""
   from hflax.models.hf import hf_name_map  # hf imports the transformer, as this module does
   names = hf_name_map(base_config(cfg))
   tensors = {}
   for kpath, var in nnx.to_flat_state(split_adapters(state)[0]):
     # PEFT keeps torch's [out, in] layout: A is [rank, in], B is [out, rank].
-    array = np.asarray(jax.device_get(var[...]), np.float32).T
-    tensors[_peft_key(names, kpath)] = np.ascontiguousarray(array)
+    array = np.swapaxes(np.asarray(jax.device_get(var[...]), np.float32), -1, -2)
+    parts = array if array.ndim == 3 else [array]  # an expert stack: one an expert
+    for key, part in zip(_peft_keys(names, tuple(kpath), array.shape), parts, strict=True):
+      tensors[key] = np.ascontiguousarray(part)
   os.makedirs(path, exist_ok=True)
   save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
   adapter_config = dict(
@@ -159,23 +181,32 @@ def load_adapter(path: str, cfg: ModelConfig) -> nnx.State:
   with safe_open(file, framework="numpy") as f:
     stored = set(f.keys())
     for kpath, var in nnx.to_flat_state(abstract):
-      key = _peft_key(names, kpath)
-      if key not in stored:
-        raise ValueError(f"{file}: no tensor {key!r} (adapter and model.target_modules differ?)")
-      array, want = f.get_tensor(key).T, var.get_value()
-      if array.shape != want.shape:
-        raise ValueError(f"{file}: {key} has shape {array.T.shape}, the model needs "
-                         f"{want.shape[::-1]}")
+      want = var.get_value()
+      keys = _peft_keys(names, tuple(kpath), want.shape)
+      parts = []
+      for key in keys:
+        if key not in stored:
+          raise ValueError(f"{file}: no tensor {key!r} (adapter and model.target_modules "
+                           "differ?)")
+        part = f.get_tensor(key)
+        if part.shape != want.shape[-1:-3:-1]:
+          raise ValueError(f"{file}: {key} has shape {part.shape}, the model needs "
+                           f"{want.shape[-1:-3:-1]}")
+        parts.append(part.T)
+        stored.discard(key)
+      array = np.stack(parts) if len(want.shape) == 3 else parts[0]
       loaded.append((kpath, var.replace(value=jnp.asarray(array, want.dtype))))
-      stored.discard(key)
   if stored:
     raise ValueError(f"{file}: tensors the model has no place for: {sorted(stored)[:3]}")
   return nnx.from_flat_state(loaded)
 
 
-def _peft_key(names: dict, kpath: tuple) -> str:
-  """PEFT's name of one adapter matrix, e.g. base_model.model.model.layers.0.self_attn.
-  q_proj.lora_A.weight for (layers, 0, attn, q, lora_a)."""
-  weight, _ = names[kpath[:-1] + ("kernel",)]
-  which = {"lora_a": "lora_A", "lora_b": "lora_B"}[kpath[-1]]
-  return "base_model.model." + weight.replace(".weight", f".{which}.weight")
+def _peft_keys(names: dict, kpath: tuple, shape) -> list[str]:
+  """PEFT's names of one adapter matrix, e.g. [base_model.model.model.layers.0.self_attn.
+  q_proj.lora_A.weight] for (layers, 0, attn, q, lora_a); an expert stack's one an expert
+  (..., mlp.experts.{e}.gate_proj.lora_A.weight for (layers, 0, mlp, gate_lora_a))."""
+  from hflax.models.hf import EXPERT
+  weight, _ = names[_kernel_of(kpath)]
+  which = {"lora_a": "lora_A", "lora_b": "lora_B"}[kpath[-1][-len("lora_a"):]]
+  key = "base_model.model." + weight.replace(".weight", f".{which}.weight")
+  return [key.replace(EXPERT, str(e)) for e in range(shape[0])] if EXPERT in key else [key]

@@ -12,6 +12,12 @@ sigmoid(x @ shared_expert_gate) and added to the routed experts' sum (HF's order
 model builds it (a transformer MLP and Dense) and hands it in, so this module stays below
 the transformer's.
 
+LoRA (ModelConfig.lora_targets naming gate_proj, up_proj or down_proj): each adapted
+projection's stack gets LoRAParams <proj>_lora_a [E, in, r] and <proj>_lora_b [E, r, out],
+one pair an expert, split over the expert axis as the stack is, B zero at first; the
+dispatch adds scale x A_e B_e to expert e's kernel (hflax.models.experts). The router is
+never adapted; the shared expert is a dense MLP and takes the dense MLP's adapters.
+
 Routing replay: a module's `replay` (set by `set_replay` before a call) replaces the
 top-k choice with given expert indices; the combine weights are still the current
 router's probabilities at those indices (renormalised the same way), so the router gets
@@ -49,6 +55,14 @@ class SparseMoE(nnx.Module):
     self.gate = param((e, d, f), ("expert", "embed", "expert_mlp"))
     self.up = param((e, d, f), ("expert", "embed", "expert_mlp"))
     self.down = param((e, f, d), ("expert", "expert_mlp", "embed"))
+    for proj, (din, dout), axes in (("gate", (d, f), ("embed", "expert_mlp")),
+                                    ("up", (d, f), ("embed", "expert_mlp")),
+                                    ("down", (f, d), ("expert_mlp", "embed"))):
+      on = f"{proj}_proj" in cfg.lora_targets
+      a, b = _expert_lora_pair(e, din, dout, axes, cfg, rngs) if on else (None, None)
+      setattr(self, f"{proj}_lora_a", a)
+      setattr(self, f"{proj}_lora_b", b)
+    self.lora_scale = cfg.lora_scale
     self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
     self.dtype = jnp.dtype(cfg.dtype)
     # "dense", "sorted" or "all_to_all" (ModelConfig.moe_dispatch, hflax.models.experts)
@@ -81,10 +95,30 @@ class SparseMoE(nnx.Module):
     experts = DISPATCH[self.dispatch]
     if self.dispatch == "all_to_all":
       experts = functools.partial(experts, capacity_factor=self.capacity_factor)
-    out = experts(x, routes, weights.astype(self.dtype), *kernels)
+    out = experts(x, routes, weights.astype(self.dtype), *kernels, self.adapters())
     if self.shared_expert is not None:
       out = out + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
     return out
+
+
+  def adapters(self) -> dict:
+    """{projection: (A, scale x B)} in the compute dtype, for the adapted projections."""
+    out = {}
+    for proj in ("gate", "up", "down"):
+      a, b = getattr(self, f"{proj}_lora_a"), getattr(self, f"{proj}_lora_b")
+      if a is not None:
+        out[proj] = (a[...].astype(self.dtype), (self.lora_scale * b[...]).astype(self.dtype))
+    return out
+
+
+def _expert_lora_pair(experts, din, dout, axes, cfg: ModelConfig, rngs: nnx.Rngs):
+  """One LoRA pair an expert, stacked on the expert axis: PEFT's initialisation of each
+  (A ~ U(+-1/sqrt(din)) from the LoRA stream, B = 0), so the model starts as the base."""
+  bound, r = din ** -0.5, cfg.lora_rank
+  a = jax.random.uniform(rngs.lora(), (experts, din, r), cfg.param_dtype, -bound, bound)
+  return (nnx.LoRAParam(a, axes=("expert", axes[0], None)),
+          nnx.LoRAParam(jnp.zeros((experts, r, dout), cfg.param_dtype),
+                        axes=("expert", None, axes[1])))
 
 
 def sparse_modules(model) -> list[SparseMoE]:

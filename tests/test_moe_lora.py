@@ -1,0 +1,293 @@
+"""LoRA on a mixture of experts' stacked experts: one (A, B) pair an expert and projection,
+the function of W_e + scale A_e B_e in every dispatch mode (against kernels merged by hand
+in numpy), its gradients, expert parallelism, PEFT's per-expert names, and a GRPO run."""
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from hflax.models import create, forward, hf, moe
+from hflax.models.config import ModelConfig
+from hflax.models.lora import (add_adapters, export_adapter, load_adapter, lora_config,
+                               merge_adapters, split_adapters, trainable_filter)
+from hflax.models.transformer import create_abstract, logits_fn
+from hflax.sharding.layouts import TRAIN_RULES, batch_sharding, state_shardings, train_mesh
+from moe_models import tiny_moe
+
+# Qwen3-MoE's shape, tiny: layer 0 sparse, layer 1 dense (mlp_only_layers).
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=8, family="qwen3_moe", qk_norm=True, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+            mlp_only_layers=(1,))
+PROJ = ("gate", "up", "down")
+
+
+def _built(cfg, seed=0):
+  """(graphdef, state) of a random model, its initialisation one compiled program."""
+  return create_abstract(cfg)[0], jax.jit(lambda: create(cfg, seed=seed)[1])()
+
+
+def _logits(graphdef):
+  return jax.jit(lambda state, tokens, mask: logits_fn(graphdef, state, tokens, mask))
+
+
+@jax.jit
+def _randomised(state, seed=0, scale=0.1):
+  """Adapters with a random B (fresh ones have B = 0, where any adapter is a no-op)."""
+  adapters, base = split_adapters(state)
+  leaves, tree = jax.tree.flatten(adapters)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  leaves = [scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+  return nnx.merge_state(base, jax.tree.unflatten(tree, leaves))
+
+
+def _tokens(rows=2, length=12, vocab=64, seed=0):
+  tokens = np.random.RandomState(seed).randint(3, vocab, (rows, length))
+  return jnp.asarray(tokens), jnp.ones((rows, length), jnp.int32)
+
+
+def _merged_by_hand(cfg, state):
+  """The base model's state with every adapted kernel replaced, in numpy, by W + s A B
+  (an expert stack's W_e + s A_e B_e, expert by expert)."""
+  flat = {tuple(p): np.asarray(v[...], np.float64) for p, v in nnx.to_flat_state(state)}
+  out = []
+  for path, var in nnx.to_flat_state(split_adapters(state)[1]):
+    path, w = tuple(path), np.asarray(var[...], np.float64)
+    module, name = path[:-1], path[-1]
+    prefix = "" if name == "kernel" else name + "_"
+    if module + (prefix + "lora_a",) in flat:
+      a, b = flat[module + (prefix + "lora_a",)], flat[module + (prefix + "lora_b",)]
+      if w.ndim == 3:
+        w = w + cfg.lora_scale * np.stack([a[e] @ b[e] for e in range(w.shape[0])])
+      else:
+        w = w + cfg.lora_scale * a @ b
+    out.append((path, var.replace(value=jnp.asarray(w, jnp.float32))))
+  return nnx.from_flat_state(out)
+
+
+def _loss(graphdef, mesh=None):
+  """A token NLL plus the load-balancing term (the router's both gradient paths)."""
+  def loss(params, tokens, mask):
+    context = (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
+               else contextlib.nullcontext())
+    with context, moe.recording() as record:
+      model, hidden = forward(graphdef, params, tokens, mask)
+      aux = moe.load_balancing_loss(moe.stacked(record)[1], 2, mask)
+    logp = jax.nn.log_softmax(model.logits(hidden)[:, :-1], axis=-1)
+    token_logp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return -token_logp.mean() + 0.01 * aux
+  return loss
+
+
+@pytest.mark.parametrize("family,dispatch,grads", [
+    ("qwen3_moe", "dense", True), ("qwen3_moe", "sorted", True), ("qwen2_moe", "sorted", False)])
+def test_expert_adapters_are_the_hand_merged_kernels(family, dispatch, grads):
+  """all_to_all is "sorted" outside an expert mesh: test_expert_parallel_lora_step below."""
+  extra = (dict(qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=20,
+                norm_topk_prob=False) if family == "qwen2_moe" else {})
+  cfg = ModelConfig(**{**TINY, **extra, "family": family, "moe_dispatch": dispatch})
+  lcfg = lora_config(cfg, 4, 8.0, "all-linear")
+  graphdef, state = _built(cfg)
+  lora_graphdef, lora_state = add_adapters(lcfg, state, seed=1)
+  base_logits, lora_logits = _logits(graphdef), _logits(lora_graphdef)
+  adapters = {tuple(p): v for p, v in nnx.to_flat_state(split_adapters(lora_state)[0])}
+  # One pair an expert and projection, on the expert axis; the router never adapted; the
+  # shared expert adapted as a dense MLP; B zero.
+  for proj, (din, dout) in zip(PROJ, ((32, 24), (32, 24), (24, 32))):
+    a = adapters[("layers", 0, "mlp", f"{proj}_lora_a")]
+    b = adapters[("layers", 0, "mlp", f"{proj}_lora_b")]
+    assert a.get_value().shape == (4, din, 4) and b.get_value().shape == (4, 4, dout)
+    assert a.get_metadata()["axes"][0] == b.get_metadata()["axes"][0] == "expert"
+    assert not np.asarray(b[...]).any()
+  names = {p[3] for p in adapters if p[:3] == ("layers", 0, "mlp")}
+  assert names == {f"{proj}_lora_{w}" for proj in PROJ for w in "ab"} | (
+      {"shared_expert"} if family == "qwen2_moe" else set())  # no router_lora_*
+  shared = {p for p in adapters if "shared_expert" in p}
+  assert len(shared) == (6 if family == "qwen2_moe" else 0)  # 3 projections x A, B
+  assert sum(v.get_value().size for v in adapters.values()) == lcfg.num_lora_params
+  tokens, mask = _tokens()
+  base = base_logits(state, tokens, mask)
+  np.testing.assert_array_equal(lora_logits(lora_state, tokens, mask), base)
+
+  adapted = _randomised(lora_state)
+  got = lora_logits(adapted, tokens, mask)
+  assert float(jnp.abs(got - base).max()) > 1e-2
+  by_hand = _merged_by_hand(lcfg, adapted)
+  np.testing.assert_allclose(got, base_logits(by_hand, tokens, mask), atol=1e-5, rtol=0)
+  merged = jax.jit(lambda s: merge_adapters(lcfg, s))(adapted)  # what generation runs
+  np.testing.assert_allclose(base_logits(merged, tokens, mask), got, atol=1e-5, rtol=0)
+  if grads:
+    _assert_expert_grads_are_the_merged_ones(lcfg, graphdef, state, lora_graphdef, adapted,
+                                             by_hand, tokens, mask)
+
+
+def _assert_expert_grads_are_the_merged_ones(lcfg, graphdef, state, lora_graphdef, adapted,
+                                             by_hand, tokens, mask):
+  """The gradient w.r.t. layer 0's expert adapters is jax.grad of the same loss on the
+  merged formulation, W_e + s A_e B_e put into the base model's graph."""
+  trained, frozen = nnx.split_state(adapted, trainable_filter(lcfg, "lm"), ...)
+  grads = jax.jit(jax.grad(
+      lambda t: _loss(lora_graphdef)(nnx.merge_state(frozen, t), tokens, mask)))(trained)
+  grads = {tuple(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+  kernels = {tuple(p): v[...] for p, v in nnx.to_flat_state(state)}
+  layer = ("layers", 0, "mlp")
+
+  def merged_loss(pairs):
+    flat = []
+    for path, var in nnx.to_flat_state(by_hand):
+      if tuple(path[:3]) == layer and path[3] in pairs:
+        a, b = pairs[path[3]]
+        var = var.replace(value=kernels[tuple(path)] + lcfg.lora_scale * jnp.matmul(a, b))
+      flat.append((path, var))
+    return _loss(graphdef)(nnx.from_flat_state(flat), tokens, mask)
+  pairs = {proj: tuple(adapted["layers"][0]["mlp"][f"{proj}_{w}"][...]
+                      for w in ("lora_a", "lora_b"))
+           for proj in PROJ}
+  want = jax.jit(jax.grad(merged_loss))(pairs)
+  for proj in PROJ:
+    for i, which in enumerate(("lora_a", "lora_b")):
+      g = grads[layer + (f"{proj}_{which}",)]
+      assert np.abs(g).max() > 1e-6, (proj, which)
+      np.testing.assert_allclose(g, np.asarray(want[proj][i]), atol=1e-6, rtol=1e-4,
+                                 err_msg=f"{proj}_{which}")
+
+
+def test_expert_parallel_lora_step_equals_one_device():
+  """all_to_all dispatch on fsdp 2 x expert 4 (8 simulated devices, one expert a device):
+  the adapters split over the expert axis with their stacks, and the LoRA forward, its
+  gradients and one optimizer update of the adapters alone equal one device's; the
+  logits are those of the experts merged by hand."""
+  mesh = train_mesh(jax.devices(), fsdp=2, expert=4)
+  cfg = ModelConfig(**{**TINY, "moe_dispatch": "all_to_all"})
+  lcfg = lora_config(cfg, 4, 8.0, "all-linear")
+  graphdef, state = add_adapters(lcfg, _built(cfg)[1], seed=1)
+  state = _randomised(state)
+  sharded = jax.device_put(state, state_shardings(state, mesh, TRAIN_RULES))
+  a = sharded["layers"][0]["mlp"]["down_lora_a"][...]
+  assert a.sharding.spec[0] == "expert" and {s.data.shape[0] for s in a.addressable_shards} == {1}
+  opt = optax.adamw(1e-2, eps=1e-4)  # eps above float32's rounding of the gradients
+  filt = trainable_filter(lcfg, "lm")
+
+  def stepper(mesh):
+    def step(params, opt_state, tokens, mask):
+      trained, frozen = nnx.split_state(params, filt, ...)
+      loss, grads = jax.value_and_grad(
+          lambda t: _loss(graphdef, mesh)(nnx.merge_state(frozen, t), tokens, mask))(trained)
+      updates, opt_state = opt.update(grads, opt_state, trained)
+      context = (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh is not None
+                 else contextlib.nullcontext())
+      with context:
+        logits = logits_fn(graphdef, params, tokens, mask)
+      return loss, logits, grads, optax.apply_updates(trained, updates)
+    return jax.jit(step)
+
+  tokens, mask = _tokens(rows=8, length=10)
+  traced = []
+  from hflax.models import experts
+  exchange = experts._exchange
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(experts, "_exchange", lambda *a, **kw: traced.append(a[6]) or exchange(*a, **kw))
+    rows = batch_sharding(mesh)
+    trained = nnx.split_state(sharded, filt, ...)[0]
+    got = stepper(mesh)(sharded, opt.init(trained), jax.device_put(tokens, rows),
+                        jax.device_put(mask, rows))
+  # The exchange ran each device's own experts with their own adapters (1 expert a device).
+  assert traced and {a.shape[0] for a, _ in traced[0].values()} == {1}
+  assert got[3]["layers"][0]["mlp"]["gate_lora_b"][...].sharding.spec[0] == "expert"
+  one = jax.devices()[0]
+  single = jax.device_put(state, one)
+  want = stepper(None)(single, opt.init(nnx.split_state(single, filt, ...)[0]), tokens, mask)
+  for name, x, y in zip(["loss", "logits", "grads", "adapters"], got, want):
+    for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+      np.testing.assert_allclose(np.asarray(u), np.asarray(v), atol=1e-5, rtol=1e-5, err_msg=name)
+  by_hand = _merged_by_hand(lcfg, state)
+  np.testing.assert_allclose(np.asarray(got[1]), _logits(create_abstract(cfg)[0])(
+      by_hand, tokens, mask), atol=1e-5, rtol=0)
+  before, after = (s["layers"][0]["mlp"]["up_lora_a"][...] for s in (state, want[3]))
+  assert float(jnp.abs(after - before).max()) > 1e-3
+
+
+def test_peft_names_the_expert_adapters_as_transformers_names_the_experts(tmp_path):
+  """The export's tensor names are the per-expert module names of transformers' Qwen3-MoE
+  checkpoints (mlp.experts.{e}.gate_proj, read from one it saved), plus PEFT's lora_A /
+  lora_B; it loads back bit for bit, and PEFT (which fuses per-expert adapters as
+  transformers 5 fuses the experts) runs it as hflax does."""
+  import peft
+  import torch
+  from safetensors import safe_open
+  model = tiny_moe(seed=1, mlp_only_layers=[])  # every layer sparse (see docs/models.md)
+  model.save_pretrained(tmp_path / "base")
+  cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
+  lcfg = lora_config(cfg, 4, 8.0, "all-linear")
+  graphdef, adapted = add_adapters(lcfg, state, seed=3)
+  adapted = _randomised(adapted)
+  export_adapter(str(tmp_path / "adapter"), lcfg, adapted, base_model=str(tmp_path / "base"))
+  with safe_open(str(tmp_path / "base" / "model.safetensors"), "np") as f:
+    weights = {k: f.get_slice(k).get_shape() for k in f.keys()}
+  targets = {f".{t}.weight" for t in lcfg.lora_targets}
+  want = {}
+  for name, (out, din) in ((k, s) for k, s in weights.items() if k.endswith(tuple(targets))):
+    module = "base_model.model." + name.removesuffix(".weight")
+    want[module + ".lora_A.weight"], want[module + ".lora_B.weight"] = [4, din], [out, 4]
+  assert any(".mlp.experts.7.down_proj." in k for k in want)
+  assert not any(".mlp.gate." in k for k in want)  # the router
+  with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "np") as f:
+    assert {k: f.get_slice(k).get_shape() for k in f.keys()} == want
+  loaded = load_adapter(str(tmp_path / "adapter"), lcfg)
+  for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(split_adapters(adapted)[0]),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  tokens, mask = _tokens(vocab=128)
+  with torch.no_grad():
+    plain = model(torch.tensor(np.asarray(tokens))).logits.numpy()
+    reference = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    want_logits = reference(torch.tensor(np.asarray(tokens))).logits.numpy()
+  assert np.abs(want_logits - plain).max() > 1e-2  # PEFT read the adapters
+  ours = np.asarray(_logits(graphdef)(adapted, tokens, mask))
+  np.testing.assert_allclose(ours, want_logits, atol=2e-4)
+
+
+def test_grpo_run_trains_the_expert_adapters_and_generates_with_them_merged(tmp_path):
+  """The tiny GRPO job on the tiny MoE with model.lora_rank=4 on the experts alone: the
+  first rollout samples the base model's tokens (B = 0) and the second the adapted model's
+  (generation runs the merged experts: its log-probs are the adapted model's teacher-forced
+  ones, not the base's); the adapters moved, the base stayed."""
+  from hflax.models.tokenizer import ByteTokenizer
+  from tiny_config import fit, get_config
+  path = tmp_path / "moe"
+  tiny_moe(vocab_size=ByteTokenizer().vocab_size, bos_token_id=None, eos_token_id=None,
+           pad_token_id=None, mlp_only_layers=[]).save_pretrained(path)
+
+  def run(name, steps, **lora):
+    c = get_config()
+    c.model.update(path=str(path), tokenizer="byte", **lora)
+    # entropy_coeff: a gradient for the adapters while a random model's rewards are all 0.
+    c.actor.update(recompute_log_prob=True, entropy_coeff=0.1)
+    c.actor.optim.lr = 1e-2
+    c.data.max_response_length = 8
+    c.trainer.update(total_steps=steps, save_every=steps, run_dir=str(tmp_path / name),
+                     export_hf=False, compile_cache_dir="")
+    batches = []
+    return fit(c, lambda info: batches.append(info.batch.to_host())), batches
+
+  trainer, batches = run("lora", 2, lora_rank=4, lora_alpha=8.0,
+                         target_modules="gate_proj,up_proj,down_proj")
+  _, base_batches = run("base", 1)
+  np.testing.assert_array_equal(batches[0]["responses"], base_batches[0]["responses"])
+  for step, b in enumerate(batches):
+    m = np.asarray(b["response_mask"], bool)
+    rollout, old, ref = (np.asarray(b[k])[m] for k in
+                         ("rollout_log_probs", "old_log_probs", "ref_log_prob"))
+    np.testing.assert_allclose(rollout, old, atol=1e-5)
+    assert np.abs(rollout - ref).max() > 1e-2 if step else np.abs(rollout - ref).max() < 1e-5
+  _, _, state = hf.load_checkpoint(str(path))
+  adapters, base = split_adapters(trainer.roles.actor.params)
+  assert {p[-1] for p, _ in nnx.to_flat_state(adapters)} == {
+      f"{proj}_lora_{w}" for proj in PROJ for w in "ab"}
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(state), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(np.asarray(b).any() for p, b in nnx.to_flat_state(adapters) if p[-1].endswith("b"))
