@@ -10,9 +10,10 @@ One interface for everything that samples from the policy:
   engine.run([Request(...), ...])                  # submit all, step until all are done
 
 Requests are decoded continuously in `slots` cache rows (split over the mesh's "data"
-axis): each step admits waiting requests into free slots (one prefill of the admitted
-prompts, left-padded to a common width), then decodes `steps_per_call` tokens for every
-busy slot in one compiled call, and hands finished requests back. The host sees every
+axis): each step admits waiting requests into free slots (each prompt prefilled at its
+own padded width, in calls of a fixed row count, so its numerics do not depend on which
+requests arrived with it), then decodes `steps_per_call` tokens for every busy slot in
+one compiled call, and hands finished requests back. The host sees every
 slot between calls, so it can admit, abort and swap weights there; a call ends early
 when no slot is busy.
 
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from hflax import platforms
 from hflax.rollout import sampler
 from hflax.rollout.decoding import SamplingParams
 from hflax.rollout.engine_programs import carry_bytes, decode_steps
@@ -65,18 +67,25 @@ class RolloutEngine(SlotTable):
   included (default and least: max_prompt_len + max_new_tokens); a slot's cache has that
   many columns, and max_turn_len more where continuations are on, so that a
   continuation's prefill writes whole columns inside it.
+  rows_per_prefill: the rows of every admission's compiled call (0: one on the CPU, up to
+  8 elsewhere). Each request is prefilled at its own padded width in calls of this many
+  rows, so its log-probs are bit for bit the same whichever requests it was admitted
+  with (hflax.rollout.slots, SlotTable._calls).
   """
 
   def __init__(self, graphdef, state, sampling: SamplingParams, *, slots: int = 8,
                max_prompt_len: int = 256, steps_per_call: int = 8, mesh: Mesh | None = None,
                devices: Sequence | None = None, version: int = 0, key: jax.Array | None = None,
-               max_turn_len: int = 0, max_context_len: int = 0):
+               max_turn_len: int = 0, max_context_len: int = 0, rows_per_prefill: int = 0):
     if len(sampling.eos_ids) > MAX_STOP_IDS:
       raise ValueError(f"RolloutEngine: at most {MAX_STOP_IDS} eos ids, got {sampling.eos_ids}")
     for name, value in (("slots", slots), ("max_prompt_len", max_prompt_len),
                         ("steps_per_call", steps_per_call)):
       if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise ValueError(f"RolloutEngine: {name} must be an integer >= 1, got {value!r}")
+    if not isinstance(rows_per_prefill, (int, np.integer)) or rows_per_prefill < 0:
+      raise ValueError(f"RolloutEngine: rows_per_prefill must be an integer >= 0, got "
+                       f"{rows_per_prefill!r}")
     if mesh is not None and devices is not None:
       raise ValueError("RolloutEngine: pass mesh (weights placed on it) or devices, not both")
     self.devices = None if devices is None else list(devices)
@@ -86,6 +95,9 @@ class RolloutEngine(SlotTable):
       raise ValueError(f"RolloutEngine: {slots} slots do not split over the mesh's "
                        f"{mesh.shape['data']} data devices")
     self.sampling, self.slots, self.steps_per_call = sampling, int(slots), int(steps_per_call)
+    # One where a step's time follows its rows (the CPU: padding rows cost their compute).
+    self.rows_per_prefill = int(rows_per_prefill) or (
+        1 if platforms.step_time_follows_rows() else min(self.slots, 8))
     self.prompt_width = int(max_prompt_len)
     if not isinstance(max_turn_len, (int, np.integer)) or max_turn_len < 0:
       raise ValueError(f"RolloutEngine: max_turn_len must be an integer >= 0, got "

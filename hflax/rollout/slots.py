@@ -1,5 +1,6 @@
 """The rollout engine's slot table, host side: admitting waiting requests into free slots
-(one prefill of their prompts), continuing kept contexts, and finishing or freeing a slot.
+(prefills of their prompts, see SlotTable._calls), continuing kept contexts, and
+finishing or freeing a slot.
 
 RolloutEngine (hflax.rollout.engine) takes these as a base class: they read and write
 its slot records (_live, _held, _next_col, _waiting) and its carry, and call the
@@ -14,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hflax.rollout import sampler
 from hflax.rollout.engine_programs import empty_carry, extend, prefill_into
-from hflax.rollout.requests import (Completion, Held, Live, Request, admission_rows, completion,
-                                    key_data, stop_row)
+from hflax.rollout.requests import (Completion, Held, Live, Request, completion, key_data,
+                                    stop_row)
 
 
 class SlotTable:
@@ -34,18 +35,34 @@ class SlotTable:
     if not take:
       return finished
     del self._waiting[:len(take)]
-    K = admission_rows(len(take), self.slots)
-    picks = [take[i % len(take)] for i in range(K)]  # padding rows repeat real ones
-    width = min(sampler.length_bucket(max(len(r.prompt_ids) for r in take)), self.prompt_width)
-    tokens, mask = sampler.left_pad([r.prompt_ids for r in picks], self.sampling.pad_id, width)
-    slots = np.full(K, self.slots, np.int32)  # out of range: padding rows write nowhere
-    slots[:len(take)] = free[:len(take)]
-    per_row = {**self._sampling_rows(picks), "tokens": tokens, "mask": mask, "slot": slots}
-    self._carry, (first, logp, going) = prefill_into(
-        graphdef, state, self._carry, per_row, params=self.sampling,
-        prompt_width=self.prompt_width)
-    return finished + self._started(take, slots, [self.prompt_width] * len(take),
-                                    first, logp, going)
+    started = []
+    widths = [min(sampler.length_bucket(len(r.prompt_ids)), self.prompt_width) for r in take]
+    for width, group in self._calls(widths):
+      picks = [take[group[i % len(group)]] for i in range(self.rows_per_prefill)]
+      tokens, mask = sampler.left_pad([r.prompt_ids for r in picks], self.sampling.pad_id, width)
+      slots = np.full(len(picks), self.slots, np.int32)  # out of range: padding rows write nowhere
+      slots[:len(group)] = [free[i] for i in group]
+      per_row = {**self._sampling_rows(picks), "tokens": tokens, "mask": mask, "slot": slots}
+      self._carry, (first, logp, going) = prefill_into(
+          graphdef, state, self._carry, per_row, params=self.sampling,
+          prompt_width=self.prompt_width)
+      started += self._started([take[i] for i in group], slots,
+                               [self.prompt_width] * len(group), first, logp, going)
+    return finished + _in_order(started, take)
+
+  def _calls(self, widths: list[int]) -> list[tuple[int, list[int]]]:
+    """How one admission's requests (their padded `widths`) are prefilled: (width, their
+    indices) per compiled call, rows_per_prefill of one width at a time. Every call has
+    the same rows and each request its own width, so its numerics are those of its own
+    tokens alone: XLA picks a program's kernels (and their summation order) by its
+    shapes, and a request prefilled in a wider or taller batch would round its log-probs
+    apart, by which requests happened to arrive with it (an agent's tool timing)."""
+    by_width: dict[int, list[int]] = {}
+    for i, width in enumerate(widths):
+      by_width.setdefault(width, []).append(i)
+    K = self.rows_per_prefill
+    return [(width, group[j:j + K]) for width, group in sorted(by_width.items())
+            for j in range(0, len(group), K)]
 
   def _started(self, requests, slots, columns, first, logp, going) -> list[Completion]:
     """Marks admitted requests as decoding (their first token picked) and returns those
@@ -65,25 +82,33 @@ class SlotTable:
     that holds it, and picks its first token."""
     if not requests:
       return []
-    K = admission_rows(len(requests), self.slots)
-    picks = [requests[i % len(requests)] for i in range(K)]
-    held = [self._held[r.continues] for r in picks]
-    T = sampler.length_bucket(max(len(r.prompt_ids) for r in requests) + 1, minimum=1)
+    held = [self._held[r.continues] for r in requests]
+    for r in requests:
+      del self._held[r.continues]
+      self._ids.discard(r.continues)
+    widths = [sampler.length_bucket(len(r.prompt_ids) + 1, minimum=1) for r in requests]
+    started = []
+    for T, group in self._calls(widths):
+      started += self._extend([requests[i] for i in group], [held[i] for i in group], T)
+    return _in_order(started, requests)
+
+  def _extend(self, requests: list[Request], held: list[Held], T: int) -> list[Completion]:
+    """One compiled call of `extend` for continuations of T padded columns (see _calls)."""
+    K = self.rows_per_prefill
+    picks = [requests[i % len(requests)] for i in range(K)]  # padding rows repeat real ones
+    kept = [held[i % len(requests)] for i in range(K)]
     tokens = np.full((K, T), self.sampling.pad_id, np.int32)
-    for i, (r, h) in enumerate(zip(picks, held)):
+    for i, (r, h) in enumerate(zip(picks, kept)):
       tokens[i, :len(r.prompt_ids) + 1] = [h.last_token] + r.prompt_ids
     lengths = np.asarray([len(r.prompt_ids) + 1 for r in picks], np.int32)
-    starts = np.asarray([h.end for h in held], np.int32)
-    slots = np.full(K, self.slots, np.int32)
-    slots[:len(requests)] = [h.slot for h in held[:len(requests)]]
+    starts = np.asarray([h.end for h in kept], np.int32)
+    slots = np.full(K, self.slots, np.int32)  # out of range: padding rows write nowhere
+    slots[:len(requests)] = [h.slot for h in held]
     # The most tokens a reply can have: the context holds every token, its last included.
     room = self.context_width - (starts + lengths)
     per_row = {**self._sampling_rows(picks), "tokens": tokens, "length": lengths,
                "start": starts, "slot": slots}
     per_row["max_new"] = np.minimum(per_row["max_new"], room).astype(np.int32)
-    for r in requests:
-      del self._held[r.continues]
-      self._ids.discard(r.continues)
     self._carry, (first, logp, going) = extend(*self.weights, self._carry, per_row,
                                                params=self.sampling)
     return self._started(requests, slots, (starts + lengths)[:len(requests)].tolist(),
@@ -121,3 +146,10 @@ class SlotTable:
       return carry
     rows = NamedSharding(self.mesh, PartitionSpec("data"))
     return jax.device_put(carry, jax.tree.map(lambda _: rows, carry))
+
+
+def _in_order(finished: list[Completion], requests: list[Request]) -> list[Completion]:
+  """Completions of requests that ended at their first token, in the order the requests
+  came (the calls took them by width)."""
+  order = {r.id: i for i, r in enumerate(requests)}
+  return sorted(finished, key=lambda c: order[c.id])
