@@ -83,14 +83,19 @@ def _loss(graphdef, mesh=None):
   return loss
 
 
-@pytest.mark.parametrize("family,dispatch,grads", [
-    ("qwen3_moe", "dense", True), ("qwen3_moe", "sorted", True), ("qwen2_moe", "sorted", False)])
-def test_expert_adapters_are_the_hand_merged_kernels(family, dispatch, grads):
-  """all_to_all is "sorted" outside an expert mesh: test_expert_parallel_lora_step below."""
+ALL_AND_ROUTER = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,gate"
+
+
+@pytest.mark.parametrize("family,dispatch,grads,targets", [
+    ("qwen3_moe", "dense", True, "all-linear"), ("qwen3_moe", "sorted", True, "all-linear"),
+    ("qwen2_moe", "sorted", False, ALL_AND_ROUTER)])
+def test_expert_adapters_are_the_hand_merged_kernels(family, dispatch, grads, targets):
+  """all_to_all is "sorted" outside an expert mesh: test_expert_parallel_lora_step below.
+  "all-linear" leaves the router alone; "gate" names it (HF's mlp.gate)."""
   extra = (dict(qk_norm=False, qkv_bias=True, shared_expert_intermediate_size=20,
                 norm_topk_prob=False) if family == "qwen2_moe" else {})
   cfg = ModelConfig(**{**TINY, **extra, "family": family, "moe_dispatch": dispatch})
-  lcfg = lora_config(cfg, 4, 8.0, "all-linear")
+  lcfg = lora_config(cfg, 4, 8.0, targets)
   graphdef, state = _built(cfg)
   lora_graphdef, lora_state = add_adapters(lcfg, state, seed=1)
   base_logits, lora_logits = _logits(graphdef), _logits(lora_graphdef)
@@ -103,11 +108,14 @@ def test_expert_adapters_are_the_hand_merged_kernels(family, dispatch, grads):
     assert a.get_value().shape == (4, din, 4) and b.get_value().shape == (4, 4, dout)
     assert a.get_metadata()["axes"][0] == b.get_metadata()["axes"][0] == "expert"
     assert not np.asarray(b[...]).any()
+  router = "gate" in lcfg.lora_targets
   names = {p[3] for p in adapters if p[:3] == ("layers", 0, "mlp")}
-  assert names == {f"{proj}_lora_{w}" for proj in PROJ for w in "ab"} | (
-      {"shared_expert"} if family == "qwen2_moe" else set())  # no router_lora_*
+  assert names == {f"{proj}_lora_{w}" for proj in PROJ + ("router",) * router for w in "ab"} | (
+      {"shared_expert"} if family == "qwen2_moe" else set())
   shared = {p for p in adapters if "shared_expert" in p}
   assert len(shared) == (6 if family == "qwen2_moe" else 0)  # 3 projections x A, B
+  if router:
+    assert adapters[("layers", 0, "mlp", "router_lora_b")].get_value().shape == (4, 4)
   assert sum(v.get_value().size for v in adapters.values()) == lcfg.num_lora_params
   tokens, mask = _tokens()
   base = base_logits(state, tokens, mask)
@@ -212,17 +220,17 @@ def test_expert_parallel_lora_step_equals_one_device():
 
 
 def test_peft_names_the_expert_adapters_as_transformers_names_the_experts(tmp_path):
-  """The export's tensor names are the per-expert module names of transformers' Qwen3-MoE
-  checkpoints (mlp.experts.{e}.gate_proj, read from one it saved), plus PEFT's lora_A /
-  lora_B; it loads back bit for bit, and PEFT (which fuses per-expert adapters as
-  transformers 5 fuses the experts) runs it as hflax does."""
+  """The export's tensor names are the module names of transformers' Qwen3-MoE checkpoints
+  (mlp.experts.{e}.gate_proj, mlp.gate for the router; read from one it saved) plus
+  PEFT's lora_A / lora_B; it loads back bit for bit, and PEFT (which fuses per-expert
+  adapters as transformers 5 fuses the experts) runs it as hflax does."""
   import peft
   import torch
   from safetensors import safe_open
   model = tiny_moe(seed=1, mlp_only_layers=[])  # every layer sparse (see docs/models.md)
   model.save_pretrained(tmp_path / "base")
   cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
-  lcfg = lora_config(cfg, 4, 8.0, "all-linear")
+  lcfg = lora_config(cfg, 4, 8.0, ALL_AND_ROUTER)
   graphdef, adapted = add_adapters(lcfg, state, seed=3)
   adapted = _randomised(adapted)
   export_adapter(str(tmp_path / "adapter"), lcfg, adapted, base_model=str(tmp_path / "base"))
@@ -234,7 +242,7 @@ def test_peft_names_the_expert_adapters_as_transformers_names_the_experts(tmp_pa
     module = "base_model.model." + name.removesuffix(".weight")
     want[module + ".lora_A.weight"], want[module + ".lora_B.weight"] = [4, din], [out, 4]
   assert any(".mlp.experts.7.down_proj." in k for k in want)
-  assert not any(".mlp.gate." in k for k in want)  # the router
+  assert "base_model.model.model.layers.2.mlp.gate.lora_B.weight" in want  # the router
   with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "np") as f:
     assert {k: f.get_slice(k).get_shape() for k in f.keys()} == want
   loaded = load_adapter(str(tmp_path / "adapter"), lcfg)
@@ -291,3 +299,16 @@ def test_grpo_run_trains_the_expert_adapters_and_generates_with_them_merged(tmp_
   for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(state), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert all(np.asarray(b).any() for p, b in nnx.to_flat_state(adapters) if p[-1].endswith("b"))
+
+
+def test_the_router_target_needs_a_mixture_of_experts():
+  from hflax.launch.models import read_model_configs
+  from tiny_config import get_config
+  dense = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+                      num_heads=4, num_kv_heads=2)
+  with pytest.raises(ValueError, match="'gate' names a mixture of experts' router; this llama"):
+    lora_config(dense, 4, 8.0, "q_proj,gate")
+  c = get_config()  # the built-in model: dense
+  c.model.update(lora_rank=4, target_modules="q_proj,gate")
+  with pytest.raises(ValueError, match="^config.model.target_modules: 'gate' names a mixture"):
+    read_model_configs(c)

@@ -7,6 +7,7 @@ from hflax.controller import build
 from hflax.controller.plan import LoraPlan
 from hflax.launch.atomic_export import refuse_incomplete
 from hflax.models import ModelConfig, create, hf
+from hflax.models.config import LORA_ROUTER
 from hflax.models.lora import lora_targets, read_adapter_config
 
 
@@ -101,7 +102,17 @@ def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
   if coef and not (policy is not None and policy.num_sparse_layers):
     raise ValueError(f"config.actor.moe_aux_loss_coef: {coef} weighs a mixture of experts' "
                      "load-balancing loss, but the policy has no sparse layers; set it to 0")
+  for section, model in (("model", policy), ("critic", read.get("critic.model_path", policy))):
+    if section in ("model", *reasons) and cfg[section].lora_rank:
+      _check_router_target(section, cfg[section].target_modules, model)
   return policy
+
+
+def _check_router_target(section: str, target_modules, model: ModelConfig | None) -> None:
+  """LoRA on the router ("gate") needs a mixture of experts (the built-in model is dense)."""
+  if LORA_ROUTER in lora_targets(target_modules) and not (model and model.num_sparse_layers):
+    raise ValueError(f"config.{section}.target_modules: {LORA_ROUTER!r} names a mixture of "
+                     "experts' router (mlp.gate), but the model has no sparse layers")
 
 
 def check_adapter(cfg) -> None:

@@ -27,6 +27,9 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # The linear layers LoRA can adapt, by their HF module names (PEFT's "all-linear" is all
 # of them: the output layer is never adapted).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A mixture of experts' router (HF's mlp.gate): LoRA adapts it only where named, never as
+# part of "all-linear".
+LORA_ROUTER = "gate"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +111,12 @@ class ModelConfig:
     if not self.moe_capacity_factor >= 0:
       raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor!r} must be >= 0 "
                        "(0: no pick dropped)")
-    unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    unknown = [t for t in self.lora_targets if t not in LORA_TARGETS + (LORA_ROUTER,)]
     if unknown:
-      raise ValueError(f"lora_targets {unknown} are not among {LORA_TARGETS}")
+      raise ValueError(f"lora_targets {unknown} are not among {LORA_TARGETS + (LORA_ROUTER,)}")
+    if LORA_ROUTER in self.lora_targets and not self.num_experts:
+      raise ValueError(f"lora_targets {LORA_ROUTER!r} names a mixture of experts' router; "
+                       f"this {self.family} model has none")
     if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
                                  and self.moe_intermediate_size > 0
                                  and self.decoder_sparse_step > 0):
@@ -181,8 +187,9 @@ class ModelConfig:
     mlp = ((self.num_layers - sparse) * (d + self.intermediate_size)
            + sparse * (self.num_experts * (d + self.moe_intermediate_size)
                        + (d + shared if shared else 0)))
-    return self.lora_rank * sum(self.num_layers * attn[t] if t in attn else mlp
-                                for t in self.lora_targets)
+    router = sparse * (d + self.num_experts)
+    return self.lora_rank * sum(self.num_layers * attn[t] if t in attn else
+                                router if t == LORA_ROUTER else mlp for t in self.lora_targets)
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)

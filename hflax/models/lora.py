@@ -18,20 +18,22 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from hflax.models.config import LORA_TARGETS, ModelConfig
+from hflax.models.config import LORA_ROUTER, LORA_TARGETS, ModelConfig
 from hflax.models.transformer import DecoderLM, create_abstract, model_rngs
 
 
 def lora_targets(spec) -> tuple[str, ...]:
-  """"all-linear" (PEFT's: every linear layer but the output one), or HF module names,
-  comma-separated or as a sequence."""
+  """"all-linear" (PEFT's: every linear layer but the output one; on a mixture of experts
+  every expert's too, but not the router), or HF module names, comma-separated or as a
+  sequence ("gate": a mixture of experts' router, mlp.gate)."""
   if spec == "all-linear":
     return LORA_TARGETS
   names = [t.strip() for t in spec.split(",")] if isinstance(spec, str) else list(spec)
-  unknown = [t for t in names if t not in LORA_TARGETS]
+  unknown = [t for t in names if t not in LORA_TARGETS + (LORA_ROUTER,)]
   if unknown or not names:
     raise ValueError(f"{spec!r}: LoRA adapts 'all-linear' or a comma-separated list of "
-                     f"{LORA_TARGETS}" + (f"; unknown: {unknown}" if unknown else ""))
+                     f"{LORA_TARGETS + (LORA_ROUTER,)}"
+                     + (f"; unknown: {unknown}" if unknown else ""))
   return tuple(dict.fromkeys(names))
 
 

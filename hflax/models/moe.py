@@ -16,7 +16,8 @@ LoRA (ModelConfig.lora_targets naming gate_proj, up_proj or down_proj): each ada
 projection's stack gets LoRAParams <proj>_lora_a [E, in, r] and <proj>_lora_b [E, r, out],
 one pair an expert, split over the expert axis as the stack is, B zero at first; the
 dispatch adds scale x A_e B_e to expert e's kernel (hflax.models.experts). The router is
-never adapted; the shared expert is a dense MLP and takes the dense MLP's adapters.
+adapted only where lora_targets names it ("gate", HF's mlp.gate: router_lora_a [D, r],
+router_lora_b [r, E]); the shared expert is a dense MLP and takes the dense MLP's adapters.
 
 Routing replay: a module's `replay` (set by `set_replay` before a call) replaces the
 top-k choice with given expert indices; the combine weights are still the current
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hflax.models.config import ModelConfig
+from hflax.models.config import LORA_ROUTER, ModelConfig
 from hflax.models.experts import DISPATCH
 from hflax.models.matmul import dense_dot
 
@@ -62,6 +63,9 @@ class SparseMoE(nnx.Module):
       a, b = _expert_lora_pair(e, din, dout, axes, cfg, rngs) if on else (None, None)
       setattr(self, f"{proj}_lora_a", a)
       setattr(self, f"{proj}_lora_b", b)
+    router_lora = LORA_ROUTER in cfg.lora_targets
+    self.router_lora_a, self.router_lora_b = (
+        _lora_pair(d, e, ("embed", None), cfg, rngs) if router_lora else (None, None))
     self.lora_scale = cfg.lora_scale
     self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
     self.dtype = jnp.dtype(cfg.dtype)
@@ -75,6 +79,9 @@ class SparseMoE(nnx.Module):
 
   def __call__(self, x_BxTxD):
     logits = dense_dot(x_BxTxD, self.router[...], self.dtype)
+    if self.router_lora_a is not None:
+      low = dense_dot(x_BxTxD, self.router_lora_a[...], self.dtype)
+      logits = logits + self.lora_scale * dense_dot(low, self.router_lora_b[...], self.dtype)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, routes = jax.lax.top_k(probs, self.top_k)
     if self.replay is not None:
@@ -119,6 +126,14 @@ def _expert_lora_pair(experts, din, dout, axes, cfg: ModelConfig, rngs: nnx.Rngs
   return (nnx.LoRAParam(a, axes=("expert", axes[0], None)),
           nnx.LoRAParam(jnp.zeros((experts, r, dout), cfg.param_dtype),
                         axes=("expert", None, axes[1])))
+
+
+def _lora_pair(din, dout, axes, cfg: ModelConfig, rngs: nnx.Rngs):
+  """The router's LoRA pair, initialised as PEFT's (and the transformer's Dense's)."""
+  bound, r = din ** -0.5, cfg.lora_rank
+  a = jax.random.uniform(rngs.lora(), (din, r), cfg.param_dtype, -bound, bound)
+  return (nnx.LoRAParam(a, axes=(axes[0], None)),
+          nnx.LoRAParam(jnp.zeros((r, dout), cfg.param_dtype), axes=(None, axes[1])))
 
 
 def sparse_modules(model) -> list[SparseMoE]:
