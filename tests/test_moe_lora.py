@@ -224,7 +224,6 @@ def test_peft_names_the_expert_adapters_as_transformers_names_the_experts(tmp_pa
   (mlp.experts.{e}.gate_proj, mlp.gate for the router; read from one it saved) plus
   PEFT's lora_A / lora_B; it loads back bit for bit, and PEFT (which fuses per-expert
   adapters as transformers 5 fuses the experts) runs it as hflax does."""
-  import peft
   import torch
   from safetensors import safe_open
   model = tiny_moe(seed=1, mlp_only_layers=[])  # every layer sparse (see docs/models.md)
@@ -249,6 +248,7 @@ def test_peft_names_the_expert_adapters_as_transformers_names_the_experts(tmp_pa
   for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(split_adapters(adapted)[0]),
                   strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  peft = pytest.importorskip("peft")  # the names above are checked without it
   tokens, mask = _tokens(vocab=128)
   with torch.no_grad():
     plain = model(torch.tensor(np.asarray(tokens))).logits.numpy()
