@@ -82,8 +82,8 @@ def test_free_memory_is_the_fullest_accelerators_times_the_devices_or_the_hosts(
   gpus = [_Device("gpu", 80 << 30, 20 << 30), _Device("gpu", 80 << 30, 50 << 30)]
   assert platforms.free_memory(gpus) == 2 * (30 << 30)  # the fuller device bounds each share
   assert platforms.free_memory([_Device("gpu")]) == 2**62  # no limit reported: unbounded
-  from hflax.platforms.cpu import decoding_copy
-  monkeypatch.setattr(decoding_copy, "available_memory", lambda: 123 << 20)
+  from hflax.platforms.cpu import process
+  monkeypatch.setattr(process, "available_memory", lambda: 123 << 20)
   cpus = [_Device("cpu"), _Device("cpu")]  # CPU devices share the host's memory once
   assert platforms.free_memory(cpus) == 123 << 20
   assert platforms.free_memory(jax.devices()[:2]) == 123 << 20

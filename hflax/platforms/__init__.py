@@ -107,7 +107,7 @@ def free_memory(devices) -> int:
   devices share the host's available memory (a container's limit included)."""
   devices = list(devices)
   if all_cpu(devices):
-    from hflax.platforms.cpu.decoding_copy import available_memory
+    from hflax.platforms.cpu.process import available_memory
     return available_memory()
   free = [s["bytes_limit"] - s.get("bytes_in_use", 0)
           for s in (d.memory_stats() or {} for d in devices) if s.get("bytes_limit")]

@@ -35,6 +35,7 @@ from flax import nnx
 from hflax.platforms import all_cpu
 from hflax.platforms.cpu import attention as cpu_attention
 from hflax.platforms.cpu import matmul as cpu_matmul
+from hflax.platforms.cpu.process import available_memory
 from hflax.models.transformer import MLP, Attention, Dense, DecoderLM
 from hflax.platforms.cpu.copy_modules import CopyAttention, CopyDense, CopyLM, CopyMLP
 # The recipes' making is the platforms' common code; named here too for this copy's tests.
@@ -314,33 +315,6 @@ def _cached_plan(graphdef, treedef, structs, pack, attend) -> DecodingPlan | Non
   compiled-program lookup a deep comparison with the one it had compiled for."""
   return decoding_plan(graphdef, jax.tree.unflatten(treedef, structs), pack=pack,
                        attend=attend)
-
-
-def available_memory() -> int:
-  """Bytes this process can still allocate: Linux's MemAvailable, or less where a
-  container's memory limit (cgroup v2 or v1) leaves less; unbounded where unknown."""
-  available = _read_int("/proc/meminfo", "MemAvailable:")
-  free = [] if available is None else [available * 1024]
-  for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                       ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                        "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-    cap, used = _read_int(limit), _read_int(usage)
-    if cap is not None and used is not None:
-      free.append(max(cap - used, 0))
-  return min(free, default=2**62)
-
-
-def _read_int(path: str, key: str | None = None) -> int | None:
-  """The integer in a /proc or /sys file (after `key` where given); None if absent or
-  not a number ("max": no limit)."""
-  try:
-    with open(path) as f:
-      for line in f:
-        if key is None or line.startswith(key):
-          return int(line.split()[1 if key else 0])
-  except (OSError, ValueError, IndexError):
-    pass
-  return None
 
 
 @functools.cache
