@@ -188,6 +188,16 @@ def test_what_llama_cpp_would_run_differently_is_refused_in_one_line(tmp_path):
   assert os.listdir(tmp_path) == []  # nothing written, not even a partial file
 
 
+def test_without_the_gguf_package_export_names_the_install(tmp_path, monkeypatch):
+  import sys
+  cfg, _, state = random_model("qwen2")
+  monkeypatch.setitem(sys.modules, "gguf", None)  # what an install without it imports
+  with pytest.raises(ValueError, match=r"^writing \.gguf files needs the gguf package: "
+                                       r"pip install gguf \(or .*hflax\[gguf\]'\)$"):
+    write_gguf(str(tmp_path / "m.gguf"), cfg, state, BYTE)
+  assert os.listdir(tmp_path) == []
+
+
 # -- the shipped SmolLM2 file ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
