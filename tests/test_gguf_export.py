@@ -1,9 +1,9 @@
 """GGUF export (hflax.models.gguf_export): written files read back through hflax's reader
 to the same weights, config and logits; the shipped SmolLM2 file rewritten keeps its
 tensors, metadata keys and tokenizer; transformers' GGUF loader reads the written tiny
-llama and qwen2 files to hflax's logits; llama.cpp itself runs every architecture's file
-to hflax's logits, where llama-cpp-python is installed (skipped otherwise: it compiles
-llama.cpp); the launcher's trainer.export_gguf."""
+llama and qwen2 files to hflax's logits; the launcher's trainer.export_gguf. llama.cpp
+itself runs the written files in tests/llama_cpp_check.py (by hand: llama-cpp-python
+compiles llama.cpp, so it is not in the test extra)."""
 import json
 import os
 
@@ -304,41 +304,6 @@ def test_written_file_loads_in_transformers_with_hflax_logits(family, tmp_path):
   got = _logits(graphdef, state)
   real = MASK.astype(bool)
   assert np.abs(got - want)[real].max() <= 1e-4
-
-
-# -- llama.cpp itself (llama-cpp-python; not in the test extra: it compiles llama.cpp) ---------
-def _llama_cpp_logits(path, ids):
-  llama_cpp = pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python")
-  # F32 keys and values (llama.cpp's cache is F16 by default), so the F32 weights are all.
-  f32 = 0  # GGML_TYPE_F32
-  llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=256, n_batch=256,
-                        n_threads=1, verbose=False, type_k=f32, type_v=f32)
-  llm.eval([int(i) for i in ids])
-  return llm, np.asarray(llm.scores[:len(ids)])
-
-
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_written_file_runs_in_llama_cpp_with_hflax_logits(family, tmp_path):
-  pytest.importorskip("llama_cpp", reason="pip install llama-cpp-python")
-  cfg, graphdef, state = random_model(family, seed=2)
-  write_gguf(str(tmp_path / "m.gguf"), cfg, state, BYTE)
-  _, got = _llama_cpp_logits(tmp_path / "m.gguf", IDS[0])
-  want = _logits(graphdef, state)[0]
-  assert np.abs(got - want).max() <= 1e-4
-
-
-def test_smollm2_rewritten_runs_in_llama_cpp(smollm2):
-  _, path, cfg, graphdef, state, tok = smollm2
-  ids = tok.encode_chat([{"role": "user", "content": "What is 23+45?"}])
-  llm, got = _llama_cpp_logits(path, ids)
-  want = np.asarray(logits_fn(graphdef, state, jnp.asarray([ids]),
-                              jnp.ones((1, len(ids)), jnp.int32)))[0]
-  # 30 layers of float32 rounding in two programs, on logits up to ~40 (as test_gguf.py's
-  # parity with transformers).
-  assert np.abs(got - want).max() <= 2.5e-4
-  for text in ("What is 23+45? Answer with just the number.", "héllo wörld 1234567890",
-               "<|im_start|>user\nhi<|im_end|>"):
-    assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(text)
 
 
 # -- the launcher -----------------------------------------------------------------------------
