@@ -199,21 +199,6 @@ def async_config(tmp_path, run, backend, steps=4):
   return c
 
 
-def test_split_async_on_ray_is_the_local_split(tmp_path, ray_session):
-  pools = {}
-  ray_run = run(async_config(tmp_path, "ray", "ray"), pools)
-  local_run = run(async_config(tmp_path, "local", "local"))
-  assert {pool: roles for pool, (roles, _) in pools.items()} == {
-      "train": ("actor",), "rollout": ("rollout",)}
-  assert_same(ray_run, local_run)
-  params, seen, metrics = ray_run
-  for step, (_, versions) in seen.items():  # the update of step k starts from version k - 1
-    assert min(versions) >= step - 2, (step, versions)
-  assert any(min(versions) < step - 1 for step, (_, versions) in seen.items())  # rows lag
-  assert max(m["async/versions_per_trajectory_max"] for m in metrics.values()) > 1  # partial
-  assert_synced(metrics, sum(x.nbytes for x in jax.tree.leaves(params)))
-
-
 def test_split_async_on_ray_resumes_with_its_finished_trajectories(tmp_path, ray_session):
   """Stopped after step 2 (a checkpoint every step) and resumed to step 4 in new processes:
   every group the checkpoint held finished is trained, its tokens and versions as they
@@ -267,3 +252,28 @@ def test_split_async_multi_turn_on_ray_is_the_local_split(tmp_path, ray_session)
   local_run = run(multi_turn("local", "local"))
   assert_same(ray_run, local_run)
   assert "agent/turns/mean" in ray_run[2][1]
+
+
+def test_split_async_over_pools_of_two_processes_on_ray_is_the_local_split(tmp_path,
+                                                                           ray_session):
+  """Each pool 2 devices in 2 processes (a jax.distributed job). The stream's engine spans
+  the rollout pool's two processes: each runs the stream's host program, reading every
+  engine step's tokens back with a collective, so both hold the same requests; process 0
+  answers the driver. Trajectories span updates and some rows lag a version."""
+  def two_by_two(run, backend):
+    c = async_config(tmp_path, run, backend)
+    c.placement.pools = {"train": 2, "rollout": 2}
+    c.trainer.devices, c.cluster.processes_per_pool = 4, 2
+    return c
+  pools = {}
+  ray_run = run(two_by_two("ray", "ray"), pools)
+  local_run = run(two_by_two("local", "local"))
+  assert {pool: (roles, len(pids)) for pool, (roles, pids) in pools.items()} == {
+      "train": (("actor",), 2), "rollout": (("rollout",), 2)}
+  assert_same(*without_sync_bytes(ray_run, local_run))
+  params, seen, metrics = ray_run
+  for step, (_, versions) in seen.items():  # the update of step k starts from version k - 1
+    assert min(versions) >= step - 2, (step, versions)
+  assert any(min(versions) < step - 1 for step, (_, versions) in seen.items())  # rows lag
+  assert max(m["async/versions_per_trajectory_max"] for m in metrics.values()) > 1  # partial
+  assert_synced(metrics, sum(x.nbytes for x in jax.tree.leaves(params)))  # one copy sent

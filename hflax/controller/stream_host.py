@@ -172,10 +172,11 @@ class StreamHost:
 
 def _check_cache(engine, cfg) -> dict:
   """Refuses, before anything is allocated, an engine whose slots' cache alone exceeds
-  the free memory of its devices (the cache has no paging: each slot reserves its whole
-  width for the run); returns the engine's size as metrics."""
+  the free memory of this process's devices (the cache has no paging: each slot reserves
+  its whole width for the run); returns the engine's size, all processes', as metrics."""
   devices = [d for d in engine.mesh.devices.flat if d.process_index == jax.process_index()]
-  need = engine.cache_bytes(cfg) * len(devices) // engine.mesh.devices.size
+  total = engine.cache_bytes(cfg)
+  need = total * len(devices) // engine.mesh.devices.size  # this process's share
   free = platforms.free_memory(devices)
   if need > free:
     raise ValueError(
@@ -183,4 +184,4 @@ def _check_cache(engine, cfg) -> dict:
         f"{engine.cache_width} columns need {need / 2**30:.1f} GiB of KV cache, more than "
         f"the {free / 2**30:.1f} GiB free on its devices; lower rollout.max_num_seqs "
         f"({need // engine.slots / 2**20:.0f} MiB a slot) or the response length")
-  return {"async/engine_slots": float(engine.slots), "async/kv_cache_bytes": float(need)}
+  return {"async/engine_slots": float(engine.slots), "async/kv_cache_bytes": float(total)}

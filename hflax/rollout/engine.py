@@ -47,6 +47,7 @@ from hflax import platforms
 from hflax.rollout import sampler
 from hflax.rollout.decoding import SamplingParams
 from hflax.rollout.engine_programs import carry_bytes, decode_steps
+from hflax.rollout.host import host_values
 # Request, Completion and MAX_STOP_IDS are this module's public names as well.
 from hflax.rollout.requests import MAX_STOP_IDS, Completion, Live, Request, completion
 from hflax.rollout.slots import SlotTable
@@ -287,7 +288,7 @@ class RolloutEngine(SlotTable):
     if any(live is not None for live in self._live):
       self._carry, out = decode_steps(*self.weights, self._carry,
                                       params=self.sampling, steps=self.steps_per_call)
-      tokens, logps, emitted, active = jax.device_get(
+      tokens, logps, emitted, active = host_values(
           (out["tokens"], out["log_probs"], out["emitted"], self._carry["active"]))
       for s, live in enumerate(self._live):
         if live is None:

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hflax.rollout import sampler
 from hflax.rollout.engine_programs import empty_carry, extend, prefill_into
+from hflax.rollout.host import host_values
 from hflax.rollout.requests import (Completion, Held, Live, Request, completion, key_data,
                                     stop_row)
 
@@ -67,7 +68,7 @@ class SlotTable:
   def _started(self, requests, slots, columns, first, logp, going) -> list[Completion]:
     """Marks admitted requests as decoding (their first token picked) and returns those
     that ended at it."""
-    first, logp, going = jax.device_get((first, logp, going))
+    first, logp, going = host_values((first, logp, going))
     finished = []
     for i, r in enumerate(requests):
       s = int(slots[i])

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from hflax.controller.batch import Batch
+from hflax.rollout.host import host_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +41,7 @@ def _is_key(x) -> bool:
 def _host_array(x):
   if _is_key(x):
     return HostKey(str(jax.random.key_impl(x)), _host_array(jax.random.key_data(x)))
-  if x.is_fully_addressable:
-    return np.asarray(x)
-  if x.is_fully_replicated:
-    return np.asarray(x.addressable_data(0))
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return host_array(x)
 
 
 def _leaf(x):
