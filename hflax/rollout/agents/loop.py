@@ -79,6 +79,9 @@ class AgentLoop:
   lockstep: each environment step runs during one engine step and is waited for after it
   (not taken whenever its thread is done), so which turn samples at which engine step,
   and so with which weights, does not depend on timing (the asynchronous trainer's).
+  Without it a run is still reproducible bit for bit with fixed weights: the engine
+  prefills each request on its own (RolloutEngine's rows_per_prefill), so the turns that
+  a tool's timing admits together do not change each other's tokens or log-probs.
   template_vars: the chat template's switches (tools=[schemas] where it renders tools).
 
   `run` runs a batch of trajectories to the end. The same state machine, driven step by
