@@ -17,6 +17,7 @@ from hflax.models.lora import (add_adapters, export_adapter, load_adapter, lora_
 from hflax.models.transformer import create_abstract, logits_fn
 from hflax.sharding.layouts import TRAIN_RULES, batch_sharding, state_shardings, train_mesh
 from moe_models import tiny_moe
+from test_lora import _randomised as random_adapters
 
 # Qwen3-MoE's shape, tiny: layer 0 sparse, layer 1 dense (mlp_only_layers).
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -35,14 +36,8 @@ def _logits(graphdef):
   return jax.jit(lambda state, tokens, mask: logits_fn(graphdef, state, tokens, mask))
 
 
-@jax.jit
-def _randomised(state, seed=0, scale=0.1):
-  """Adapters with a random B (fresh ones have B = 0, where any adapter is a no-op)."""
-  adapters, base = split_adapters(state)
-  leaves, tree = jax.tree.flatten(adapters)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  leaves = [scale * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
-  return nnx.merge_state(base, jax.tree.unflatten(tree, leaves))
+# Adapters with a random B (test_lora.py's), compiled once for the MoE's many expert leaves.
+_randomised = jax.jit(lambda state: random_adapters(state, scale=0.1))
 
 
 def _tokens(rows=2, length=12, vocab=64, seed=0):

@@ -62,6 +62,13 @@ def config(tmp_path, run, backend, mode="sync", steps=3, lora=0):
   return c
 
 
+def two_processes_a_pool(c):
+  """c with each pool 2 devices in 2 processes (a jax.distributed job)."""
+  c.placement.pools = {"train": 2, "rollout": 2}
+  c.trainer.devices, c.cluster.processes_per_pool = 4, 2
+  return c
+
+
 def run(c, pools=None):
   """(final actor weights, {step: (responses, rollout versions)}, {step: metrics}); on Ray
   `pools` gets {pool: (its roles, its process ids)}."""
@@ -153,10 +160,7 @@ def test_split_over_pools_of_two_processes_on_ray_is_the_local_split(tmp_path, r
   """Each pool 2 devices in 2 processes (a jax.distributed job): the train pool gathers the
   weights across its processes, and both rollout processes read the one copy sent."""
   def two_by_two(run, backend):
-    c = config(tmp_path, run, backend, mode="one_step_off", steps=2)
-    c.placement.pools = {"train": 2, "rollout": 2}
-    c.trainer.devices, c.cluster.processes_per_pool = 4, 2
-    return c
+    return two_processes_a_pool(config(tmp_path, run, backend, mode="one_step_off", steps=2))
   pools = {}
   ray_run = run(two_by_two("ray", "ray"), pools)
   local_run = run(two_by_two("local", "local"))
@@ -261,10 +265,7 @@ def test_split_async_over_pools_of_two_processes_on_ray_is_the_local_split(tmp_p
   engine step's tokens back with a collective, so both hold the same requests; process 0
   answers the driver. Trajectories span updates and some rows lag a version."""
   def two_by_two(run, backend):
-    c = async_config(tmp_path, run, backend)
-    c.placement.pools = {"train": 2, "rollout": 2}
-    c.trainer.devices, c.cluster.processes_per_pool = 4, 2
-    return c
+    return two_processes_a_pool(async_config(tmp_path, run, backend))
   pools = {}
   ray_run = run(two_by_two("ray", "ray"), pools)
   local_run = run(two_by_two("local", "local"))
