@@ -25,6 +25,7 @@ from hflax.checkpoint import Checkpointer  # noqa: E402
 from hflax.launch.backends import make_backend  # noqa: E402
 from hflax.launch.trainer import Trainer  # noqa: E402
 from hflax.models.lora import split_adapters  # noqa: E402
+from ray_tool_task import register, site_dir  # noqa: E402
 from tiny_config import get_config as tiny_config  # noqa: E402
 
 SPLIT = {"pools": {"train": 1, "rollout": 1},
@@ -243,17 +244,22 @@ def test_split_async_on_ray_resumes_with_its_finished_trajectories(tmp_path, ray
     assert sorted(trained[row]) == samples, row
 
 
+def multi_turn_config(tmp_path, run, backend, response=32, **multi_turn):
+  """async_config's run on the tool task's prompts, at most two model turns a trajectory
+  of `response` tokens after its prompt."""
+  c = async_config(tmp_path, run, backend, steps=2)
+  c.data.builtin.update(data_source="arithmetic_tools")
+  c.data.update(max_prompt_length=128, max_response_length=response)
+  c.rollout.multi_turn.update(enable=True, max_assistant_turns=2, max_turn_tokens=16,
+                              **multi_turn)
+  return c
+
+
 def test_split_async_multi_turn_on_ray_is_the_local_split(tmp_path, ray_session):
   """Agent trajectories (the tool task's prompts, hermes tool calls): the stream's agent
   loop in the rollout process, the rows made by the train pool's actor."""
-  def multi_turn(run, backend):
-    c = async_config(tmp_path, run, backend, steps=2)
-    c.data.builtin.update(data_source="arithmetic_tools")
-    c.data.update(max_prompt_length=128, max_response_length=32)
-    c.rollout.multi_turn.update(enable=True, max_assistant_turns=2, max_turn_tokens=16)
-    return c
-  ray_run = run(multi_turn("ray", "ray"))
-  local_run = run(multi_turn("local", "local"))
+  ray_run = run(multi_turn_config(tmp_path, "ray", "ray"))
+  local_run = run(multi_turn_config(tmp_path, "local", "local"))
   assert_same(ray_run, local_run)
   assert "agent/turns/mean" in ray_run[2][1]
 
@@ -278,3 +284,55 @@ def test_split_async_over_pools_of_two_processes_on_ray_is_the_local_split(tmp_p
   assert any(min(versions) < step - 1 for step, (_, versions) in seen.items())  # rows lag
   assert max(m["async/versions_per_trajectory_max"] for m in metrics.values()) > 1  # partial
   assert_synced(metrics, sum(x.nbytes for x in jax.tree.leaves(params)))  # one copy sent
+
+
+def without_tool_seconds(*runs):
+  """The runs' metrics without agent/tool_seconds/mean: how long the tools took."""
+  return [(params, seen, {step: {k: v for k, v in m.items() if k != "agent/tool_seconds/mean"}
+                          for step, m in metrics.items()}) for params, seen, metrics in runs]
+
+
+def calls(log_path) -> list[tuple[int, int]]:
+  """The logged tool calls, as (JAX process index, pid)."""
+  if not os.path.exists(log_path):
+    return []
+  with open(log_path) as f:
+    return [tuple(map(int, line.split())) for line in f]
+
+
+def test_split_async_multi_turn_over_a_rollout_pool_of_two_processes_runs_each_tool_once(
+    tmp_path, ray_session, monkeypatch):
+  """Agent trajectories whose every turn calls a tool that answers after a random wait
+  (tests/ray_tool_task.py), on a rollout pool of two processes: process 0 alone runs the
+  tools and broadcasts which results each engine step admits, with the results, so both
+  processes run the same trajectories: the local split's run (tokens, versions, metrics,
+  final weights), and each tool call ran once, in the rollout pool's process 0."""
+  ray_log, local_log = tmp_path / "ray_calls.log", tmp_path / "local_calls.log"
+  register(str(local_log), monkeypatch.setitem)  # this process: the config, the local run
+  # Ray's members take this PYTHONPATH (ray_backend.worker_env): the task's registration.
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      p for p in (site_dir(tmp_path, ray_log), os.environ.get("PYTHONPATH")) if p))
+
+  def two_rollout_processes(run, backend):
+    """The rollout pool 2 devices in 2 processes; the train pool 1 (its processes are not
+    what is tested, and each one more costs the run seconds). 64 tokens: room for both
+    turns (16 each at most) and the tool's message."""
+    c = multi_turn_config(tmp_path, run, backend, response=64, format="every_turn")
+    c.placement.pools = {"train": 1, "rollout": 2}
+    c.trainer.devices, c.cluster.devices_per_process = 3, 1
+    return c
+  pools = {}
+  ray_run = run(two_rollout_processes("ray", "ray"), pools)
+  assert calls(local_log) == []  # the driver ran no tool
+  local_run = run(two_rollout_processes("local", "local"))
+  assert {pool: len(pids) for pool, (_, pids) in pools.items()} == {"train": 1, "rollout": 2}
+  assert_same(*without_sync_bytes(*without_tool_seconds(ray_run, local_run)))
+  metrics = ray_run[2]
+  for m in metrics.values():  # every trajectory continued after its first tool call
+    assert m["agent/turns/mean"] == m["agent/tool_calls/mean"] == 2
+  ray_calls, local_calls = calls(ray_log), calls(local_log)
+  assert len(ray_calls) == len(local_calls) > 0  # the same calls, each once
+  assert {index for index, _ in ray_calls} == {0}
+  (pid,) = {pid for _, pid in ray_calls}  # one process ran them: the rollout pool's
+  assert pid in pools["rollout"][1]
+  assert {pid for _, pid in local_calls} == {os.getpid()}

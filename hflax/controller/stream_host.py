@@ -6,7 +6,9 @@ It lives beside the actor's generation: in the controller's process on the local
 (AsyncRollouts calls it directly), in the rollout pool's process on the Ray backend's split
 placement (hflax.controller.ray_backend.split_actor.RemoteStream calls it there, so the
 engine decodes in that process while the train pool updates). Either way the calls and
-their order are the same, so the two runs sample the same tokens.
+their order are the same, so the two runs sample the same tokens. A rollout pool of
+several processes runs a StreamHost in each, making the same calls; agent trajectories'
+tools then run in process 0 alone (hflax.rollout.agents.streaming.SharedToolsLoop).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 from hflax import platforms
 from hflax.rollout.agents.loop import AgentLoop, model_versions
 from hflax.rollout.agents.rollout import chat_prompts, engine_widths, trajectory_fields
-from hflax.rollout.agents.streaming import Trajectories, tools_overhead
+from hflax.rollout.agents.streaming import SharedToolsLoop, Trajectories, tools_overhead
 from hflax.rollout.sampler import length_bucket
 from hflax.rollout.stream import RolloutStream, response_fields
 
@@ -67,7 +69,9 @@ class StreamHost:
     self.prompt_width = length_bucket(max_prompt_len + tools_overhead(mt, self.tokenizer))
     engine = actor.streaming_engine(slots=slots, steps_per_call=steps,
                                     **engine_widths(mt, self.prompt_width, response))
-    loop = AgentLoop(engine, self.tokenizer, max_turns=mt.max_turns,
+    # Over several processes (a Ray rollout pool's), process 0 runs the tools for all.
+    make_loop = AgentLoop if jax.process_count() == 1 else SharedToolsLoop
+    loop = make_loop(engine, self.tokenizer, max_turns=mt.max_turns,
                      rewrite_history=mt.rewrite_history, lockstep=True)
     return engine, Trajectories(loop, mt)
 

@@ -378,21 +378,13 @@ def _check_mode(c, fail, algorithm) -> None:
 
 
 def _check_async_on_ray(c, fail) -> None:
-  """Async on Ray streams in the rollout pool's processes; agent trajectories in one."""
+  """Async on Ray streams in the rollout pool's processes (each runs the stream; with
+  agent trajectories process 0 runs the tools for all: streaming.SharedToolsLoop)."""
   roles = c.placement.roles if c.placement.kind == "custom" else {}
   pool = (roles.get("rollout") or {}).get("pool")
   if pool is None or pool == (roles.get("actor") or {}).get("pool"):
     fail("trainer.mode", "async runs its rollout engine in the rollout pool's process on "
          "cluster.backend='ray': place role 'rollout' on a pool of its own (placement.roles)")
-  size, k = int(c.placement.pools.get(pool, 1)), c.cluster
-  processes = k.processes_per_pool or (size // k.devices_per_process if k.devices_per_process
-                                       else 1)
-  if processes != 1 and c.rollout.multi_turn.enable:
-    # Every process of the pool runs the stream's host program; with tools, each would
-    # run every tool call (twice the side effects, and results that may differ).
-    field = "processes_per_pool" if k.processes_per_pool else "devices_per_process"
-    fail(f"cluster.{field}", f"trainer.mode='async' with rollout.multi_turn on Ray runs its "
-         f"tools in one process; rollout pool {pool!r} would have {processes}")
 
 
 def _check_directories(c, fail) -> None:

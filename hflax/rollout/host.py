@@ -24,3 +24,20 @@ def host_array(x: jax.Array) -> np.ndarray:
 def host_values(tree):
   """jax.device_get for arrays on any process's devices (module docstring)."""
   return jax.tree.map(lambda x: host_array(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+  """Process 0's `data` on every process of a jax.distributed job (the others pass None):
+  its length, then the bytes padded to a power of two (a few buffer shapes, so a few
+  compiled broadcasts). A collective: every process calls it at the same point."""
+  from jax.experimental import multihost_utils
+  source = jax.process_index() == 0
+  if source and data is None:
+    raise ValueError("broadcast_bytes: process 0 sends the bytes")
+  size = np.asarray([len(data) if source else 0], np.int64)
+  size = int(multihost_utils.broadcast_one_to_all(size)[0])
+  buffer = np.zeros(max(1024, 1 << (size - 1).bit_length()), np.uint8)
+  if source:
+    buffer[:size] = np.frombuffer(data, np.uint8)
+  buffer = multihost_utils.broadcast_one_to_all(buffer)  # summed with the others' zeros
+  return np.asarray(buffer, np.uint8)[:size].tobytes()

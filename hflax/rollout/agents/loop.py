@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -225,35 +226,42 @@ class AgentLoop:
     return self._pool
 
   def _advance(self):
-    """One engine step (or, with nothing to decode, a wait for an environment), then
-    every environment step that is ready: those done (lockstep: those submitted before
-    this engine step, waited for, in the order they were submitted)."""
-    submitted_before = self._older
-    if self.engine.busy:
+    """One engine step (or, with nothing to decode, a wait for an environment), then the
+    environment steps that are ready (_ready)."""
+    stepped = self.engine.busy
+    if stepped:
       start = time.perf_counter()
       finished = self.engine.step()
       self._timing["decode_seconds"] += time.perf_counter() - start
       for completion in finished:
         self._turn_done(completion)
-    else:
-      start = time.perf_counter()
+    for i, turn, obs in self._ready(stepped):
+      self._observed(i, turn, obs)
+
+  def _ready(self, stepped: bool) -> list[tuple[Hashable, int, Observation]]:
+    """The environment steps to apply now, in order, as (trajectory, turn, observation),
+    taken out of those pending: those done (lockstep: those submitted before this engine
+    step, waited for, in the order they were submitted). After no engine step (`stepped`
+    False) it first waits for one (lockstep: for all of them)."""
+    submitted_before = self._older  # _turn_done adds to _pending only, never to _older
+    start = time.perf_counter()
+    if not stepped:
       if self.lockstep:
         submitted_before = list(self._pending)
-        concurrent.futures.wait(submitted_before)
       else:
         concurrent.futures.wait(self._pending, return_when=concurrent.futures.FIRST_COMPLETED)
-      self._timing["tool_wait_seconds"] += time.perf_counter() - start
     if self.lockstep:
-      start = time.perf_counter()
       concurrent.futures.wait(submitted_before)
-      self._timing["tool_wait_seconds"] += time.perf_counter() - start
       due = [f for f in submitted_before if f in self._pending]
       self._older = [f for f in self._pending if f not in set(due)]
     else:
       due = [f for f in self._pending if f.done()]
-    for future in due:
-      i, turn = self._pending.pop(future)
-      self._observed(i, turn, future.result())
+    self._timing["tool_wait_seconds"] += time.perf_counter() - start
+    return [(*self._pending.pop(future), future.result()) for future in due]
+
+  def _run_environment(self, step: Callable[[], Observation]) -> concurrent.futures.Future:
+    """An environment step (`step()`), started on a host thread."""
+    return self._environment_pool().submit(step)
 
   def _turn_done(self, c: Completion):
     i, turn = c.id
@@ -264,8 +272,8 @@ class AgentLoop:
     trajectory.turns.append(text)
     self._messages[i].append({"role": "assistant", "content": text})
     self._texts[i] += self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
-    future = self._environment_pool().submit(self._envs[i].step,
-                                             Turn(text, tuple(c.token_ids), turn))
+    future = self._run_environment(functools.partial(self._envs[i].step,
+                                                     Turn(text, tuple(c.token_ids), turn)))
     self._pending[future] = (i, turn)
 
   def _observed(self, i: Hashable, turn: int, obs: Observation):
