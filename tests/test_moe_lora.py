@@ -254,6 +254,88 @@ def test_peft_names_the_expert_adapters_as_transformers_names_the_experts(tmp_pa
   np.testing.assert_allclose(ours, want_logits, atol=2e-4)
 
 
+def test_shared_expert_gate_adapters_are_the_hand_merged_gate():
+  """Qwen2-MoE's shared expert gate ([hidden, 1]) is an nn.Linear, which PEFT's all-linear
+  adapts: hflax's all-linear does too on a model with a shared expert, A [D, r] and B
+  [r, 1] in each sparse layer. The adapted logits are those of the gate merged by hand,
+  and the adapters' gradients jax.grad of the merged formulation."""
+  cfg = ModelConfig(**{**TINY, "family": "qwen2_moe", "qk_norm": False, "qkv_bias": True,
+                       "shared_expert_intermediate_size": 20, "norm_topk_prob": False,
+                       "moe_dispatch": "sorted"})
+  lcfg = lora_config(cfg, 4, 8.0, "all-linear")
+  assert lcfg.lora_targets[-1] == "shared_expert_gate"
+  assert "shared_expert_gate" not in lora_config(ModelConfig(**TINY), 4, 8.0,
+                                                 "all-linear").lora_targets
+  graphdef, state = _built(cfg)
+  lora_graphdef, lora_state = add_adapters(lcfg, state, seed=1)
+  gate = lora_state["layers"][0]["mlp"]["shared_expert_gate"]
+  assert gate["lora_a"].get_value().shape == (32, 4) and gate["lora_b"].get_value().shape == (4, 1)
+  assert "shared_expert_gate" not in lora_state["layers"][1]["mlp"]  # layer 1 is dense
+  adapters = jax.tree.leaves(split_adapters(lora_state)[0])
+  assert sum(a.size for a in adapters) == lcfg.num_lora_params
+  # Only the gate's adapters non-zero: what they change is the gate's alone.
+  only_gate = jax.tree_util.tree_map_with_path(
+      lambda p, x: x if "shared_expert_gate" in jax.tree_util.keystr(p) else jnp.zeros_like(x),
+      random_adapters(lora_state, scale=1.0))
+  only_gate = nnx.merge_state(state, split_adapters(only_gate)[0])
+  tokens, mask = _tokens()
+  got = _logits(lora_graphdef)(only_gate, tokens, mask)
+  base = _logits(graphdef)(state, tokens, mask)
+  assert float(jnp.abs(got - base).max()) > 1e-3
+  by_hand = _merged_by_hand(lcfg, only_gate)
+  np.testing.assert_allclose(got, _logits(graphdef)(by_hand, tokens, mask), atol=1e-5, rtol=0)
+
+  trained, frozen = nnx.split_state(only_gate, trainable_filter(lcfg, "lm"), ...)
+  grads = jax.jit(jax.grad(
+      lambda t: _loss(lora_graphdef)(nnx.merge_state(frozen, t), tokens, mask)))(trained)
+  kernel = ("layers", 0, "mlp", "shared_expert_gate", "kernel")
+
+  def merged_loss(a, b):
+    flat = [(p, v.replace(value=v[...] + lcfg.lora_scale * a @ b) if tuple(p) == kernel
+             else v) for p, v in nnx.to_flat_state(state)]
+    return _loss(graphdef)(nnx.from_flat_state(flat), tokens, mask)
+  pair = only_gate["layers"][0]["mlp"]["shared_expert_gate"]
+  want = jax.jit(jax.grad(merged_loss, argnums=(0, 1)))(pair["lora_a"][...], pair["lora_b"][...])
+  for i, which in enumerate(("lora_a", "lora_b")):
+    g = np.asarray(grads["layers"][0]["mlp"]["shared_expert_gate"][which][...])
+    assert np.abs(g).max() > 1e-6, which
+    np.testing.assert_allclose(g, np.asarray(want[i]), atol=1e-6, rtol=1e-4, err_msg=which)
+
+
+def test_peft_adapts_the_shared_expert_gate_and_hflax_runs_its_adapter(tmp_path):
+  """PEFT's all-linear (transformers 5, PEFT 0.21) adapts Qwen2-MoE's shared_expert_gate;
+  an adapter PEFT saved on the gate (and q_proj) runs in hflax as in PEFT."""
+  import peft
+  import torch
+  from hflax.models.lora import load_adapter, read_adapter_config
+  from moe_models import tiny_qwen2_moe
+  model = tiny_qwen2_moe(seed=2, mlp_only_layers=[])
+  everything = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                          target_modules="all-linear"))
+  adapted_by_peft = {n for n, _ in everything.named_modules() if n.endswith(".lora_A")}
+  assert "base_model.model.model.layers.0.mlp.shared_expert_gate.lora_A" in adapted_by_peft
+  model = everything.unload()  # the base model again, its modules unwrapped
+  model.save_pretrained(tmp_path / "base")
+  peft_model = peft.get_peft_model(model, peft.LoraConfig(
+      r=4, lora_alpha=8, target_modules=["q_proj", "shared_expert_gate"],
+      init_lora_weights=False)).eval()  # B random too
+  peft_model.save_pretrained(tmp_path / "adapter")
+  tokens, mask = _tokens(vocab=128)
+  with torch.no_grad():
+    want = peft_model(torch.tensor(np.asarray(tokens))).logits.numpy()
+    peft_model.base_model.model.model.layers[0].mlp.shared_expert_gate.lora_B["default"] \
+        .weight.zero_()
+    without_gate = peft_model(torch.tensor(np.asarray(tokens))).logits.numpy()
+  assert np.abs(want - without_gate).max() > 1e-3  # the gate's adapter matters
+  found = read_adapter_config(str(tmp_path / "adapter"))
+  assert set(found["targets"]) == {"q_proj", "shared_expert_gate"}
+  cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
+  lcfg = lora_config(cfg, found["rank"], found["alpha"], found["targets"])
+  loaded = nnx.merge_state(state, load_adapter(str(tmp_path / "adapter"), lcfg))
+  ours = np.asarray(_logits(create_abstract(lcfg)[0])(loaded, tokens, mask))
+  np.testing.assert_allclose(ours, want, atol=2e-4)
+
+
 def test_grpo_run_trains_the_expert_adapters_and_generates_with_them_merged(tmp_path):
   """The tiny GRPO job on the tiny MoE with model.lora_rank=4 on the experts alone: the
   first rollout samples with the base model's log-probs (B = 0: the reference's, the frozen
@@ -302,6 +384,9 @@ def test_the_router_target_needs_a_mixture_of_experts():
                       num_heads=4, num_kv_heads=2)
   with pytest.raises(ValueError, match="'gate' names a mixture of experts' router; this llama"):
     lora_config(dense, 4, 8.0, "q_proj,gate")
+  with pytest.raises(ValueError, match="'shared_expert_gate' names Qwen2-MoE's shared expert "
+                                       "gate; this qwen3_moe model has no shared expert"):
+    lora_config(ModelConfig(**TINY), 4, 8.0, "shared_expert_gate")
   c = get_config()  # the built-in model: dense
   c.model.update(lora_rank=4, target_modules="q_proj,gate")
   with pytest.raises(ValueError, match="^config.model.target_modules: 'gate' names a mixture"):

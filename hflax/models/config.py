@@ -30,6 +30,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # A mixture of experts' router (HF's mlp.gate): LoRA adapts it only where named, never as
 # part of "all-linear".
 LORA_ROUTER = "gate"
+# Qwen2-MoE's shared expert gate ([hidden, 1], an nn.Linear that PEFT's "all-linear"
+# adapts): part of "all-linear" on a model that has one (hflax.models.lora.lora_config).
+LORA_SHARED_GATE = "shared_expert_gate"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +114,16 @@ class ModelConfig:
     if not self.moe_capacity_factor >= 0:
       raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor!r} must be >= 0 "
                        "(0: no pick dropped)")
-    unknown = [t for t in self.lora_targets if t not in LORA_TARGETS + (LORA_ROUTER,)]
+    named = LORA_TARGETS + (LORA_ROUTER, LORA_SHARED_GATE)
+    unknown = [t for t in self.lora_targets if t not in named]
     if unknown:
-      raise ValueError(f"lora_targets {unknown} are not among {LORA_TARGETS + (LORA_ROUTER,)}")
+      raise ValueError(f"lora_targets {unknown} are not among {named}")
     if LORA_ROUTER in self.lora_targets and not self.num_experts:
       raise ValueError(f"lora_targets {LORA_ROUTER!r} names a mixture of experts' router; "
                        f"this {self.family} model has none")
+    if LORA_SHARED_GATE in self.lora_targets and not self.shared_expert_intermediate_size:
+      raise ValueError(f"lora_targets {LORA_SHARED_GATE!r} names Qwen2-MoE's shared expert "
+                       f"gate; this {self.family} model has no shared expert")
     if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
                                  and self.moe_intermediate_size > 0
                                  and self.decoder_sparse_step > 0):
@@ -187,9 +194,10 @@ class ModelConfig:
     mlp = ((self.num_layers - sparse) * (d + self.intermediate_size)
            + sparse * (self.num_experts * (d + self.moe_intermediate_size)
                        + (d + shared if shared else 0)))
-    router = sparse * (d + self.num_experts)
+    gates = {LORA_ROUTER: sparse * (d + self.num_experts),
+             LORA_SHARED_GATE: sparse * (d + 1) if shared else 0}
     return self.lora_rank * sum(self.num_layers * attn[t] if t in attn else
-                                router if t == LORA_ROUTER else mlp for t in self.lora_targets)
+                                gates[t] if t in gates else mlp for t in self.lora_targets)
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)

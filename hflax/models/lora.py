@@ -18,28 +18,35 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from hflax.models.config import LORA_ROUTER, LORA_TARGETS, ModelConfig
+from hflax.models.config import LORA_ROUTER, LORA_SHARED_GATE, LORA_TARGETS, ModelConfig
 from hflax.models.transformer import DecoderLM, create_abstract, model_rngs
+
+
+_NAMED = LORA_TARGETS + (LORA_ROUTER, LORA_SHARED_GATE)
 
 
 def lora_targets(spec) -> tuple[str, ...]:
   """"all-linear" (PEFT's: every linear layer but the output one; on a mixture of experts
-  every expert's too, but not the router), or HF module names, comma-separated or as a
-  sequence ("gate": a mixture of experts' router, mlp.gate)."""
+  every expert's too, but not the router; lora_config adds Qwen2-MoE's shared expert gate
+  where the model has one), or HF module names, comma-separated or as a sequence ("gate": a
+  mixture of experts' router, mlp.gate; "shared_expert_gate": Qwen2-MoE's)."""
   if spec == "all-linear":
     return LORA_TARGETS
   names = [t.strip() for t in spec.split(",")] if isinstance(spec, str) else list(spec)
-  unknown = [t for t in names if t not in LORA_TARGETS + (LORA_ROUTER,)]
+  unknown = [t for t in names if t not in _NAMED]
   if unknown or not names:
     raise ValueError(f"{spec!r}: LoRA adapts 'all-linear' or a comma-separated list of "
-                     f"{LORA_TARGETS + (LORA_ROUTER,)}"
-                     + (f"; unknown: {unknown}" if unknown else ""))
+                     f"{_NAMED}" + (f"; unknown: {unknown}" if unknown else ""))
   return tuple(dict.fromkeys(names))
 
 
 def lora_config(cfg: ModelConfig, rank: int, alpha: float, targets) -> ModelConfig:
-  """cfg with adapters of `rank` on `targets` (see lora_targets)."""
-  return cfg.replace(lora_rank=rank, lora_alpha=float(alpha), lora_targets=lora_targets(targets))
+  """cfg with adapters of `rank` on `targets` (see lora_targets). "all-linear" covers the
+  shared expert gate of a model that has one: it is an nn.Linear, which PEFT's adapts."""
+  names = lora_targets(targets)
+  if targets == "all-linear" and cfg.shared_expert_intermediate_size:
+    names += (LORA_SHARED_GATE,)
+  return cfg.replace(lora_rank=rank, lora_alpha=float(alpha), lora_targets=names)
 
 
 def init_adapters(cfg: ModelConfig, seed: int, head: str = "lm") -> nnx.State:

@@ -18,7 +18,7 @@ from flax import nnx
 
 from hflax import platforms
 from hflax.models.attention import attention
-from hflax.models.config import ROW_AXES, ModelConfig
+from hflax.models.config import LORA_SHARED_GATE, ROW_AXES, ModelConfig
 from hflax.models.matmul import compute_copy, dense_dot, step_logits, tied_head, tied_logits
 from hflax.models.moe import SparseMoE, remat_recorded, set_replay
 from hflax.models.norm import rms_norm
@@ -234,7 +234,8 @@ def _sparse_mlp(cfg: ModelConfig, rngs: nnx.Rngs) -> SparseMoE:
   if not width:
     return SparseMoE(cfg, rngs)
   shared = MLP(cfg.replace(intermediate_size=width), rngs)
-  gate = Dense(cfg.hidden_size, 1, ("embed", None), bias=False, cfg=cfg, rngs=rngs, lora=False)
+  gate = Dense(cfg.hidden_size, 1, ("embed", None), bias=False, cfg=cfg, rngs=rngs,
+               lora=LORA_SHARED_GATE in cfg.lora_targets)
   return SparseMoE(cfg, rngs, shared_expert=shared, shared_expert_gate=gate)
 
 
