@@ -336,6 +336,116 @@ def test_peft_adapts_the_shared_expert_gate_and_hflax_runs_its_adapter(tmp_path)
   np.testing.assert_allclose(ours, want, atol=2e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_peft_target_parameters_on_fused_experts_load_and_run_as_peft(family, tmp_path):
+  """PEFT 0.21's LoRA on transformers 5's fused expert tensors (target_parameters
+  mlp.experts.gate_up_proj [E, 2I, D] and down_proj [E, D, I], its ParamWrapper): each
+  expert has its own rank-r pair, gate_up's A shared by the gate and up rows, so hflax
+  reads it as gate_proj, up_proj and down_proj adapters, one pair an expert, and runs the
+  logits PEFT runs (random A and B, every layer sparse)."""
+  import peft
+  import torch
+  from hflax.models.lora import load_adapter, read_adapter_config
+  from moe_models import tiny_qwen2_moe
+  model = (tiny_moe if family == "qwen3_moe" else tiny_qwen2_moe)(seed=3, mlp_only_layers=[])
+  model.save_pretrained(tmp_path / "base")
+  peft_model = peft.get_peft_model(model, peft.LoraConfig(
+      r=4, lora_alpha=8, target_modules=["q_proj"] + (
+          ["gate_proj", "up_proj", "down_proj"] if family == "qwen2_moe" else []),
+      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+      init_lora_weights=False)).eval()  # B random too
+  peft_model.save_pretrained(tmp_path / "adapter")
+  tokens, mask = _tokens(vocab=128)
+  with torch.no_grad():
+    want = peft_model(torch.tensor(np.asarray(tokens))).logits.numpy()
+    peft_model.disable_adapter_layers()
+    plain = peft_model(torch.tensor(np.asarray(tokens))).logits.numpy()
+  assert np.abs(want - plain).max() > 1e-2  # PEFT's adapters change the model
+  found = read_adapter_config(str(tmp_path / "adapter"))
+  assert set(found["targets"]) == {"q_proj", "gate_proj", "up_proj", "down_proj"}
+  cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
+  lcfg = lora_config(cfg, found["rank"], found["alpha"], found["targets"])
+  adapters = load_adapter(str(tmp_path / "adapter"), lcfg)
+  mlp = adapters["layers"][0]["mlp"]
+  np.testing.assert_array_equal(mlp["gate_lora_a"][...], mlp["up_lora_a"][...])  # shared A
+  loaded = nnx.merge_state(state, adapters)
+  ours = np.asarray(_logits(create_abstract(lcfg)[0])(loaded, tokens, mask))
+  np.testing.assert_allclose(ours, want, atol=2e-4)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,down_proj"])
+def test_fused_export_is_peft_target_parameters_and_reads_back(targets, tmp_path):
+  """export_adapter(fused_experts=True) writes transformers 5's format: target_parameters
+  on the fused experts, gate and up as one rank-2r pair (A stacked, B block-diagonal,
+  rank_pattern / alpha_pattern 2r / 2 alpha for gate_up_proj alone). PEFT loads it and
+  runs hflax's logits; hflax reads it back bit for bit. gate_proj without up_proj (or the
+  reverse) is refused in one line: PEFT adapts gate_up_proj whole."""
+  import json
+
+  import peft
+  import torch
+  from hflax.models.lora import load_adapter, read_adapter_config
+  model = tiny_moe(seed=4, mlp_only_layers=[])
+  model.save_pretrained(tmp_path / "base")
+  cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
+  lcfg = lora_config(cfg, 4, 8.0, targets)
+  graphdef, adapted = add_adapters(lcfg, state, seed=5)
+  adapted = _randomised(adapted)
+  export_adapter(str(tmp_path / "adapter"), lcfg, adapted, fused_experts=True)
+  written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+  both = targets == "all-linear"
+  assert written["target_parameters"] == (
+      ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"] if both
+      else ["mlp.experts.down_proj"])
+  assert written["rank_pattern"] == ({"experts.gate_up_proj": 8} if both else {})
+  tokens, mask = _tokens(vocab=128)
+  with torch.no_grad():
+    reference = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    want = reference(torch.tensor(np.asarray(tokens))).logits.numpy()
+  ours = np.asarray(_logits(graphdef)(adapted, tokens, mask))
+  np.testing.assert_allclose(ours, want, atol=2e-4)
+  assert set(read_adapter_config(str(tmp_path / "adapter"))["targets"]) == set(lcfg.lora_targets)
+  back = load_adapter(str(tmp_path / "adapter"), lcfg)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(split_adapters(adapted)[0]),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if both:  # a rank-2r pair whose B mixes gate and up is no pair of hflax's: refused
+    from safetensors.numpy import load_file, save_file
+    file = str(tmp_path / "adapter" / "adapter_model.safetensors")
+    tensors = load_file(file)
+    key = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight"
+    tensors[key][0, -1] = 1.0  # gate row 0, rank 7 (up's half), expert E - 1
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match=r"rank-8 pair mixes gate and up rows \(not block-"
+                                         r"diagonal\); hflax's gate and up adapters have rank 4"):
+      load_adapter(str(tmp_path / "adapter"), lcfg)
+  else:
+    gate_only = lora_config(cfg, 4, 8.0, "gate_proj")
+    with pytest.raises(ValueError, match=r"^fused_experts: .* adapt one of gate_proj and "
+                                         r"up_proj; transformers 5 fuses them") as e:
+      export_adapter(str(tmp_path / "gate"), gate_only, add_adapters(gate_only, state, 0)[1],
+                     fused_experts=True)
+    assert "\n" not in str(e.value) and not (tmp_path / "gate").exists()
+
+
+def test_target_parameters_hflax_cannot_run_are_refused_in_one_line(tmp_path):
+  import json
+  from hflax.models.lora import read_adapter_config
+  base = dict(peft_type="LORA", r=4, lora_alpha=8, target_modules=["q_proj"])
+  for extra, message in (
+      (dict(target_parameters=["self_attn.q_proj.weight"]),
+       "target_parameters 'self_attn.q_proj.weight': hflax reads LoRA on the fused experts'"),
+      (dict(target_parameters=["mlp.experts.down_proj"], rank_pattern={"q_proj": 8}),
+       "rank_pattern={'q_proj': 8}, alpha_pattern={} is not supported"),
+      (dict(target_parameters=["mlp.experts.gate_up_proj"],
+            rank_pattern={"experts.gate_up_proj": 8}),  # 2r without 2 alpha: another scale
+       "only gate_up_proj at 2r=8 with alpha 16")):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**base, **extra}))
+    with pytest.raises(ValueError, match=message) as e:
+      read_adapter_config(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
 def test_grpo_run_trains_the_expert_adapters_and_generates_with_them_merged(tmp_path):
   """The tiny GRPO job on the tiny MoE with model.lora_rank=4 on the experts alone: the
   first rollout samples with the base model's log-probs (B = 0: the reference's, the frozen

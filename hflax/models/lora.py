@@ -19,6 +19,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from hflax.models.config import LORA_ROUTER, LORA_SHARED_GATE, LORA_TARGETS, ModelConfig
+from hflax.models.peft_experts import (check_fusable, fused_targets, fused_tensors,
+                                       gate_up_rank, read_fused, read_json)
 from hflax.models.transformer import DecoderLM, create_abstract, model_rngs
 
 
@@ -127,53 +129,68 @@ def base_config(cfg: ModelConfig) -> ModelConfig:
   return cfg.replace(lora_rank=0, lora_targets=())
 
 
-def export_adapter(path: str, cfg: ModelConfig, state: nnx.State, *, base_model: str = ""):
+def export_adapter(path: str, cfg: ModelConfig, state: nnx.State, *, base_model: str = "",
+                   fused_experts: bool = False):
   """Writes the adapters as PEFT's `save_pretrained` does (adapter_config.json and
   adapter_model.safetensors), for `PeftModel.from_pretrained(base, path)`. An expert
   stack's adapters are written one pair an expert under the checkpoints' per-expert names
   (mlp.experts.{e}.gate_proj.lora_A.weight), which PEFT on transformers 5 fuses as it
-  fuses the experts' weights."""
+  fuses the experts' weights; with fused_experts, as PEFT's own LoRA on transformers 5's
+  fused expert tensors (target_parameters, hflax.models.peft_experts)."""
   from hflax.models.hf import hf_name_map  # hf imports the transformer, as this module does
+  if fused_experts:
+    check_fusable(cfg)
   names = hf_name_map(base_config(cfg))
-  tensors = {}
+  tensors, stacks, weight_of, fields = {}, {}, {}, {}
   for kpath, var in nnx.to_flat_state(split_adapters(state)[0]):
+    if fused_experts and var.get_value().ndim == 3:  # hflax's layout, written below
+      layer, leaf = kpath[1], kpath[-1]
+      pair = stacks.setdefault((layer, leaf[:-len("_lora_a")]), [None, None])
+      pair[leaf.endswith("lora_b")] = np.asarray(jax.device_get(var[...]), np.float32)
+      weight_of[layer] = names[_kernel_of(tuple(kpath))][0]
+      continue
     # PEFT keeps torch's [out, in] layout: A is [rank, in], B is [out, rank].
     array = np.swapaxes(np.asarray(jax.device_get(var[...]), np.float32), -1, -2)
     parts = array if array.ndim == 3 else [array]  # an expert stack: one an expert
     for key, part in zip(_peft_keys(names, tuple(kpath), array.shape), parts, strict=True):
       tensors[key] = np.ascontiguousarray(part)
+  if stacks:
+    fused, fields = fused_tensors(weight_of, {k: tuple(v) for k, v in stacks.items()}, cfg)
+    tensors.update(fused)
   os.makedirs(path, exist_ok=True)
   save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
   adapter_config = dict(
       peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
       target_modules=sorted(cfg.lora_targets), lora_dropout=0.0, bias="none",
       fan_in_fan_out=False, use_rslora=False, use_dora=False, inference_mode=True,
-      base_model_name_or_path=base_model or None)
+      base_model_name_or_path=base_model or None, **fields)
   with open(os.path.join(path, "adapter_config.json"), "w") as f:
     json.dump(adapter_config, f, indent=2)
 
 
 def read_adapter_config(path: str) -> dict:
   """rank, alpha and targets of a PEFT LoRA adapter directory; what hflax cannot run
-  the same way (rsLoRA, DoRA, trained biases, extra modules) is refused, naming it."""
+  the same way (rsLoRA, DoRA, trained biases, extra modules) is refused, naming it.
+  target_parameters on the fused experts (transformers 5) count as the projections' names:
+  experts.gate_up_proj as gate_proj and up_proj, experts.down_proj as down_proj."""
   file = os.path.join(path, "adapter_config.json")
-  if not os.path.isfile(file):
-    raise FileNotFoundError(f"no adapter_config.json in LoRA adapter directory {path!r}")
-  with open(file) as f:
-    c = json.load(f)
+  c = read_json(path)
   unsupported = {"peft_type": c.get("peft_type") != "LORA", "use_rslora": c.get("use_rslora"),
                  "use_dora": c.get("use_dora"), "bias": c.get("bias", "none") != "none",
-                 "modules_to_save": c.get("modules_to_save"),
-                 "rank_pattern": c.get("rank_pattern"), "alpha_pattern": c.get("alpha_pattern")}
+                 "modules_to_save": c.get("modules_to_save")}
   bad = [k for k, v in unsupported.items() if v]
   if bad:
     raise ValueError(f"{file}: {', '.join(f'{k}={c.get(k)!r}' for k in bad)} is not supported "
                      "(hflax runs plain LoRA: peft_type LORA, no rsLoRA/DoRA, bias 'none')")
+  gate_up_rank(c, file)  # refuses rank and alpha patterns but the fused experts' own
+  fused = fused_targets(c, file)
   try:
-    targets = lora_targets(c.get("target_modules"))
+    modules = c.get("target_modules")
+    targets = lora_targets(modules) if modules or not fused else ()
   except (TypeError, ValueError) as e:
     raise ValueError(f"{file}: target_modules: {e}") from None
-  return {"rank": int(c["r"]), "alpha": float(c["lora_alpha"]), "targets": targets}
+  return {"rank": int(c["r"]), "alpha": float(c["lora_alpha"]),
+          "targets": tuple(dict.fromkeys(targets + fused))}
 
 
 def load_adapter(path: str, cfg: ModelConfig) -> nnx.State:
@@ -186,11 +203,21 @@ def load_adapter(path: str, cfg: ModelConfig) -> nnx.State:
     raise FileNotFoundError(f"no adapter_model.safetensors in LoRA adapter directory {path!r}")
   names = hf_name_map(base_config(cfg))
   abstract = split_adapters(create_abstract(cfg)[1])[0]
+  config = read_json(path)
+  fused = set(fused_targets(config, file))
   loaded = []
   with safe_open(file, framework="numpy") as f:
     stored = set(f.keys())
+    fused_keys = set()
     for kpath, var in nnx.to_flat_state(abstract):
       want = var.get_value()
+      proj = kpath[-1][:-len("_lora_a")] + "_proj"
+      if len(want.shape) == 3 and proj in fused:  # an expert stack's, from the fused tensors
+        weight = names[_kernel_of(tuple(kpath))][0]
+        array, keys = read_fused(f, stored, weight, kpath[-1], cfg, config, file)
+        loaded.append((kpath, var.replace(value=jnp.asarray(array, want.dtype))))
+        fused_keys |= keys
+        continue
       keys = _peft_keys(names, tuple(kpath), want.shape)
       parts = []
       for key in keys:
@@ -205,6 +232,7 @@ def load_adapter(path: str, cfg: ModelConfig) -> nnx.State:
         stored.discard(key)
       array = np.stack(parts) if len(want.shape) == 3 else parts[0]
       loaded.append((kpath, var.replace(value=jnp.asarray(array, want.dtype))))
+  stored -= fused_keys
   if stored:
     raise ValueError(f"{file}: tensors the model has no place for: {sorted(stored)[:3]}")
   return nnx.from_flat_state(loaded)
