@@ -8,7 +8,7 @@ placement (hflax.controller.ray_backend.split_actor.RemoteStream calls it there,
 engine decodes in that process while the train pool updates). Either way the calls and
 their order are the same, so the two runs sample the same tokens. A rollout pool of
 several processes runs a StreamHost in each, making the same calls; agent trajectories'
-tools then run in process 0 alone (hflax.rollout.agents.streaming.SharedToolsLoop).
+tools then run in process 0 alone (hflax.rollout.agents.shared_tools).
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import jax
 import numpy as np
 
 from hflax import platforms
-from hflax.rollout.agents.loop import AgentLoop, model_versions
+from hflax.rollout.agents.loop import model_versions
 from hflax.rollout.agents.rollout import chat_prompts, engine_widths, trajectory_fields
-from hflax.rollout.agents.streaming import SharedToolsLoop, Trajectories, tools_overhead
+from hflax.rollout.agents.shared_tools import agent_loop
+from hflax.rollout.agents.streaming import Trajectories, tools_overhead
 from hflax.rollout.sampler import length_bucket
 from hflax.rollout.stream import RolloutStream, response_fields
 
@@ -70,9 +71,8 @@ class StreamHost:
     engine = actor.streaming_engine(slots=slots, steps_per_call=steps,
                                     **engine_widths(mt, self.prompt_width, response))
     # Over several processes (a Ray rollout pool's), process 0 runs the tools for all.
-    make_loop = AgentLoop if jax.process_count() == 1 else SharedToolsLoop
-    loop = make_loop(engine, self.tokenizer, max_turns=mt.max_turns,
-                     rewrite_history=mt.rewrite_history, lockstep=True)
+    loop = agent_loop(engine, self.tokenizer, max_turns=mt.max_turns,
+                      rewrite_history=mt.rewrite_history, lockstep=True)
     return engine, Trajectories(loop, mt)
 
   @property

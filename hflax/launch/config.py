@@ -379,7 +379,7 @@ def _check_mode(c, fail, algorithm) -> None:
 
 def _check_async_on_ray(c, fail) -> None:
   """Async on Ray streams in the rollout pool's processes (each runs the stream; with
-  agent trajectories process 0 runs the tools for all: streaming.SharedToolsLoop)."""
+  agent trajectories process 0 runs the tools for all: shared_tools.SharedToolsLoop)."""
   roles = c.placement.roles if c.placement.kind == "custom" else {}
   pool = (roles.get("rollout") or {}).get("pool")
   if pool is None or pool == (roles.get("actor") or {}).get("pool"):

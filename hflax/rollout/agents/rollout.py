@@ -24,7 +24,8 @@ import numpy as np
 
 from hflax.models.tokenizer import Tokenizer
 from hflax.rollout.agents.environment import ToolEnvironment
-from hflax.rollout.agents.loop import AgentLoop, to_batch_fields
+from hflax.rollout.agents.loop import to_batch_fields
+from hflax.rollout.agents.shared_tools import agent_loop
 from hflax.rollout.agents.segments import trajectory_rows
 from hflax.rollout.agents.tool_config import Calculator, load_tools
 from hflax.rollout.decoding import SamplingParams
@@ -117,8 +118,9 @@ def multi_turn_rollout(graphdef, state, *, version: int, mesh, sampling: Samplin
   engine = RolloutEngine(graphdef, state, dataclasses.replace(
       sampling, n=1, max_new_tokens=shape.pop("max_new_tokens")), slots=slots, **shape,
       mesh=mesh, version=version, key=rng)
-  loop = AgentLoop(engine, tokenizer, max_turns=settings.max_turns,
-                   max_tokens=width + response_width, rewrite_history=settings.rewrite_history)
+  # Over several processes (a Ray pool's), process 0 runs the tools for all.
+  loop = agent_loop(engine, tokenizer, max_turns=settings.max_turns,
+                    max_tokens=width + response_width, rewrite_history=settings.rewrite_history)
   trajectories, metrics = loop.run(envs, samples)
   fields, infos = trajectory_fields(trajectories, [x for x in extra_info for _ in range(n)],
                                     pad_id=tokenizer.pad_id, prompt_width=width,

@@ -16,27 +16,21 @@ the group's key: sample i * n + j of multi_turn_rollout's batch, so a group gets
 tokens the synchronous rollout gives the same prompt and key.
 
 On an engine spanning several processes (a Ray rollout pool's jax.distributed job), each
-process runs the same loop, and SharedToolsLoop keeps them equal: process 0 alone runs
-the environments and decides which of their steps each engine step admits; the others
-take its observations from a broadcast.
+process runs the same loop, kept equal by hflax.rollout.agents.shared_tools.
 
 Checkpoints hold finished trajectories whole (ids, loss mask, log-probs, versions, turns,
 rewards, stop, counts, segments); an unfinished one is started again from its prompt.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import pickle
 from typing import Hashable
 
 import jax
 import numpy as np
 
-from hflax.rollout.agents.environment import Observation
 from hflax.rollout.agents.loop import AgentLoop, Trajectory, model_versions
 from hflax.rollout.agents.rollout import MultiTurn, environments
-from hflax.rollout.host import broadcast_bytes
 
 
 class Trajectories:
@@ -75,41 +69,6 @@ class Trajectories:
 
   def from_state(self, sample_id: Hashable, group, d: dict) -> Trajectory:
     return trajectory_from_state(sample_id, d)
-
-
-class SharedToolsLoop(AgentLoop):
-  """An AgentLoop run by every process of a jax.distributed job over one engine (each
-  reads the engine's tokens with a collective, so all hold the same requests). A tool is
-  a side effect whose result and latency may differ between processes (a sandbox's
-  timeout, a service's answer), so process 0 alone runs the environment steps and,
-  after each engine step, picks the ones due (as AgentLoop._ready does, lockstep or not)
-  and broadcasts them with their observations: every process then admits the same
-  continuations at the same engine step, and each tool runs once."""
-
-  def _run_environment(self, step) -> concurrent.futures.Future:
-    if jax.process_index() == 0:
-      return super()._run_environment(step)
-    return concurrent.futures.Future()  # stands for process 0's step; never run here
-
-  def _ready(self, stepped: bool) -> list[tuple[Hashable, int, Observation]]:
-    if not self._pending:  # the same pending steps on every process: none to broadcast
-      return []
-    if jax.process_index() != 0:
-      status, value = pickle.loads(broadcast_bytes(None))
-      if status != "ok":
-        raise RuntimeError(f"the agent loop's environment step failed in process 0: {value}")
-      by_step = {step: future for future, step in self._pending.items()}
-      for i, turn, _ in value:
-        del self._pending[by_step[i, turn]]
-      return value
-    try:
-      ready = super()._ready(stepped)
-      payload = pickle.dumps(("ok", ready))
-    except Exception as e:  # the others wait in the broadcast: they raise too
-      broadcast_bytes(pickle.dumps(("error", f"{type(e).__name__}: {e}")))
-      raise
-    broadcast_bytes(payload)
-    return ready
 
 
 def trajectory_state(t: Trajectory) -> dict:
