@@ -114,6 +114,14 @@ CASES = {
                                  "architecture"),
     "missing model directory": (["--config.model.path={t}/no_such_model"],
                                 "config.model.path: no config.json in checkpoint directory"),
+    "LoRA on the router of a dense model": (["--config.model.lora_rank=4",
+                                             "--config.model.target_modules=q_proj,gate"],
+                                            "config.model.target_modules: 'gate' names a "
+                                            "mixture of experts' router"),
+    "LoRA on a shared expert gate the model lacks": (
+        ["--config.model.lora_rank=4", "--config.model.target_modules=shared_expert_gate"],
+        "config.model.target_modules: 'shared_expert_gate' names Qwen2-MoE's shared expert "
+        "gate, but the model has no shared expert"),
     # reward code
     "reward exits": ([R + "exits.py", ONE_STEP],
                      "reward function compute_score (reward_exits.py) raised SystemExit(0)"),
