@@ -207,7 +207,9 @@ def test_the_run_keeps_stepping_through_the_launcher_while_a_class_kills_its_wor
   monkeypatch.setitem(tools_module.PARSERS, "every_turn_exits", EveryTurnCalls)
   c = get_config()
   c.data.builtin.update(data_source="arithmetic_tools")
-  c.data.update(max_prompt_length=160, max_response_length=200)
+  # 2 prompts x 2 samples a step: every call ends its worker, and each replacement is a
+  # fresh interpreter (most of this test's time), so 8 calls a step rather than 16.
+  c.data.update(max_prompt_length=160, max_response_length=200, train_batch_size=2)
   c.rollout.multi_turn.update(enable=True, max_assistant_turns=2, format="every_turn_exits",
                               max_turn_tokens=20, max_tool_response_length=160,
                               tool_config_path=str(path), tool_timeout_s=10)
