@@ -14,12 +14,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "tiny_config.py")
 HEAD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
 CALLS = "import os\nCALLS = [0]\n"  # rows a tiny step scores: 4 prompts x 2 samples
+# Two steps with a checkpoint after each: a reward dying in step 2 (after its 10th row,
+# that step's row 2) leaves checkpoint 1, and a rerun resumes from it to finish step 2.
+STEPS = ("--config.trainer.total_steps=2", "--config.trainer.save_every=1")
 
 BODIES = {
     "exit_at_once": (HEAD + "  import os\n  os._exit(0)\n",
                      "reward function compute_score (exit_at_once.py) ended its worker "
                      "process (exit status 0, as os._exit(0) gives) on row 0"),
-    "exit_after_calls": (CALLS + HEAD + "  CALLS[0] += 1\n  if CALLS[0] > 26:\n    os._exit(0)\n"
+    "exit_after_calls": (CALLS + HEAD + "  CALLS[0] += 1\n  if CALLS[0] > 10:\n    os._exit(0)\n"
                          "  return 1.0\n",
                          "reward function compute_score (exit_after_calls.py) ended its "
                          "worker process (exit status 0, as os._exit(0) gives) on row 2"),
@@ -44,7 +47,7 @@ BODIES = {
 def _args(tmp_path, name, *more):
   return ["--config", TINY, f"--config.trainer.run_dir={tmp_path}/run",
           f"--config.reward.custom_fn.path={tmp_path}/{name}.py", "--config.reward.timeout_s=3",
-          "--config.trainer.total_steps=4", *more]
+          *STEPS, *more]
 
 
 @pytest.mark.parametrize("name", list(BODIES))
@@ -61,13 +64,13 @@ def test_checkpoints_before_a_dying_reward_are_kept_and_a_fixed_reward_resumes(t
                                                                              capsys):
   body, _ = BODIES["exit_after_calls"]
   (tmp_path / "exit_after_calls.py").write_text(body)
-  assert cli(_args(tmp_path, "exit_after_calls")) == 2  # dies in step 4's scoring
+  assert cli(_args(tmp_path, "exit_after_calls")) == 2  # dies in step 2's scoring
   capsys.readouterr()
-  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1"]
   (tmp_path / "exit_after_calls.py").write_text(HEAD + "  return 1.0\n")
   assert cli(_args(tmp_path, "exit_after_calls")) == 0
-  assert "resumed from step 2" in capsys.readouterr().out
-  assert sorted(os.listdir(tmp_path / "run" / "checkpoints"))[-1] == "4"
+  assert "resumed from step 1" in capsys.readouterr().out
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints"))[-1] == "2"
 
 
 def test_through_python_m_hflax_launch_the_status_is_2_not_0(tmp_path):
@@ -80,7 +83,7 @@ def test_through_python_m_hflax_launch_the_status_is_2_not_0(tmp_path):
   assert done.stderr.strip().splitlines()[-1] == f"error: {message}"
 
 
-MEMORY_BOMB = (CALLS + HEAD + "  CALLS[0] += 1\n  if CALLS[0] > 26:  # step 4's scoring\n"
+MEMORY_BOMB = (CALLS + HEAD + "  CALLS[0] += 1\n  if CALLS[0] > 10:  # step 2's scoring\n"
                "    hoard = []\n    while True:\n      hoard.append(bytearray(64 * 2**20))\n"
                "  return 1.0\n")
 
@@ -88,7 +91,7 @@ MEMORY_BOMB = (CALLS + HEAD + "  CALLS[0] += 1\n  if CALLS[0] > 26:  # step 4's 
 def test_a_reward_allocating_without_bound_stops_at_its_memory_limit_then_resumes(tmp_path):
   """Through python -m hflax.launch: the worker's address-space limit
   (reward.memory_limit_gb) turns the blow-up into one line naming the function and file,
-  exit 2, checkpoint 2 intact; the same command with a fixed reward resumes from it."""
+  exit 2, checkpoint 1 intact; the same command with a fixed reward resumes from it."""
   (tmp_path / "memory_bomb.py").write_text(MEMORY_BOMB)
   env = {**os.environ, "PYTHONPATH": ROOT}
   command = [sys.executable, "-m", "hflax.launch", *_args(tmp_path, "memory_bomb"),
@@ -102,13 +105,13 @@ def test_a_reward_allocating_without_bound_stops_at_its_memory_limit_then_resume
   assert last.startswith("error: reward function compute_score (memory_bomb.py) raised "
                          "MemoryError (memory_bomb.py:"), last
   assert last.endswith("over its worker's memory limit, reward.memory_limit_gb=0.5 on row 2"), last
-  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1"]
   (tmp_path / "memory_bomb.py").write_text(HEAD + "  return 1.0\n")
   done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
                         timeout=600)
   assert done.returncode == 0, done.stderr
-  assert "resumed from step 2" in done.stdout, done.stdout
-  assert sorted(os.listdir(tmp_path / "run" / "checkpoints"))[-1] == "4"
+  assert "resumed from step 1" in done.stdout, done.stdout
+  assert sorted(os.listdir(tmp_path / "run" / "checkpoints"))[-1] == "2"
 
 
 def test_memory_limit_gb_is_checked(tmp_path, capsys):
