@@ -33,11 +33,11 @@ def test_packed_row_matches_each_sequence_alone(remat):
   a, b = _tokens(5, 1), _tokens(7, 2)
   packed = np.concatenate([a, b, np.zeros((1, 2), np.int32)], axis=1)
   seg = np.asarray([[1] * 5 + [2] * 7 + [0] * 2], np.int32)
-  _, hidden = forward(graphdef, state, jnp.asarray(packed), None,
-                      segment_ids_BxT=jnp.asarray(seg))
+  hidden_of = jax.jit(lambda state, *a, **kw: forward(graphdef, state, *a, **kw)[1])
+  hidden = hidden_of(state, jnp.asarray(packed), None, segment_ids_BxT=jnp.asarray(seg))
   assert np.isfinite(np.asarray(hidden)).all()  # pad queries see no key, yet stay finite
   for tokens, cols in ((a, slice(0, 5)), (b, slice(5, 12))):
-    _, alone = forward(graphdef, state, jnp.asarray(tokens), jnp.ones_like(tokens))
+    alone = hidden_of(state, jnp.asarray(tokens), jnp.ones_like(tokens))
     np.testing.assert_allclose(hidden[:, cols], alone, atol=2e-5, rtol=2e-5)
 
 
@@ -49,32 +49,45 @@ def test_segment_ids_with_a_cache_are_refused():
           cache=init_cache(CFG, 1, 4), segment_ids_BxT=jnp.ones((1, 4), jnp.int32))
 
 
-def _prefill(model, prompt, S):
+@functools.cache
+def _cached_call(graphdef):
+  """The model's call with a cache, compiled once per shape (not op by op): (logits,
+  cache). slot0 is traced: an int is a shared slot (a scalar), an int32 [B] each row's."""
+  @jax.jit
+  def call(state, tokens, positions, kv_valid, cache, slot0):
+    model = nnx.merge(graphdef, state)
+    hidden, cache = model(tokens, positions, kv_valid, cache=cache, slot0=slot0)
+    return model.logits(hidden), cache
+  return call
+
+
+def _prefill(graphdef, state, prompt, S):
   """The cache and kv_valid of one row prefilled with `prompt` at slots 0..len-1."""
   L = prompt.shape[1]
   kv_valid = jnp.zeros((1, S), bool).at[:, :L].set(True)
   tokens = jnp.pad(jnp.asarray(prompt), ((0, 0), (0, S - L)))
-  _, cache = model(tokens[:, :L], jnp.arange(L)[None], kv_valid, cache=init_cache(CFG, 1, S))
+  _, cache = _cached_call(graphdef)(state, tokens[:, :L], jnp.arange(L)[None], kv_valid,
+                                    init_cache(CFG, 1, S), 0)
   return cache, kv_valid
 
 
 @pytest.mark.parametrize("T", [1, 3])
 def test_rows_decoding_at_their_own_slots_match_each_row_alone(T):
-  model = nnx.merge(*create(CFG))
+  graphdef, state = create(CFG)
+  call = _cached_call(graphdef)
   S, lengths = 16, (4, 9)
-  rows = [_prefill(model, _tokens(L, 10 + L), S) for L in lengths]
+  rows = [_prefill(graphdef, state, _tokens(L, 10 + L), S) for L in lengths]
   new = [_tokens(T, 20 + L) for L in lengths]
   alone = []
   for (cache, kv_valid), L, tok in zip(rows, lengths, new):
     kv_valid = kv_valid.at[:, L:L + T].set(True)
-    hidden, _ = model(jnp.asarray(tok), L + jnp.arange(T)[None], kv_valid, cache=cache, slot0=L)
-    alone.append(model.logits(hidden))
+    alone.append(call(state, jnp.asarray(tok), L + jnp.arange(T)[None], kv_valid, cache, L)[0])
   cache = jax.tree.map(lambda *r: jnp.concatenate(r), *[c for c, _ in rows])
   kv_valid = jnp.concatenate([v.at[:, L:L + T].set(True) for (_, v), L in zip(rows, lengths)])
   slot0 = jnp.asarray(lengths, jnp.int32)
-  hidden, cache = model(jnp.asarray(np.concatenate(new)), slot0[:, None] + jnp.arange(T),
-                        kv_valid, cache=cache, slot0=slot0)
-  np.testing.assert_allclose(model.logits(hidden), np.concatenate(alone), atol=2e-5, rtol=2e-5)
+  logits, cache = call(state, jnp.asarray(np.concatenate(new)), slot0[:, None] + jnp.arange(T),
+                       kv_valid, cache, slot0)
+  np.testing.assert_allclose(logits, np.concatenate(alone), atol=2e-5, rtol=2e-5)
   # Each row's new K/V sit at its own columns, the other columns untouched.
   for b, ((row_cache, _), L) in enumerate(zip(rows, lengths)):
     np.testing.assert_array_equal(cache[0]["v"][b, :, :L], row_cache[0]["v"][0, :, :L])
@@ -102,6 +115,13 @@ def _qkv(B, T, S, H, KV, Dh, seed=0):
   return (jnp.asarray(r.randn(B, T, H, Dh), jnp.float32),
           jnp.asarray(r.randn(B, KV, Dh, S), jnp.float32),
           jnp.asarray(r.randn(B, KV, S, Dh), jnp.float32))
+
+
+def _jit_value_and_grad(fn, has_aux=True):
+  """value_and_grad over (q, k, v) as one compiled program: run eagerly, every op and
+  every loop body of the backward pass compiles on its own, which costs these tests more
+  than computing."""
+  return jax.jit(jax.value_and_grad(fn, (0, 1, 2), has_aux=has_aux))
 
 
 def _masks(case, B, T, S):
@@ -144,10 +164,9 @@ def test_blockwise_matches_reference_in_values_and_gradients(case, T, S, q_block
     return jnp.sum(jnp.where(rows, out, 0) * w), out
 
   blk = functools.partial(attention.blockwise, q_block=q_block, k_block=k_block)
-  (_, want), grads_want = jax.value_and_grad(functools.partial(loss, attention.reference),
-                                             (0, 1, 2), has_aux=True)(q, k, v)
-  (_, got), grads_got = jax.value_and_grad(functools.partial(loss, blk), (0, 1, 2),
-                                           has_aux=True)(q, k, v)
+  (_, want), grads_want = _jit_value_and_grad(functools.partial(loss, attention.reference))(
+      q, k, v)
+  (_, got), grads_got = _jit_value_and_grad(functools.partial(loss, blk))(q, k, v)
   assert np.isfinite(np.asarray(got)).all()
   np.testing.assert_allclose(np.where(seen[:, :, None, None], got, 0),
                              np.where(seen[:, :, None, None], want, 0), atol=2e-6)
@@ -180,8 +199,8 @@ def test_reference_gradient_matches_autodiff(case, T, S):
     return jnp.sum(impl(q, k, v, valid, slot, seg, seg) * w)
 
   assert seen.all() == (case == "per_row_slots")  # else some query sees nothing
-  got = jax.grad(functools.partial(loss, attention.reference), (0, 1, 2))(q, k, v)
-  want = jax.grad(functools.partial(loss, _dense_autodiff), (0, 1, 2))(q, k, v)
+  got = jax.jit(jax.grad(functools.partial(loss, attention.reference), (0, 1, 2)))(q, k, v)
+  want = jax.jit(jax.grad(functools.partial(loss, _dense_autodiff), (0, 1, 2)))(q, k, v)
   for g, want_g in zip(got, want):
     np.testing.assert_allclose(g, want_g, atol=1e-5)
 
@@ -200,18 +219,20 @@ def test_bfloat16_reference_gradients_stay_near_float32_and_reduce_over_head_dim
 
   ref = functools.partial(loss, attention.reference)
   low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-  grads = jax.grad(ref, (0, 1, 2))(*low)
-  want = jax.grad(ref, (0, 1, 2))(*[x.astype(jnp.float32) for x in low])
+  compiled = {name: jax.jit(jax.grad(fn, (0, 1, 2))).lower(*low).compile()
+              for name, fn in (("ref", ref), ("dense", functools.partial(loss, _dense_autodiff)))}
+  grads = compiled["ref"](*low)  # the program whose reductions are counted below
+  want = jax.jit(jax.grad(ref, (0, 1, 2)))(*[x.astype(jnp.float32) for x in low])
   for g, r in zip(grads, want):
     assert g.dtype == jnp.bfloat16
     err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)))
     assert err <= 3e-2 * float(jnp.max(jnp.abs(r))), err
 
-  def over_keys(fn):
-    text = jax.jit(jax.grad(fn, (0, 1, 2))).lower(*low).compile().as_text()
+  def over_keys(name):
+    text = compiled[name].as_text()
     return len(re.findall(rf"= \w+\[{B},{KV},{H // KV},{T}\]\S* reduce\(", text))
-  assert over_keys(ref) == 2
-  assert over_keys(functools.partial(loss, _dense_autodiff)) == 3  # what the test tells apart
+  assert over_keys("ref") == 2
+  assert over_keys("dense") == 3  # what the test tells apart
 
 
 def test_bfloat16_blockwise_gradients_read_bfloat16_and_stay_near_float32():
@@ -229,14 +250,14 @@ def test_bfloat16_blockwise_gradients_read_bfloat16_and_stay_near_float32():
 
   blk = functools.partial(attention.blockwise, q_block=16, k_block=16)
   low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-  grads = jax.grad(functools.partial(loss, blk), (0, 1, 2))(*low)
-  want = jax.grad(functools.partial(loss, attention.reference), (0, 1, 2))(
+  compiled = jax.jit(jax.grad(functools.partial(loss, blk), (0, 1, 2))).lower(*low).compile()
+  grads = compiled(*low)  # the program whose dots are read below
+  want = jax.jit(jax.grad(functools.partial(loss, attention.reference), (0, 1, 2)))(
       *[x.astype(jnp.float32) for x in low])
   for g, ref in zip(grads, want):
     assert g.dtype == jnp.bfloat16
     err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - ref)))
     assert err <= 3e-2 * float(jnp.max(jnp.abs(ref))), err
-  compiled = jax.jit(jax.grad(functools.partial(loss, blk), (0, 1, 2))).lower(*low).compile()
   reads = dot_operand_types(compiled.as_text())
   assert reads and all(r == ("bf16", "bf16") for r in reads), reads
 
@@ -262,7 +283,8 @@ def test_cudnn_arguments_match_reference(monkeypatch):
     np.testing.assert_allclose(np.where(rows, got, 0), np.where(rows, want, 0), atol=2e-6)
 
     def grad(f):
-      return jax.grad(lambda *a: jnp.sum(jnp.where(rows, f(*a), 0) ** 2), (0, 1, 2))(q, k, v)
+      return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.where(rows, f(*a), 0) ** 2),
+                              (0, 1, 2)))(q, k, v)
 
     for g, want_g in zip(grad(lambda *a: attention.cudnn(*a, jnp.asarray(mask),
                                                          implementation="xla")),
@@ -328,7 +350,8 @@ def test_model_loss_and_gradients_match_reference(monkeypatch, packed):
   results = []
   for impl in ("reference", "blockwise"):
     graphdef, state = create(CFG.replace(attention=impl))
-    results.append(jax.value_and_grad(functools.partial(loss, graphdef), has_aux=True)(state))
+    results.append(jax.jit(jax.value_and_grad(functools.partial(loss, graphdef),
+                                              has_aux=True))(state))
   (_, logits_ref), grads_ref = results[0]
   (_, logits_blk), grads_blk = results[1]
   np.testing.assert_allclose(logits_blk, logits_ref, atol=2e-5)
@@ -464,7 +487,7 @@ def test_blockwise_computes_only_the_score_blocks_within_the_bounds(monkeypatch)
                               seg_ids, seg_ids, q_block=4, k_block=4)
     return jnp.sum(out ** 2)
 
-  jax.block_until_ready(jax.grad(loss, (0, 1, 2))(q, k, v))
+  jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
   jax.effects_barrier()
   # 1 + 1 + 2 + 2 blocks forward and again backward; causality alone would leave 1+2+3+4.
   assert len(computed) == 2 * 6
@@ -487,11 +510,10 @@ def test_blockwise_matches_reference_on_packed_rows(q_block, k_block):
     return jnp.sum(jnp.where(keep, out, 0) * w), out
 
   blk = functools.partial(attention.blockwise, q_block=q_block, k_block=k_block)
-  (_, want), grads_want = jax.value_and_grad(functools.partial(loss, attention.reference, rows),
-                                             (0, 1, 2), has_aux=True)(q, k, v)
+  (_, want), grads_want = _jit_value_and_grad(functools.partial(loss, attention.reference,
+                                                                rows))(q, k, v)
   # Blockwise pads output a constant 0, so weighting them too changes no gradient.
-  (_, got), grads_got = jax.value_and_grad(functools.partial(loss, blk, True), (0, 1, 2),
-                                           has_aux=True)(q, k, v)
+  (_, got), grads_got = _jit_value_and_grad(functools.partial(loss, blk, True))(q, k, v)
   assert np.isfinite(np.asarray(got)).all()
   assert not np.asarray(got)[~real].any()  # pads see nothing
   np.testing.assert_allclose(np.where(rows, got, 0), np.where(rows, want, 0), atol=2e-6)
@@ -562,11 +584,11 @@ def test_prefix_ids_match_a_dense_mask_in_values_and_gradients(impl):
   def loss(out):
     return jnp.sum(jnp.where(real, out, 0) * w)
 
-  want, grads_want = jax.value_and_grad(lambda q, k, v: loss(_dense(q, k, v, seen)),
-                                        (0, 1, 2))(q, k, v)
-  got, grads_got = jax.value_and_grad(lambda q, k, v: loss(fns[impl](q, k, v, *args)),
-                                      (0, 1, 2))(q, k, v)
-  out = fns[impl](q, k, v, *args)
+  want, grads_want = _jit_value_and_grad(lambda q, k, v: loss(_dense(q, k, v, seen)),
+                                         has_aux=False)(q, k, v)
+  got, grads_got = _jit_value_and_grad(lambda q, k, v: loss(fns[impl](q, k, v, *args)),
+                                       has_aux=False)(q, k, v)
+  out = jax.jit(fns[impl])(q, k, v, *args)
   assert np.isfinite(np.asarray(out)).all()
   np.testing.assert_allclose(np.where(real, out, 0), np.where(real, _dense(q, k, v, seen), 0),
                              atol=2e-6)
@@ -574,7 +596,7 @@ def test_prefix_ids_match_a_dense_mask_in_values_and_gradients(impl):
   for g, want_g in zip(grads_got, grads_want):
     np.testing.assert_allclose(g, want_g, atol=1e-5)
   # Without prefix ids every response sees only itself: a different result.
-  alone = fns[impl](q, k, v, *args[:4])
+  alone = jax.jit(fns[impl])(q, k, v, *args[:4])
   assert np.abs(np.where(real, alone - out, 0)).max() > 1e-2
 
 
@@ -608,10 +630,11 @@ def test_blockwise_skips_the_other_responses_between_a_response_and_its_prompt(m
   ids = (jnp.asarray(seg > 0), jnp.arange(16)[None], jnp.asarray(seg), jnp.asarray(seg),
          jnp.asarray(prefix))
   loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)  # noqa: E731
-  got = jax.value_and_grad(loss(lambda q, k, v: blk(q, k, v, *ids)), (0, 1, 2))(q, k, v)
+  got = _jit_value_and_grad(loss(lambda q, k, v: blk(q, k, v, *ids)), has_aux=False)(q, k, v)
   jax.effects_barrier()
   assert len(computed) == 2 * 7  # forward and backward, against 2 * 10 within the bounds
-  want = jax.value_and_grad(loss(lambda q, k, v: _dense(q, k, v, seen)), (0, 1, 2))(q, k, v)
+  want = _jit_value_and_grad(loss(lambda q, k, v: _dense(q, k, v, seen)), has_aux=False)(
+      q, k, v)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   for g, want_g in zip(got[1], want[1]):
     np.testing.assert_allclose(g, want_g, atol=1e-5)
@@ -654,7 +677,9 @@ def test_packed_rows_of_short_sequences_take_the_narrow_key_blocks(monkeypatch):
     def loss(q, k, v):
       return jnp.sum(real * attention.blockwise(q, k, v, *masks, **blocks) ** 2)
     before = len(computed)
-    value, grads = jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+    # One compiled program a run (eager dispatch compiles each op and scan body apart);
+    # a fresh jit each time, since SHORT_SEGMENT_KEYS is read when it is traced.
+    value, grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
     jax.effects_barrier()
     return len(computed) - before, value, grads
 
@@ -668,8 +693,8 @@ def test_packed_rows_of_short_sequences_take_the_narrow_key_blocks(monkeypatch):
     np.testing.assert_allclose(f32(got[1]), f32(want[1]), rtol=1e-6)
     for g, w in zip(got[2], want[2]):
       np.testing.assert_allclose(f32(g), f32(w), rtol=1e-5, atol=1e-6)
-  ref = jax.grad(lambda q, k, v: jnp.sum(real * attention.reference(q, k, v, *masks) ** 2),
-                 (0, 1, 2))(q, k, v)
+  ref = jax.jit(jax.grad(lambda q, k, v: jnp.sum(real * attention.reference(q, k, v, *masks)
+                                                 ** 2), (0, 1, 2)))(q, k, v)
   for g, r in zip(narrow[2], ref):
     err = np.abs(f32(g) - f32(r)).max()
     assert err <= 0.02 * np.abs(f32(r)).max(), err
