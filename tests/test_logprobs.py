@@ -51,10 +51,13 @@ def test_chunked_log_probs_and_entropy_match_reference(pair, chunk, temperature)
 def test_last_columns_equal_the_full_computation(pair, last):
   # last=width projects only the response columns onto the vocabulary (the actor's update
   # and log-prob passes): values and gradients must be the full pass's, sliced.
+  # Compiled, not run op by op: the full pass (shared by the three cases) and each
+  # gradient is one program.
   _, graphdef, state = pair
   ids, mask = map(jnp.asarray, _batch())
-  full = sequence_log_probs(graphdef, state, ids, mask, chunk=5)
-  tail = sequence_log_probs(graphdef, state, ids, mask, chunk=5, last=last)
+  log_probs = jax.jit(sequence_log_probs, static_argnums=0, static_argnames=("chunk", "last"))
+  full = log_probs(graphdef, state, ids, mask, chunk=5)
+  tail = log_probs(graphdef, state, ids, mask, chunk=5, last=last)
   for a, b in zip(full, tail):
     assert b.shape == (3, last)
     np.testing.assert_allclose(np.asarray(b), np.asarray(a[:, -last:]), atol=1e-6)
@@ -63,9 +66,10 @@ def test_last_columns_equal_the_full_computation(pair, last):
     logp, entropy = sequence_log_probs(graphdef, state, ids, mask, chunk=5, last=last)
     return logp[:, -last:].sum() + 0.1 * entropy[:, -last:].sum()
 
-  grad_full = jax.grad(lambda s: (lambda lp, en: lp[:, -last:].sum() + 0.1 * en[:, -last:].sum())(
-      *sequence_log_probs(graphdef, s, ids, mask, chunk=5)))(state)
-  grad_tail = jax.grad(loss)(state, last)
+  grad_full = jax.jit(jax.grad(
+      lambda s: (lambda lp, en: lp[:, -last:].sum() + 0.1 * en[:, -last:].sum())(
+          *sequence_log_probs(graphdef, s, ids, mask, chunk=5))))(state)
+  grad_tail = jax.jit(jax.grad(loss), static_argnums=1)(state, last)
   for a, b in zip(jax.tree.leaves(grad_full), jax.tree.leaves(grad_tail)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
@@ -104,8 +108,8 @@ def test_chunks_past_the_count_are_skipped_not_changed(pair):
     keep = jnp.arange(ids.shape[1] - 1) < count
     return jnp.sum(jnp.where(keep, logp + 0.1 * entropy, 0.0))
 
-  full = run(state, None)
   part_of = jax.jit(run)
+  full = part_of(state, None)
   grad_of = jax.jit(jax.grad(loss), static_argnums=2)
   for count in (0, 5, 11, 19):
     part = part_of(state, jnp.int32(count))
