@@ -25,9 +25,9 @@ STEPS = 6  # tiny_config saves every 2 steps
 BOUND = 2
 
 
-def _command(run_dir, *extra):
+def _command(run_dir, *extra, steps=STEPS):
   return [sys.executable, "-m", "hflax.launch", "--config", TINY,
-          f"--config.trainer.run_dir={run_dir}", f"--config.trainer.total_steps={STEPS}",
+          f"--config.trainer.run_dir={run_dir}", f"--config.trainer.total_steps={steps}",
           *extra]
 
 
@@ -48,15 +48,17 @@ def _finish(command, cwd):
 
 
 def test_one_step_off_killed_then_resumed_equals_uninterrupted(tmp_path):
+  """Killed in step 4 of 4: the checkpoint of step 2 holds step 3's pre-generated batch,
+  and the resumed run retrains steps 3 and 4 to the uninterrupted run's weights."""
   mode = ("--config.trainer.mode=one_step_off", "--config.actor.optim.lr=0.003")
   straight = tmp_path / "straight" / "run"
   straight.parent.mkdir()
-  _finish(_command(straight, *mode), straight.parent)
+  _finish(_command(straight, *mode, steps=4), straight.parent)
   killed = tmp_path / "killed" / "run"
   killed.parent.mkdir()
-  _kill_after_step(_command(killed, *mode), killed, killed.parent, 3)
+  _kill_after_step(_command(killed, *mode, steps=4), killed, killed.parent, 3)
   assert not (killed / "hf_actor").exists()
-  _finish(_command(killed, *mode), killed.parent)
+  _finish(_command(killed, *mode, steps=4), killed.parent)
   assert _records(killed) == _records(straight)
   assert _md5s(killed / "hf_actor") == _md5s(straight / "hf_actor")
 
