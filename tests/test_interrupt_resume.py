@@ -2,8 +2,9 @@
 (its files in orbax's temporary directory, not yet committed: the test pause
 HFLAX_TEST_PAUSE holds it there), through python -m hflax.launch: one line, exit status
 130 / 143, no traceback, naming the checkpoint a rerun resumes from; the same command then
-resumes from it and finishes the run, and its metrics (less timings) and its exported
-model's files are identical to an uninterrupted run's. kill -9 likewise, mid-run and then
+resumes from it (interrupted at random first, its rerun is the one interrupted mid-write)
+and finishes the run, and its metrics (less timings) and its exported model's files are
+identical to an uninterrupted run's. kill -9 likewise, mid-run and then
 mid-export, with a second launcher on the same run_dir refused at once while the first
 holds it.
 
@@ -23,7 +24,7 @@ from hflax.launch import atomic_export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "tiny_config.py")
-STEPS = 6  # tiny_config saves every 2 steps
+STEPS = 4  # tiny_config saves every 2 steps: a run with a checkpoint before its last
 ENV = {**os.environ, "PYTHONPATH": ROOT}
 ENV.pop("HFLAX_TEST_PAUSE", None)
 
@@ -76,81 +77,94 @@ def _holds_lock(proc, run_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   """Its metrics, its export's md5s, and the seconds from taking the run_dir lock to
-  logging step STEPS - 2 (the span a random interrupt is drawn from)."""
+  logging step STEPS - 1 (the span a random interrupt is drawn from: model build, compile,
+  the steps before the first checkpoint, its write, and the step after it)."""
   run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
   proc = subprocess.Popen(_command(run_dir), env=ENV, cwd=run_dir.parent,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   _wait(proc, _holds_lock(proc, run_dir), "run_dir lock")
   began = time.monotonic()
-  _wait(proc, lambda: _logged(run_dir) >= STEPS - 2, f"step {STEPS - 2} logged")
+  _wait(proc, lambda: _logged(run_dir) >= STEPS - 1, f"step {STEPS - 1} logged")
   span = time.monotonic() - began
   _, err = proc.communicate(timeout=600)
   assert proc.returncode == 0, err
   return _records(run_dir), _md5s(run_dir / "hf_actor"), span
 
 
-@pytest.mark.parametrize("moment", ["random", "checkpoint_write"])
-@pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"),
-                                                  (signal.SIGTERM, 143, "terminated (SIGTERM)")])
-def test_interrupted_then_resumed_equals_uninterrupted(uninterrupted, tmp_path, moment, signum,
-                                                       status, said):
-  run_dir = tmp_path / "run"
-  env = dict(ENV)
-  seed = random.randrange(2**32)
-  rng = random.Random(seed)
-  if moment == "checkpoint_write":
-    env["HFLAX_TEST_PAUSE"] = "checkpoint=3"  # each write waits 3 s before its commit
-  proc = subprocess.Popen(_command(run_dir), env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  checkpoints = run_dir / "checkpoints"
-  if moment == "checkpoint_write":  # step 4's write, with step 2's committed before it
-    _wait(proc, lambda: checkpoints.is_dir() and any(
-        n.startswith("4.orbax-checkpoint-tmp") for n in os.listdir(checkpoints)),
-        "temporary directory of checkpoint 4")
-    time.sleep(0.5)
-    moment_said = "during the write of checkpoint 4"
-  else:  # a moment drawn from the uninterrupted run's span: model build, compile, steps
-    delay = rng.uniform(0, uninterrupted[2])
-    _wait(proc, _holds_lock(proc, run_dir), "run_dir lock")
-    began = time.monotonic()
-    # ... and before step STEPS - 2 at the latest, should this run go faster.
-    _wait(proc, lambda: time.monotonic() - began >= delay or _logged(run_dir) >= STEPS - 2,
-          "the moment")
-    moment_said = (f"{time.monotonic() - began:.3f} s after the lock (drawn {delay:.3f} s, "
-                   f"seed {seed}), step {_logged(run_dir)} logged")
+def _interrupted(proc, signum, status, said, run_dir, moment_said):
+  """Sends signum; checks the one line the launcher says and its exit status. Returns its
+  stdout, that line, and the step of the checkpoint it names (None: none saved yet)."""
   proc.send_signal(signum)
-  _, err = proc.communicate(timeout=120)
+  out, err = proc.communicate(timeout=120)
   assert proc.returncode == status, (moment_said, err)
   assert "Traceback" not in err and "Error" not in err, (moment_said, err)
   lines = err.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith(f"{said}: "), (moment_said, err)
-  if moment == "checkpoint_write":
-    assert lines[0] == (f"{said}: the same command resumes from the checkpoint of step 2 in "
-                        f"{checkpoints}"), err
   if "resumes from the checkpoint of step " in lines[0]:
     step = int(lines[0].split("step ")[1].split()[0])
-    assert step >= 2 and os.path.isdir(checkpoints / str(step)), (moment_said, err)
-  else:  # interrupted before the first checkpoint
-    step = None
-    assert lines[0] == (f"{said}: no checkpoint saved in {run_dir} yet; the same command "
-                        "starts afresh"), (moment_said, err)
+    assert step >= 2 and os.path.isdir(run_dir / "checkpoints" / str(step)), (moment_said, err)
+    return out, lines[0], step
+  assert lines[0] == (f"{said}: no checkpoint saved in {run_dir} yet; the same command "
+                      "starts afresh"), (moment_said, err)
+  return out, lines[0], None
+
+
+@pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"),
+                                                  (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_interrupted_at_random_then_mid_checkpoint_write_then_resumed_equals_uninterrupted(
+    uninterrupted, tmp_path, signum, status, said):
+  """Three launches of one command on one run_dir. The first is interrupted at a random
+  moment; the second resumes from the checkpoint the first named (or starts afresh) and is
+  interrupted while checkpoint 4 is written, step 2's committed; the third resumes from
+  step 2 and finishes equal to the uninterrupted run, no write left over."""
+  run_dir = tmp_path / "run"
+  checkpoints = run_dir / "checkpoints"
+  seed = random.randrange(2**32)
+  rng = random.Random(seed)
+  proc = subprocess.Popen(_command(run_dir), env=ENV, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  # A moment drawn from the uninterrupted run's span: model build, compile, steps ...
+  delay = rng.uniform(0, uninterrupted[2])
+  _wait(proc, _holds_lock(proc, run_dir), "run_dir lock")
+  began = time.monotonic()
+  # ... and before step STEPS - 1 at the latest, should this run go faster.
+  _wait(proc, lambda: time.monotonic() - began >= delay or _logged(run_dir) >= STEPS - 1,
+        "the moment")
+  moment_said = (f"{time.monotonic() - began:.3f} s after the lock (drawn {delay:.3f} s, "
+                 f"seed {seed}), step {_logged(run_dir)} logged")
+  _, _, step = _interrupted(proc, signum, status, said, run_dir, moment_said)
+
+  # The same command again, each checkpoint write held 3 s before its commit.
+  env = {**ENV, "HFLAX_TEST_PAUSE": "checkpoint=3", "PYTHONUNBUFFERED": "1"}
+  proc = subprocess.Popen(_command(run_dir), env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  _wait(proc, lambda: checkpoints.is_dir() and any(
+      n.startswith("4.orbax-checkpoint-tmp") for n in os.listdir(checkpoints)),
+      "temporary directory of checkpoint 4")
+  time.sleep(0.5)
+  out, line, _ = _interrupted(proc, signum, status, said, run_dir,
+                              "during the write of checkpoint 4")
+  assert line == (f"{said}: the same command resumes from the checkpoint of step 2 in "
+                  f"{checkpoints}"), (moment_said, line)
+  if step is None:
+    assert "resumed from step" not in out, (moment_said, out)
+  else:
+    assert f"resumed from step {step} " in out, (moment_said, out)
+
   done = subprocess.run(_command(run_dir), env=ENV, cwd=tmp_path, capture_output=True,
                         text=True, timeout=600)
   assert done.returncode == 0, (moment_said, done.stderr)
-  if step is None:
-    assert "resumed from step" not in done.stdout, (moment_said, done.stdout)
-  else:
-    assert f"resumed from step {step} " in done.stdout, (moment_said, done.stdout)
+  assert "resumed from step 2 " in done.stdout, (moment_said, done.stdout)
   metrics, md5s, _ = uninterrupted
   assert _records(run_dir) == metrics, moment_said
   assert _md5s(run_dir / "hf_actor") == md5s, moment_said
-  assert sorted(os.listdir(checkpoints)) == ["4", "6"], moment_said  # no write left over
+  assert sorted(os.listdir(checkpoints)) == ["2", "4"], moment_said  # no write left over
 
 
 def test_second_launcher_refused_kill_9_mid_run_and_mid_export_then_resume_equals_uninterrupted(
     uninterrupted, tmp_path):
   """While the first launcher holds the run_dir, a second exits 2 at once naming it. kill -9
-  after step 3, 4 or 5 (a checkpoint is written every 2 steps) frees the lock; the same
+  after step 3 (past the checkpoint of step 2, before the last) frees the lock; the same
   command resumes, and kill -9 again while its export is half written (HFLAX_TEST_PAUSE
   holds it after the weights, before the tokenizer) leaves no hf_actor, only
   hf_actor.incomplete-<pid>/ marked INCOMPLETE. The same command then resumes at the last
