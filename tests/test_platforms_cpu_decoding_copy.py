@@ -19,7 +19,7 @@ from hflax.platforms.cpu.decoding_copy import (available_memory, build_leaves, d
 from hflax.models.lora import lora_config
 from hflax.models.matmul import LOW_LEFT_MIN_ROWS
 from hflax.models.tokenizer import load_tokenizer
-from hflax.models.transformer import Dense
+from hflax.models.transformer import Dense, create_abstract
 from hflax.rollout import SamplingParams, generate, left_pad
 from hflax.rollout.sampler import _generate, generate_over_rows, placed, replicate
 from hflax.sharding.hybrid_engine import HybridEngine
@@ -457,9 +457,11 @@ def test_smollm2_greedy_tokens_through_each_kernel(monkeypatch):
                           pad_id=tok.pad_id)
   ways = {"kernels": ("1", "1"), "xla_attention": ("1", "0"), "xla_matmuls": ("0", "1")}
   out = {}
+  # One load: float32 storage for both compute dtypes, so the weights are the same arrays;
+  # only the graphdef (the compute dtype) differs between the two.
+  cfg, _, state = hf.load_checkpoint("smollm2-135m-instruct", param_dtype="float32")
   for dtype in ("float32", "bfloat16"):
-    _, graphdef, state = hf.load_checkpoint("smollm2-135m-instruct", dtype=dtype,
-                                            param_dtype="float32")
+    graphdef = create_abstract(cfg.replace(dtype=dtype))[0]
     for way, (matmul, attention) in ways.items():
       monkeypatch.setenv(cpu_matmul.ENV, matmul)
       monkeypatch.setenv(cpu_attention.ENV, attention)
