@@ -12,6 +12,7 @@ Runs only inside a loopback-only network namespace (../shared/bin/netless), else
 """
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -148,12 +149,19 @@ def test_split_one_step_off_on_ray_is_the_local_split(tmp_path, ray_session):
   for step in (2, 3):
     assert metrics[step]["rollout/staleness_1"] == 1.0
   assert_synced(metrics, sum(x.nbytes for x in jax.tree.leaves(params)))
-  # Stopped after step 2 (its checkpoint holds step 3's batch, sampled on the rollout
-  # pool) and continued to step 3 in new processes: the uninterrupted run's step 3.
-  c = config(tmp_path, "resumed", "ray", mode="one_step_off", steps=2)
-  run(c)
-  c.trainer.update(total_steps=3, resume=True)
+  # Continued from step 2 in new processes: the uninterrupted run's step 3. The run above
+  # wrote checkpoint 2 (trainer.save_every=2) exactly as a run stopped after step 2 writes
+  # it (the same save, holding step 3's batch sampled on the rollout pool), so its
+  # checkpoints without step 3's (the driver's and each pool's) are the stopped run's,
+  # without training its 2 steps again.
+  c = config(tmp_path, "resumed", "ray", mode="one_step_off", steps=3)
+  checkpoints = tmp_path / "resumed" / "checkpoints"
+  shutil.copytree(tmp_path / "ray" / "checkpoints", checkpoints)
+  for step_3 in [checkpoints / "3", *checkpoints.glob("pools/*/3")]:
+    shutil.rmtree(step_3)
+  c.trainer.resume = True
   resumed = run(c)
+  assert sorted(resumed[1]) == [3]  # it trained step 3 alone
   assert_same(last_step(resumed), last_step(ray_run))
 
 
