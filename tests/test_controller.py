@@ -35,11 +35,29 @@ def reference():
   return workers, batch, metrics
 
 
+@pytest.fixture(scope="module")
+def first_step():
+  """Each placement's workers after one PPO step on prompts_batch(), built once a module:
+  later tests go on from them (the split pools' concurrency, the colocated optimizer
+  offload) instead of compiling the same programs again. Returns (workers, batch,
+  metrics, the actor's and critic's parameters as they were right after the step)."""
+  done = {}
+
+  def get(name):
+    if name not in done:
+      workers = build_workers(PLACEMENTS[name])
+      batch, metrics = ppo_step(workers, prompts_batch())
+      params = {role: [np.asarray(x) for x in jax.tree.leaves(workers[role].params)]
+                for role in ("actor", "critic")}
+      done[name] = workers, batch, metrics, params
+    return done[name]
+  return get
+
+
 @pytest.mark.parametrize("name", list(PLACEMENTS))
-def test_ppo_step_matches_single_device(name, reference):
+def test_ppo_step_matches_single_device(name, reference, first_step):
   ref_workers, ref_batch, ref_metrics = reference
-  workers = build_workers(PLACEMENTS[name])
-  batch, metrics = ppo_step(workers, prompts_batch())
+  workers, batch, metrics, params = first_step(name)
   np.testing.assert_array_equal(np.asarray(batch["responses"]), np.asarray(ref_batch["responses"]))
   for key in ("old_log_probs", "ref_log_prob", "values", "token_level_scores", "advantages"):
     np.testing.assert_allclose(np.asarray(batch[key]), np.asarray(ref_batch[key]), atol=2e-5,
@@ -52,8 +70,8 @@ def test_ppo_step_matches_single_device(name, reference):
   # error, so a few of 20k elements differ by 1e-5..1e-4; a lost or doubled shard would
   # move them by about lr (1e-2).
   for role in ("actor", "critic"):
-    for a, b in zip(jax.tree.leaves(workers[role].params), jax.tree.leaves(ref_workers[role].params)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+    for a, b in zip(params[role], jax.tree.leaves(ref_workers[role].params)):
+      np.testing.assert_allclose(a, np.asarray(b), atol=1e-4)
   # Each role really lives on its own pool's devices.
   pools = {r: set(w.mesh.devices.flat) for r, w in workers.items()}
   if name == "standalone":
@@ -80,21 +98,20 @@ def test_placement_errors_name_the_field():
     build_placement({"pools": {"a": 4}, "roles": {"actor": {"pool": "a", "generate_tensr": 2}}})
 
 
-def test_rows_the_data_parallel_size_does_not_divide_are_padded():
-  """5 prompts (10 rows, mini-batches of 5) on 4-way data parallelism: prompts, rows and
-  every mini-batch are padded, and the step equals the unpadded one-device step."""
-  update = UpdateConfig(mini_batch_size=5, epochs=2)
-  ref_workers = build_workers(colocated(ROLES, 1), update=update)
-  ref = ppo_step(ref_workers, prompts_batch(5))
-  workers = build_workers(colocated(ROLES, 4), update=update)
-  assert workers["actor"].data_parallel_rows == 4 and workers["actor"].engine.mesh.shape["data"] == 4
-  batch, metrics = ppo_step(workers, prompts_batch(5))
-  assert len(batch) == 10
-  np.testing.assert_array_equal(np.asarray(batch["responses"]), np.asarray(ref[0]["responses"]))
+def test_rows_the_data_parallel_size_does_not_divide_are_padded(reference):
+  """8 prompts (16 rows, mini-batches of 16, micro-batches of 8) on 3-way data parallelism:
+  prompts (8 -> 9), rows (16 -> 18) and every micro-batch (8 -> 9) are padded, and the
+  step equals the unpadded one-device step (the module's reference, same settings)."""
+  ref_workers, ref_batch, ref_metrics = reference
+  workers = build_workers(colocated(ROLES, 3))
+  assert workers["actor"].data_parallel_rows == 3 and workers["actor"].engine.mesh.shape["data"] == 3
+  batch, metrics = ppo_step(workers, prompts_batch())
+  assert len(batch) == 16
+  np.testing.assert_array_equal(np.asarray(batch["responses"]), np.asarray(ref_batch["responses"]))
   for key in ("old_log_probs", "ref_log_prob", "values", "token_level_scores", "advantages"):
-    np.testing.assert_allclose(np.asarray(batch[key]), np.asarray(ref[0][key]), atol=2e-5,
+    np.testing.assert_allclose(np.asarray(batch[key]), np.asarray(ref_batch[key]), atol=2e-5,
                                err_msg=key)
-  for key, value in ref[1].items():
+  for key, value in ref_metrics.items():
     if not key.startswith(("timing_s", "reshard")):
       np.testing.assert_allclose(float(metrics[key]), float(value), rtol=1e-4, atol=1e-6,
                                  err_msg=key)
@@ -105,12 +122,17 @@ def test_rows_the_data_parallel_size_does_not_divide_are_padded():
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
 
 
-def test_micro_batch_smaller_than_data_parallel_size_is_rejected():
+def test_micro_batch_smaller_than_data_parallel_size_is_rejected(reference):
+  """Both updates refuse the step's batch (the single-device run's, every field there):
+  feeding it to them directly skips generating and scoring it again on 8 devices."""
   workers = build_workers(colocated(ROLES, 8), update=UpdateConfig(mini_batch_size=16,
                                                                    micro_batch_size=4))
-  with pytest.raises(ValueError, match="micro_batch_size=4 rows is less than the "
-                                       "data-parallel size 8"):
-    ppo_step(workers, prompts_batch())
+  batch = reference[1]
+  for role, update in (("critic", workers["critic"].update_critic),
+                       ("actor", workers["actor"].update_actor)):
+    with pytest.raises(ValueError, match=f"{role}.* micro_batch_size=4 rows is less than the "
+                                         "data-parallel size 8"):
+      update(batch)
 
 
 def _param_bytes(state):
@@ -200,15 +222,17 @@ def test_generate_dtype_halves_the_bytes_moved():
   assert {x.dtype for x in jax.tree.leaves(gen)} == {jnp.dtype("bfloat16")}
 
 
-def test_roles_on_disjoint_pools_are_in_flight_together():
+def test_roles_on_disjoint_pools_are_in_flight_together(first_step):
   """The controller does not block: the critic's update is still running when the actor's
   has been dispatched, so the two pools compute at the same time."""
-  workers = build_workers(SPLIT)
+  workers, batch, _, _ = first_step("split")  # a step run: its programs are compiled
   # Eight epochs keep the critic busy (about 8 steps) well past the actor's dispatch (a
-  # few ms) even when another test process holds one of the two cores.
+  # few ms) even when another test process holds one of the two cores. Epochs are a
+  # host loop over the same compiled step; one untimed update compiles the averaging of
+  # 16 mini-batches' metrics, which would otherwise let the critic finish meanwhile.
   critic = workers["critic"]
   critic.update_cfg = dataclasses.replace(critic.update_cfg, epochs=8)
-  batch, _ = ppo_step(workers, prompts_batch())  # compiles everything once
+  jax.block_until_ready(critic.update_critic(batch).meta["metrics"])
   jax.block_until_ready((batch.arrays, workers["actor"].params, critic.params))
   critic_metrics = critic.update_critic(batch).meta["metrics"]
   actor_metrics = workers["actor"].update_actor(batch).meta["metrics"]
@@ -266,17 +290,23 @@ def test_cpu_switch_writes_each_generate_shard_once():
           == [s.data.unsafe_buffer_pointer() for s in train.addressable_shards])
 
 
-def test_optimizer_offload_during_generation_changes_no_number():
+def test_optimizer_offload_during_generation_changes_no_number(first_step):
   """With optimizer_offload the actor's optimizer state sits in host memory from
   generation to the next update, in its own sharding; two steps give bit-identical
-  parameters and optimizer state to the run without it."""
+  parameters and optimizer state to the run without it (that run goes on from the
+  colocated placement's first step, prompts_batch(seed=0), which the other run repeats)."""
+  assert PLACEMENTS["colocated"] == colocated(ROLES, 8, generate_tensor=2)
   runs = {}
   for offload in (False, True):
-    workers = build_workers(colocated(ROLES, 8, generate_tensor=2))
+    if offload:
+      workers = build_workers(PLACEMENTS["colocated"])
+      workers["actor"].optimizer_offload = True
+      ppo_step(workers, prompts_batch(seed=0))
+    else:
+      workers = first_step("colocated")[0]
+      assert not workers["actor"].optimizer_offload
     actor = workers["actor"]
-    actor.optimizer_offload = offload
-    for seed in range(2):
-      ppo_step(workers, prompts_batch(seed=seed))
+    ppo_step(workers, prompts_batch(seed=1))
     actor.generate_sequences(prompts_batch(seed=2))  # as validation does, before a step
     batch = actor.generate_sequences(prompts_batch(seed=3))
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(actor.opt_state)}
