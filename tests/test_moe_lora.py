@@ -2,6 +2,7 @@
 the function of W_e + scale A_e B_e in every dispatch mode (against kernels merged by hand
 in numpy), its gradients, expert parallelism, PEFT's per-expert names, and a GRPO run."""
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ def _built(cfg, seed=0):
   return create_abstract(cfg)[0], jax.jit(lambda: create(cfg, seed=seed)[1])()
 
 
+@functools.lru_cache(maxsize=None)  # one traced program a graphdef for the whole module
 def _logits(graphdef):
   return jax.jit(lambda state, tokens, mask: logits_fn(graphdef, state, tokens, mask))
 
@@ -385,7 +387,7 @@ def test_fused_export_is_peft_target_parameters_and_reads_back(targets, tmp_path
   import peft
   import torch
   from hflax.models.lora import load_adapter, read_adapter_config
-  model = tiny_moe(seed=4, mlp_only_layers=[])
+  model = tiny_moe(seed=4, mlp_only_layers=[], num_hidden_layers=2)  # both layers sparse
   model.save_pretrained(tmp_path / "base")
   cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
   lcfg = lora_config(cfg, 4, 8.0, targets)
@@ -455,8 +457,10 @@ def test_grpo_run_trains_the_expert_adapters_and_generates_with_them_merged(tmp_
   from hflax.models.tokenizer import ByteTokenizer
   from tiny_config import fit, get_config
   path = tmp_path / "moe"
+  # Two layers, both sparse: every expert projection adapted in each, at two thirds of
+  # tiny_moe's three layers' compile.
   tiny_moe(vocab_size=ByteTokenizer().vocab_size, bos_token_id=None, eos_token_id=None,
-           pad_token_id=None, mlp_only_layers=[]).save_pretrained(path)
+           pad_token_id=None, mlp_only_layers=[], num_hidden_layers=2).save_pretrained(path)
 
   def run(name, steps, **lora):
     c = get_config()
