@@ -138,6 +138,10 @@ def test_packed_log_probs_equal_the_padded_path():
   graphdef, state = create(ModelConfig(**TINY), seed=0)
   tokens, mask, _ = unequal_rollout()
   width = 24
+  # Compiled passes, not op-by-op ones: each distinct packed shape is one program.
+  packed_log_probs = jax.jit(packed_log_probs, static_argnums=0, static_argnames="temperature")
+  sequence_log_probs = jax.jit(sequence_log_probs, static_argnums=0,
+                               static_argnames=("temperature", "last"))
   want_logp, want_ent = sequence_log_probs(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask),
                                            temperature=0.7, last=width)
   for plans in (micro_batch_plans(mask, multiple=1),
