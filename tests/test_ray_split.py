@@ -308,13 +308,15 @@ def calls(log_path) -> list[tuple[int, int]]:
     return [tuple(map(int, line.split())) for line in f]
 
 
-def test_split_async_multi_turn_over_a_rollout_pool_of_two_processes_runs_each_tool_once(
-    tmp_path, ray_session, monkeypatch):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_split_multi_turn_over_a_rollout_pool_of_two_processes_runs_each_tool_once(
+    tmp_path, ray_session, monkeypatch, mode):
   """Agent trajectories whose every turn calls a tool that answers after a random wait
   (tests/ray_tool_task.py), on a rollout pool of two processes: process 0 alone runs the
   tools and broadcasts which results each engine step admits, with the results, so both
   processes run the same trajectories: the local split's run (tokens, versions, metrics,
-  final weights), and each tool call ran once, in the rollout pool's process 0."""
+  final weights), and each tool call ran once, in the rollout pool's process 0. Both the
+  async stream's loop and the synchronous multi-turn rollout's."""
   ray_log, local_log = tmp_path / "ray_calls.log", tmp_path / "local_calls.log"
   register(str(local_log), monkeypatch.setitem)  # this process: the config, the local run
   # Ray's members take this PYTHONPATH (ray_backend.worker_env): the task's registration.
@@ -326,6 +328,7 @@ def test_split_async_multi_turn_over_a_rollout_pool_of_two_processes_runs_each_t
     what is tested, and each one more costs the run seconds). 64 tokens: room for both
     turns (16 each at most) and the tool's message."""
     c = multi_turn_config(tmp_path, run, backend, response=64, format="every_turn")
+    c.trainer.mode = mode
     c.placement.pools = {"train": 1, "rollout": 2}
     c.trainer.devices, c.cluster.devices_per_process = 3, 1
     return c
