@@ -70,17 +70,28 @@ def pytest_unconfigure(config):
     shutil.rmtree(path, ignore_errors=True)
 
 
+# Mappings past which a module's end frees the compiled programs (the kernel's limit,
+# vm.max_map_count, is 65,530 by default).
+_MAPPINGS_KEPT = 20_000
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-  """Free each module's compiled programs when it ends.
+  """Free the compiled programs at a module's end once the process maps many regions.
 
   jax keeps every executable a process compiles, and XLA:CPU maps each one's code and data
-  as separate memory regions (about 8,700 after tests/test_controller.py alone). An xdist
-  worker running half the suite reached the kernel's limit of 65,530 mappings
-  (vm.max_map_count), and the next compile or cache write aborted the worker. Later
-  modules that need a program again read it back from the persistent cache.
+  as separate memory regions. An xdist worker running half the suite reached the kernel's
+  limit of 65,530 mappings, and the next compile or cache write aborted the worker; so past
+  _MAPPINGS_KEPT the caches are cleared, and later modules that need a program again read
+  it back from the persistent cache. Below it they stay: the persistent cache saves only
+  XLA's compile, while a program kept in memory also skips tracing and lowering, which
+  modules sharing the tiny trainer's programs would otherwise repeat.
   """
   yield
+  if os.path.exists("/proc/self/maps"):  # Linux; elsewhere every module's end frees them
+    with open("/proc/self/maps") as maps:
+      if sum(1 for _ in maps) < _MAPPINGS_KEPT:
+        return
   jax.clear_caches()
   gc.collect()
 

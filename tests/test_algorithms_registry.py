@@ -123,6 +123,7 @@ def test_user_registers_their_own():
 
 def test_advantage_fn_compiles_a_builtin_once_and_runs_host_code_eagerly():
   from hflax.algorithms import registry
+  jax.clear_caches()  # the compiled estimator is shared: other tests may have called it
   batch = _batch()
   cfg = {"gamma": 0.99, "lam": 0.95, "num_groups": 4, "kl_ctrl": {"type": "fixed"}}
   gae = A.advantage_fn("gae", cfg)
