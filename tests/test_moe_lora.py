@@ -339,7 +339,8 @@ def test_peft_adapts_the_shared_expert_gate_and_hflax_runs_its_adapter(tmp_path)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_peft_target_parameters_on_fused_experts_load_and_run_as_peft(family, tmp_path):
+def test_peft_target_parameters_on_fused_experts_load_and_run_as_peft(family, tmp_path,
+                                                                    monkeypatch):
   """PEFT 0.21's LoRA on transformers 5's fused expert tensors (target_parameters
   mlp.experts.gate_up_proj [E, 2I, D] and down_proj [E, D, I], its ParamWrapper): each
   expert has its own rank-r pair, gate_up's A shared by the gate and up rows, so hflax
@@ -347,8 +348,17 @@ def test_peft_target_parameters_on_fused_experts_load_and_run_as_peft(family, tm
   logits PEFT runs (random A and B, every layer sparse)."""
   import peft
   import torch
+  from peft.utils import transformers_weight_conversion
   from hflax.models.lora import load_adapter, read_adapter_config
   from moe_models import tiny_qwen2_moe
+  # PEFT copies transformers' table of converted MoE architectures when it is first
+  # imported, and whether that copy names qwen2_moe depends on what the process loaded
+  # before; where it does, PEFT reads the shared expert's gate_proj / up_proj targets as
+  # transformers 4's expert names and fuses them into one rank-2r gate_up pair (which
+  # hflax refuses in one line: its gate and up adapters have rank r each). The adapter
+  # tested here is the one PEFT makes without that conversion.
+  monkeypatch.delitem(transformers_weight_conversion._MODEL_TO_CONVERSION_PATTERN,
+                      "qwen2_moe", raising=False)
   model = (tiny_moe if family == "qwen3_moe" else tiny_qwen2_moe)(seed=3, mlp_only_layers=[])
   model.save_pretrained(tmp_path / "base")
   peft_model = peft.get_peft_model(model, peft.LoraConfig(
