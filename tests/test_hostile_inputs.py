@@ -121,7 +121,7 @@ CASES = {
     "LoRA on a shared expert gate the model lacks": (
         ["--config.model.lora_rank=4", "--config.model.target_modules=shared_expert_gate"],
         "config.model.target_modules: 'shared_expert_gate' names Qwen2-MoE's shared expert "
-        "gate, but the model has no shared expert"),
+        "gate; the built-in model has no shared expert"),
     # reward code
     "reward exits": ([R + "exits.py", ONE_STEP],
                      "reward function compute_score (reward_exits.py) raised SystemExit(0)"),

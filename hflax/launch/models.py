@@ -7,7 +7,7 @@ from hflax.controller import build
 from hflax.controller.plan import LoraPlan
 from hflax.launch.atomic_export import refuse_incomplete
 from hflax.models import ModelConfig, create, hf
-from hflax.models.config import LORA_ROUTER, LORA_SHARED_GATE
+from hflax.models.config import lora_target_problem
 from hflax.models.lora import lora_targets, read_adapter_config
 
 
@@ -104,20 +104,10 @@ def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
                      "load-balancing loss, but the policy has no sparse layers; set it to 0")
   for section, model in (("model", policy), ("critic", read.get("critic.model_path", policy))):
     if section in ("model", *reasons) and cfg[section].lora_rank:
-      _check_router_target(section, cfg[section].target_modules, model)
+      problem = lora_target_problem(lora_targets(cfg[section].target_modules), model)
+      if problem:
+        raise ValueError(f"config.{section}.target_modules: {problem}")
   return policy
-
-
-def _check_router_target(section: str, target_modules, model: ModelConfig | None) -> None:
-  """LoRA on the router ("gate") needs a mixture of experts, on the shared expert's gate a
-  shared expert (the built-in model is dense): refused here, before the model is built."""
-  targets = lora_targets(target_modules)
-  if LORA_ROUTER in targets and not (model and model.num_sparse_layers):
-    raise ValueError(f"config.{section}.target_modules: {LORA_ROUTER!r} names a mixture of "
-                     "experts' router (mlp.gate), but the model has no sparse layers")
-  if LORA_SHARED_GATE in targets and not (model and model.shared_expert_intermediate_size):
-    raise ValueError(f"config.{section}.target_modules: {LORA_SHARED_GATE!r} names "
-                     "Qwen2-MoE's shared expert gate, but the model has no shared expert")
 
 
 def check_adapter(cfg) -> None:

@@ -35,6 +35,23 @@ LORA_ROUTER = "gate"
 LORA_SHARED_GATE = "shared_expert_gate"
 
 
+def lora_target_problem(targets, model: "ModelConfig | None") -> str | None:
+  """What makes `targets` unfit as LoRA targets of `model` (None: hflax's built-in dense
+  model), or None: one check for ModelConfig and for the launcher, which reads a config's
+  target_modules before any model is built."""
+  named = LORA_TARGETS + (LORA_ROUTER, LORA_SHARED_GATE)
+  unknown = [t for t in targets if t not in named]
+  if unknown:
+    return f"{unknown} are not among {named}"
+  which = f"this {model.family} model" if model else "the built-in model"
+  if LORA_ROUTER in targets and not (model and model.num_experts):
+    return f"{LORA_ROUTER!r} names a mixture of experts' router; {which} has none"
+  if LORA_SHARED_GATE in targets and not (model and model.shared_expert_intermediate_size):
+    return (f"{LORA_SHARED_GATE!r} names Qwen2-MoE's shared expert gate; {which} has no "
+            "shared expert")
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int
@@ -114,16 +131,9 @@ class ModelConfig:
     if not self.moe_capacity_factor >= 0:
       raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor!r} must be >= 0 "
                        "(0: no pick dropped)")
-    named = LORA_TARGETS + (LORA_ROUTER, LORA_SHARED_GATE)
-    unknown = [t for t in self.lora_targets if t not in named]
-    if unknown:
-      raise ValueError(f"lora_targets {unknown} are not among {named}")
-    if LORA_ROUTER in self.lora_targets and not self.num_experts:
-      raise ValueError(f"lora_targets {LORA_ROUTER!r} names a mixture of experts' router; "
-                       f"this {self.family} model has none")
-    if LORA_SHARED_GATE in self.lora_targets and not self.shared_expert_intermediate_size:
-      raise ValueError(f"lora_targets {LORA_SHARED_GATE!r} names Qwen2-MoE's shared expert "
-                       f"gate; this {self.family} model has no shared expert")
+    problem = lora_target_problem(self.lora_targets, self)
+    if problem:
+      raise ValueError(f"lora_targets {problem}")
     if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
                                  and self.moe_intermediate_size > 0
                                  and self.decoder_sparse_step > 0):
