@@ -515,3 +515,110 @@ def test_the_router_target_needs_a_mixture_of_experts():
   c.model.update(lora_rank=4, target_modules="q_proj,gate")
   with pytest.raises(ValueError, match="^config.model.target_modules: 'gate' names a mixture"):
     read_model_configs(c)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_peft_all_linear_adapter_leaves_the_routed_experts_out_in_hflax_too(family, tmp_path,
+                                                                           monkeypatch):
+  """PEFT's all-linear where transformers 5's routed experts are fused parameters adapts
+  nn.Linear modules only: attention, the dense layer's MLP and (Qwen2-MoE) the shared
+  expert and its gate; not the routed experts, not the router. Its target_modules still
+  name gate_proj, up_proj and down_proj, so hflax reads from the adapter's tensors that
+  the routed experts are left out (lora_experts=False): it loads with PEFT's logits, has
+  no routed-expert adapters to train, and exports an adapter PEFT loads to hflax's
+  logits, its experts unadapted whether or not PEFT converts transformers 4's expert
+  names. An adapter adapting some routed experts, or missing a tensor, is refused in one
+  line."""
+  import json
+
+  import peft
+  import torch
+  import transformers
+  from peft.utils import transformers_weight_conversion
+  from safetensors.numpy import load_file, save_file
+  from hflax.controller.build import with_lora
+  from hflax.controller.plan import LoraPlan
+  from hflax.models.lora import adapter_adapts_experts, read_adapter_config
+  from moe_models import tiny_qwen2_moe
+  # PEFT's copy of transformers' conversion table (see the target_parameters test above)
+  # maps both families to qwen2_moe, whose conversion reads all-linear as the fused experts
+  # and router too; without it PEFT adapts nn.Linear modules alone, the adapter tested here.
+  table = transformers_weight_conversion._MODEL_TO_CONVERSION_PATTERN
+  for name in ("qwen2_moe", "qwen3_moe"):
+    monkeypatch.delitem(table, name, raising=False)
+  make = tiny_qwen2_moe if family == "qwen2_moe" else tiny_moe
+  make(seed=5).save_pretrained(tmp_path / "base")  # layers 0 and 2 sparse, 1 dense
+
+  def base():
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base", attn_implementation="eager").eval()
+  peft_model = peft.get_peft_model(base(), peft.LoraConfig(
+      r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)).eval()
+  adapted = {n for n, _ in peft_model.named_modules() if n.endswith(".lora_A")}
+  assert not any(".experts" in n or ".mlp.gate." in n for n in adapted)  # experts, router
+  assert any(".layers.1.mlp.gate_proj" in n for n in adapted)
+  assert any(".shared_expert." in n for n in adapted) == (family == "qwen2_moe")
+  peft_model.save_pretrained(tmp_path / "adapter")
+  tokens, mask = _tokens(vocab=128)
+  with torch.no_grad():
+    want = peft_model.merge_and_unload()(torch.tensor(np.asarray(tokens))).logits.numpy()
+    plain = base()(torch.tensor(np.asarray(tokens))).logits.numpy()
+  assert np.abs(want - plain).max() > 1e-2
+
+  adapter = str(tmp_path / "adapter")
+  found = read_adapter_config(adapter)
+  assert {"gate_proj", "up_proj", "down_proj"} <= set(found["targets"])
+  assert not adapter_adapts_experts(adapter)
+  cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
+  lcfg = with_lora(cfg, LoraPlan(rank=found["rank"], alpha=found["alpha"],
+                                 target_modules=",".join(found["targets"]),
+                                 adapter_path=adapter))
+  assert not lcfg.lora_experts
+  adapters = load_adapter(adapter, lcfg)
+  layer = adapters["layers"][0]  # sparse: its shared expert's and gate's adapters alone
+  assert set(layer["mlp"] if "mlp" in layer else ()) == (
+      {"shared_expert", "shared_expert_gate"} if family == "qwen2_moe" else set())
+  assert sum(a.size for a in jax.tree.leaves(adapters)) == lcfg.num_lora_params
+  graphdef = create_abstract(lcfg)[0]
+  ours = np.asarray(_logits(graphdef)(nnx.merge_state(state, adapters), tokens, mask))
+  np.testing.assert_allclose(ours, want, atol=2e-4)
+
+  # Export, with adapters moved (as training would): PEFT runs hflax's logits, converting
+  # transformers 4's names or not.
+  moved = _randomised(nnx.merge_state(state, adapters))
+  ours = np.asarray(_logits(graphdef)(moved, tokens, mask))
+  export_adapter(str(tmp_path / "export"), lcfg, moved)
+  written = json.loads((tmp_path / "export" / "adapter_config.json").read_text())
+  assert "gate_proj" not in written["target_modules"]  # named by parent: mlp.gate_proj
+  for converted in (False, True):
+    if converted:
+      monkeypatch.setitem(table, family, "qwen2_moe")
+    with torch.no_grad():
+      reference = peft.PeftModel.from_pretrained(base(), str(tmp_path / "export")).eval()
+      got = reference(torch.tensor(np.asarray(tokens))).logits.numpy()
+    assert not any(".experts" in n or ".mlp.gate." in n for n, _ in reference.named_modules()
+                   if n.endswith(".lora_A"))
+    np.testing.assert_allclose(got, ours, atol=2e-4, err_msg=f"converted={converted}")
+  assert not adapter_adapts_experts(str(tmp_path / "export"))
+  assert set(read_adapter_config(str(tmp_path / "export"))["targets"]) == set(lcfg.lora_targets)
+
+  # Inconsistent adapters: a tensor missing; one routed expert's pair among none.
+  file = tmp_path / "adapter" / "adapter_model.safetensors"
+  tensors = load_file(str(file))
+  dense = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+  save_file({k: v for k, v in tensors.items() if k != dense}, str(file))
+  with pytest.raises(ValueError, match=f"no tensor '{dense}' \\(adapter and model") as e:
+    load_adapter(adapter, lcfg)
+  assert "\n" not in str(e.value)
+  expert = "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_{}.weight"
+  save_file({**tensors, expert.format("A"): np.zeros((4, 64), np.float32),
+             expert.format("B"): np.zeros((48, 4), np.float32)}, str(file))
+  assert adapter_adapts_experts(adapter)
+  with pytest.raises(ValueError, match=r"no tensor '.*layers\.0\.mlp\.experts\.0\.(up|down)_"
+                                       r"proj\.lora_A\.weight' \(its routed experts are "
+                                       r"adapted in part\)") as e:
+    load_adapter(adapter, with_lora(cfg, LoraPlan(
+        rank=4, alpha=8.0, target_modules=",".join(found["targets"]), adapter_path=adapter)))
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="tensors the model has no place for: .*experts"):
+    load_adapter(adapter, lcfg)

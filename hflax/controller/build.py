@@ -13,7 +13,8 @@ from hflax.controller.actor import ActorRolloutWorker
 from hflax.controller.workers import (CriticWorker, FunctionRewardWorker, ReferenceWorker,
                                       RewardModelWorker, TeacherWorker)
 from hflax.models import ModelConfig, create, hf
-from hflax.models.lora import add_adapters, load_adapter, lora_config, split_adapters
+from hflax.models.lora import (add_adapters, adapter_adapts_experts, load_adapter, lora_config,
+                               split_adapters)
 from hflax.sharding.placement import build_placement
 
 
@@ -21,7 +22,10 @@ def with_lora(model_cfg: ModelConfig, lora: LoraPlan | None) -> ModelConfig:
   """model_cfg with the adapters a plan asks for, if any."""
   if lora is None:
     return model_cfg
-  return lora_config(model_cfg, lora.rank, lora.alpha, lora.target_modules)
+  # An adapter to start from decides whether the routed experts are adapted (PEFT's
+  # all-linear on transformers 5 leaves them out).
+  experts = adapter_adapts_experts(lora.adapter_path) if lora.adapter_path else True
+  return lora_config(model_cfg, lora.rank, lora.alpha, lora.target_modules, experts)
 
 
 def value_model(path: str, policy, seed: int, lora: LoraPlan | None = None):

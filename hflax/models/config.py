@@ -86,6 +86,11 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ()
+  # Whether gate_proj / up_proj / down_proj in lora_targets adapt a mixture of experts'
+  # routed experts too (one pair an expert), or only the dense and shared-expert MLPs: a
+  # PEFT adapter made where transformers 5's fused experts are parameters, not nn.Linear
+  # modules, leaves them out (hflax.models.lora.adapter_adapts_experts).
+  lora_experts: bool = True
   # How attention is computed (hflax.models.attention.IMPLEMENTATIONS): "auto" picks per
   # backend and shape; the others force one.
   attention: str = "auto"
@@ -202,7 +207,7 @@ class ModelConfig:
     sparse, shared = self.num_sparse_layers, self.shared_expert_intermediate_size
     # One MLP projection's in + out, summed over every layer's MLPs (experts included).
     mlp = ((self.num_layers - sparse) * (d + self.intermediate_size)
-           + sparse * (self.num_experts * (d + self.moe_intermediate_size)
+           + sparse * (self.num_experts * (d + self.moe_intermediate_size) * self.lora_experts
                        + (d + shared if shared else 0)))
     gates = {LORA_ROUTER: sparse * (d + self.num_experts),
              LORA_SHARED_GATE: sparse * (d + 1) if shared else 0}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +43,40 @@ def lora_targets(spec) -> tuple[str, ...]:
   return tuple(dict.fromkeys(names))
 
 
-def lora_config(cfg: ModelConfig, rank: int, alpha: float, targets) -> ModelConfig:
+def lora_config(cfg: ModelConfig, rank: int, alpha: float, targets,
+                experts: bool = True) -> ModelConfig:
   """cfg with adapters of `rank` on `targets` (see lora_targets). "all-linear" covers the
-  shared expert gate of a model that has one: it is an nn.Linear, which PEFT's adapts."""
+  shared expert gate of a model that has one: it is an nn.Linear, which PEFT's adapts.
+  experts=False leaves a mixture of experts' routed experts unadapted, gate_proj, up_proj
+  and down_proj then adapting the dense and shared-expert MLPs only (an adapter's own
+  choice: adapter_adapts_experts)."""
   names = lora_targets(targets)
   if targets == "all-linear" and cfg.shared_expert_intermediate_size:
     names += (LORA_SHARED_GATE,)
-  return cfg.replace(lora_rank=rank, lora_alpha=float(alpha), lora_targets=names)
+  return cfg.replace(lora_rank=rank, lora_alpha=float(alpha), lora_targets=names,
+                     lora_experts=bool(experts))
+
+
+def adapter_adapts_experts(path: str) -> bool:
+  """Whether a PEFT adapter directory holds LoRA on a mixture of experts' routed experts:
+  target_parameters on the fused experts, or per-expert tensors (mlp.experts.{e}.*). PEFT
+  on transformers 5 adapts nn.Linear modules by name, and the routed experts are fused
+  parameters there, so an adapter made without target_parameters (all-linear included)
+  adapts the dense and shared-expert MLPs alone, though its target_modules name
+  gate_proj, up_proj and down_proj."""
+  from safetensors import safe_open
+  if read_json(path).get("target_parameters"):
+    return True
+  file = os.path.join(path, "adapter_model.safetensors")
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"no adapter_model.safetensors in LoRA adapter directory {path!r}")
+  with safe_open(file, framework="numpy") as f:
+    return any(_ROUTED.search(key) for key in f.keys())
+
+
+# A routed expert's tensor in PEFT's names (mlp.experts.3.down_proj.lora_A.weight) or the
+# fused experts' (mlp.experts.lora_A.weight, mlp.experts.base_layer.lora_A.weight).
+_ROUTED = re.compile(r"\.experts\.(\d+\.|lora_|base_layer\.)")
 
 
 def init_adapters(cfg: ModelConfig, seed: int, head: str = "lm") -> nnx.State:
@@ -126,7 +154,7 @@ def merged_kernels(cfg: ModelConfig, kernels: nnx.State, adapters: nnx.State) ->
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:
-  return cfg.replace(lora_rank=0, lora_targets=())
+  return cfg.replace(lora_rank=0, lora_targets=(), lora_experts=True)
 
 
 def export_adapter(path: str, cfg: ModelConfig, state: nnx.State, *, base_model: str = "",
@@ -161,11 +189,27 @@ def export_adapter(path: str, cfg: ModelConfig, state: nnx.State, *, base_model:
   save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
   adapter_config = dict(
       peft_type="LORA", task_type="CAUSAL_LM", r=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-      target_modules=sorted(cfg.lora_targets), lora_dropout=0.0, bias="none",
+      target_modules=_peft_target_modules(cfg), lora_dropout=0.0, bias="none",
       fan_in_fan_out=False, use_rslora=False, use_dora=False, inference_mode=True,
       base_model_name_or_path=base_model or None, **fields)
   with open(os.path.join(path, "adapter_config.json"), "w") as f:
     json.dump(adapter_config, f, indent=2)
+
+
+def _peft_target_modules(cfg: ModelConfig) -> list[str]:
+  """target_modules that make PEFT adapt what cfg adapts. With the routed experts left
+  out, an MLP projection is named by its parent (shared_expert.gate_proj, mlp.gate_proj:
+  PEFT matches a name's end), so that PEFT's conversion of transformers 4's expert names
+  (which reads a bare gate_proj as the fused experts' gate_up_proj too) adapts no expert."""
+  if cfg.lora_experts or not cfg.num_experts:
+    return sorted(cfg.lora_targets)
+  parents = (("shared_expert",) * bool(cfg.shared_expert_intermediate_size)
+             + ("mlp",) * (cfg.num_sparse_layers < cfg.num_layers))
+  return sorted(f"{parent}.{t}" if t in _MLP else t for t in cfg.lora_targets
+                for parent in (parents if t in _MLP else ("",)))
+
+
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def read_adapter_config(path: str) -> dict:
@@ -186,6 +230,8 @@ def read_adapter_config(path: str) -> dict:
   fused = fused_targets(c, file)
   try:
     modules = c.get("target_modules")
+    if isinstance(modules, list):  # PEFT matches a name's end: layers.1.mlp.gate_proj
+      modules = [m.rsplit(".", 1)[-1] for m in modules]
     targets = lora_targets(modules) if modules or not fused else ()
   except (TypeError, ValueError) as e:
     raise ValueError(f"{file}: target_modules: {e}") from None
@@ -222,8 +268,9 @@ def load_adapter(path: str, cfg: ModelConfig) -> nnx.State:
       parts = []
       for key in keys:
         if key not in stored:
-          raise ValueError(f"{file}: no tensor {key!r} (adapter and model.target_modules "
-                           "differ?)")
+          raise ValueError(f"{file}: no tensor {key!r} (" + (
+              "its routed experts are adapted in part" if _ROUTED.search(key)
+              else "adapter and model.target_modules differ?") + ")")
         part = f.get_tensor(key)
         if part.shape != want.shape[-1:-3:-1]:
           raise ValueError(f"{file}: {key} has shape {part.shape}, the model needs "

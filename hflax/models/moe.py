@@ -12,7 +12,8 @@ sigmoid(x @ shared_expert_gate) and added to the routed experts' sum (HF's order
 model builds it (a transformer MLP and Dense) and hands it in, so this module stays below
 the transformer's.
 
-LoRA (ModelConfig.lora_targets naming gate_proj, up_proj or down_proj): each adapted
+LoRA (ModelConfig.lora_targets naming gate_proj, up_proj or down_proj, unless
+ModelConfig.lora_experts is False): each adapted
 projection's stack gets LoRAParams <proj>_lora_a [E, in, r] and <proj>_lora_b [E, r, out],
 one pair an expert, split over the expert axis as the stack is, B zero at first; the
 dispatch adds scale x A_e B_e to expert e's kernel (hflax.models.experts). The router is
@@ -59,7 +60,7 @@ class SparseMoE(nnx.Module):
     for proj, (din, dout), axes in (("gate", (d, f), ("embed", "expert_mlp")),
                                     ("up", (d, f), ("embed", "expert_mlp")),
                                     ("down", (f, d), ("expert_mlp", "embed"))):
-      on = f"{proj}_proj" in cfg.lora_targets
+      on = f"{proj}_proj" in cfg.lora_targets and cfg.lora_experts
       a, b = _expert_lora_pair(e, din, dout, axes, cfg, rngs) if on else (None, None)
       setattr(self, f"{proj}_lora_a", a)
       setattr(self, f"{proj}_lora_b", b)
