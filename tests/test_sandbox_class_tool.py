@@ -242,3 +242,67 @@ def test_the_config_check_names_the_field_for_a_class_that_kills_its_worker_at_i
   text = str(e.value)
   assert "\n" not in text and text.startswith("config.rollout.multi_turn.tool_config_path: ")
   assert "ended its worker process (exit status 0" in text and module not in sys.modules
+
+
+SCHEMA = {"type": "function", "function": {"name": "add", "description": "a + b + offset",
+                                           "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_pool_process_other_than_0_renders_the_tools_without_building_them(setup,
+                                                                            monkeypatch):
+  """On a pool of several processes process 0 alone runs the tools (SharedToolsLoop), so
+  process 1 holds their schemas only: no user class imported or built, no sandbox worker
+  started, and the prompt it renders is process 0's. A user class there needs a
+  tool_schema (refused in one line before any worker), and process 0 refuses an instance
+  reporting another schema than the file's."""
+  import jax
+  import yaml
+  from hflax.rollout.agents.rollout import MultiTurn, environments
+  from hflax.rollout.agents.tools import SchemaOnlyTool
+  from hflax.sandbox import pool
+  root, tag = setup["root"], setup["tag"]
+
+  def config(name, *entries):
+    (root / name).write_text(yaml.safe_dump({"tools": list(entries)}))
+    return str(root / name)
+  adder = {"class_name": f"user_tools_{tag}.Adder", "config": {"offset": 1},
+           "tool_schema": SCHEMA}
+  both = config("both.yaml", adder, {"class_name": "calculator"})
+  started = []
+  real_init = pool.ProcessPool.__init__
+  monkeypatch.setattr(pool.ProcessPool, "__init__",
+                      lambda self, *a, **kw: started.append(1) or real_init(self, *a, **kw))
+  imports = setup["imports"].read_text()
+  process = {"index": 1}
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: process["index"])
+  (env,) = environments(MultiTurn(tool_config_path=both, tool_timeout_s=TIMEOUT_S), ["x"])
+  assert all(isinstance(t, SchemaOnlyTool) for t in env.tools.values())
+  assert sorted(env.tools) == ["add", "calculator"]
+  assert not started and setup["imports"].read_text() == imports  # no worker, no import
+  with pytest.raises(RuntimeError, match="runs in process 0 of the pool"):
+    env.tools["add"].execute({"a": 1, "b": 2})
+  prompt = [{"role": "user", "content": "2 + 3?"}]
+
+  process["index"] = 0  # process 0 builds the tools (a worker each) and renders the same
+  tools = load_tools(both, timeout_s=TIMEOUT_S)
+  try:
+    assert isinstance(tools[0], PooledTool) and started
+    assert ToolEnvironment(tools).reset({"prompt": prompt}) == env.reset({"prompt": prompt})
+  finally:
+    close_tools(tools)
+  other = config("other.yaml", {**adder, "class_name": f"user_tools_{tag}.Hostile"})
+  with pytest.raises(ValueError, match=r"^tool config .*, tool 0: user_tools_\d+\.Hostile's "
+                                       r"instance reports the schema .*'hostile'.*, not its "
+                                       r"tool_schema") as e:
+    load_tools(other, timeout_s=TIMEOUT_S)
+  assert "\n" not in str(e.value)
+
+  started.clear()
+  bare = config("bare.yaml", {"class_name": f"user_tools_{tag}.Adder"})
+  for process["index"] in (1, 0):
+    with pytest.raises(ValueError, match=r"^tool config .*, tool 0: user_tools_\d+\.Adder "
+                                         r"needs a tool_schema on a pool of several processes"):
+      load_tools(bare, timeout_s=TIMEOUT_S)
+  assert not started

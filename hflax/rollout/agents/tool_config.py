@@ -17,6 +17,12 @@ worker processes (hflax.sandbox.class_tool), so its crashes, hangs and memory co
 to the model as the tool's error. An entry may add hflax's `sandbox:` settings for those
 workers: `workers` (calls at once, default 2) and `memory_limit_gb` (each worker's
 address space, default 4); a call's time limit is rollout.multi_turn.tool_timeout_s.
+
+On a pool of several processes (a jax.distributed job) process 0 alone runs the tools
+(hflax.rollout.agents.shared_tools); the others need only the schemas their prompts
+render, so they hold SchemaOnlyTools: no user class built, no sandbox worker started.
+Their schema is the file's tool_schema, so a user class there needs one, and process 0
+refuses an instance reporting another (every process must render the same prompt).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import ast
 import operator
 import os
 
-from hflax.rollout.agents.tools import Tool, tool_name
+from hflax.rollout.agents.tools import SchemaOnlyTool, Tool, tool_name
 from hflax.sandbox.class_tool import PooledTool, close_tools
 
 
@@ -98,9 +104,10 @@ def load_tools(path: str, timeout_s: float = 30.0) -> list[Tool]:
   if not isinstance(entries, list) or not entries:
     raise ValueError(f"tool config {path!r}: needs a non-empty 'tools:' list")
   tools = []
+  process = _pool_process()
   try:
     for i, entry in enumerate(entries):
-      tools.append(_tool(entry, f"tool config {path!r}, tool {i}", timeout_s))
+      tools.append(_tool(entry, f"tool config {path!r}, tool {i}", timeout_s, process))
     names = [tool_name(t) for t in tools]
     if len(set(names)) != len(names):
       raise ValueError(f"tool config {path!r}: tool names repeat: {names}")
@@ -110,7 +117,16 @@ def load_tools(path: str, timeout_s: float = 30.0) -> list[Tool]:
   return tools
 
 
-def _tool(entry, where: str, timeout_s: float) -> Tool:
+def _pool_process() -> int | None:
+  """This process's index in a jax.distributed job of several processes, else None (not
+  asked of JAX otherwise: a launcher's check must not start its backend)."""
+  import jax
+  if not jax.distributed.is_initialized() or jax.process_count() == 1:
+    return None
+  return jax.process_index()
+
+
+def _tool(entry, where: str, timeout_s: float, process: int | None = None) -> Tool:
   if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
     raise ValueError(f"{where}: needs a class_name")
   name, config, schema = entry["class_name"], entry.get("config") or {}, entry.get("tool_schema")
@@ -122,16 +138,26 @@ def _tool(entry, where: str, timeout_s: float) -> Tool:
   make = BUILTIN.get(name) or VERL_EQUIVALENTS.get(name)
   if make is None:  # a user's class: never imported here (module docstring)
     workers, memory_gb = _sandbox_settings(entry.get("sandbox"), where)
+    if process is not None and schema is None:
+      raise ValueError(f"{where}: {name} needs a tool_schema on a pool of several processes "
+                       "(processes other than 0 render it without building the class)")
+    if process:
+      return SchemaOnlyTool(schema)
     try:
-      return PooledTool(name, config, schema, timeout_s=timeout_s, workers=workers,
+      tool = PooledTool(name, config, schema, timeout_s=timeout_s, workers=workers,
                         memory_limit_bytes=int(memory_gb * 2**30))
     except ValueError as e:
       raise ValueError(f"{where}: {e}") from None
+    if process is not None and tool.schema != schema:
+      tool.close()
+      raise ValueError(f"{where}: {name}'s instance reports the schema {tool.schema!r}, not "
+                       "its tool_schema, which the pool's other processes render")
+    return tool
   tool = make(config=config, tool_schema=schema)
   if not callable(getattr(tool, "execute", None)) or not isinstance(getattr(tool, "schema", None),
                                                                     dict):
     raise ValueError(f"{where}: {name} has no schema and execute(arguments)")
-  return tool
+  return SchemaOnlyTool(tool.schema) if process else tool
 
 
 def _sandbox_settings(sandbox, where: str) -> tuple[int, float]:

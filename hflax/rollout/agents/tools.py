@@ -54,6 +54,18 @@ class FunctionTool:
     return str(self.fn(**arguments))
 
 
+@dataclasses.dataclass(frozen=True)
+class SchemaOnlyTool:
+  """A tool's schema without the tool: what a process that renders prompts but runs no
+  tools holds (a pool's processes other than 0, hflax.rollout.agents.shared_tools), so
+  it starts no sandbox worker and builds no instance."""
+  schema: dict
+
+  def execute(self, arguments: dict) -> str:
+    raise RuntimeError(f"tool {tool_name(self)!r} runs in process 0 of the pool; this "
+                       "process holds its schema only")
+
+
 def tool_name(tool: Tool) -> str:
   return tool.schema["function"]["name"]
 
