@@ -39,24 +39,25 @@ def test_ray_needs_a_device_count_and_no_auto_placement():
     validate(c)
 
 
-def test_async_on_ray_streams_in_a_rollout_pool_of_its_own():
+def test_async_on_ray_is_accepted_on_every_placement():
+  """The stream runs beside the actor's generation: in the actor's own pool's processes,
+  or in the rollout pool's on a split placement (each process of a pool runs it; with
+  agent trajectories process 0 runs the tools for all)."""
   c = ray_config()
   c.trainer.mode = "async"
-  with pytest.raises(ValueError, match=r"^config.trainer.mode: async runs its rollout engine in "
-                                       r"the rollout pool's process on cluster.backend='ray': "
-                                       r"place role 'rollout' on a pool of its own"):
-    validate(c)  # colocated: no process generates beside training
+  validate(c)  # colocated: in the actor's pool
   c.placement.update(kind="custom", pools={"train": 4, "rollout": 4},
                      roles={"actor": {"pool": "train"}, "critic": {"pool": "train"},
                             "rollout": {"pool": "train"}})
-  with pytest.raises(ValueError, match=r"^config.trainer.mode: async runs"):
-    validate(c)  # the rollout role on the actor's pool
+  validate(c)  # the rollout role on the actor's pool: colocated too
   c.placement.roles.rollout.pool = "rollout"
-  validate(c)  # one process a pool
+  validate(c)  # the split: one process a pool
   c.cluster.devices_per_process = 2
-  validate(c)  # single responses: every process of the rollout pool runs the stream
+  validate(c)  # single responses: every process of the generating pool runs the stream
   c.rollout.multi_turn.enable = True
-  validate(c)  # agent trajectories: process 0 of the rollout pool runs the tools for all
+  validate(c)  # agent trajectories
+  c.placement.roles.rollout.pool = "train"
+  validate(c)
 
 
 def _layouts(c):

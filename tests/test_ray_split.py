@@ -225,21 +225,35 @@ def test_split_async_on_ray_resumes_with_its_finished_trajectories(tmp_path, ray
   c.trainer.update(save_every=1, async_decode_steps=8)
   params, _, metrics = run(c)
   assert_synced(metrics, sum(x.nbytes for x in jax.tree.leaves(split_adapters(params)[0])))
-  stream = Checkpointer(os.path.join(c.trainer.run_dir, "checkpoints"), keep=None,
-                        save_every=1).restore(2)[1]["pending"]["stream"]
+  finished = finished_groups(os.path.join(c.trainer.run_dir, "checkpoints"), 2)
+  c.trainer.update(total_steps=4, resume=True)
+  assert_trains_finished(c, finished, [3, 4])
+
+
+def finished_groups(checkpoints, step: int) -> dict:
+  """The groups checkpoint `step` holds finished: dataset row -> its samples' sorted
+  (tokens, versions)."""
+  stream = Checkpointer(str(checkpoints), keep=None,
+                        save_every=1).restore(step)[1]["pending"]["stream"]
   finished = {g["row_index"]: sorted((list(d["token_ids"]), sorted(set(d["versions"])))
                                      for d in g["done"])
               for g in stream["groups"] if all(d is not None for d in g["done"])}
   assert finished, "the checkpoint holds no finished group: nothing was tested"
-  c.trainer.update(total_steps=4, resume=True)
+  return finished
+
+
+def assert_trains_finished(c, finished: dict, steps: list[int]):
+  """Resumes c (max_staleness 1): it trains `steps`, every group in `finished` with its
+  tokens and versions as they were, and no row past the bound."""
   trainer = Trainer(c, log=lambda *_: None)
-  trained = {}  # dataset row -> its samples' (tokens, versions), as trained
+  trained, trained_steps = {}, []  # dataset row -> its samples' (tokens, versions)
 
   def record(info):
     batch = {k: np.asarray(info.batch[k]) for k in ("row_index", "responses",
                                                     "response_mask", "rollout_versions")}
     # The bound: step k's update starts from version k - 1.
     assert (info.step - 1) - np.asarray(info.batch["rollout_version"]).min() <= 1, info.step
+    trained_steps.append(info.step)
     for row, tokens, mask, versions in zip(*batch.values()):
       trained.setdefault(int(row), []).append((tokens[mask].tolist(),
                                                sorted(set(versions[mask].tolist()))))
@@ -248,7 +262,8 @@ def test_split_async_on_ray_resumes_with_its_finished_trajectories(tmp_path, ray
     trainer.fit()
   finally:
     trainer.close()
-  for row, samples in finished.items():  # held finished at step 2: trained as they were
+  assert trained_steps == steps
+  for row, samples in finished.items():  # held finished: trained as they were
     assert sorted(trained[row]) == samples, row
 
 
@@ -308,6 +323,41 @@ def calls(log_path) -> list[tuple[int, int]]:
     return [tuple(map(int, line.split())) for line in f]
 
 
+def tool_runs(tmp_path, monkeypatch, configure):
+  """The Ray and local runs of configure(multi-turn config, run, backend), their tools
+  logging each call (tests/ray_tool_task.py): (ray run, local run, the Ray run's pools,
+  the Ray run's calls, the local run's calls). Checks the driver ran no tool."""
+  ray_log, local_log = tmp_path / "ray_calls.log", tmp_path / "local_calls.log"
+  register(str(local_log), monkeypatch.setitem)  # this process: the config, the local run
+  # Ray's members take this PYTHONPATH (ray_backend.worker_env): the task's registration.
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      p for p in (site_dir(tmp_path, ray_log), os.environ.get("PYTHONPATH")) if p))
+
+  def tool_config(run, backend):
+    """64 tokens: room for both turns (16 each at most) and the tool's message."""
+    c = multi_turn_config(tmp_path, run, backend, response=64, format="every_turn")
+    return configure(c)
+  pools = {}
+  ray_run = run(tool_config("ray", "ray"), pools)
+  assert calls(local_log) == []  # the driver ran no tool
+  local_run = run(tool_config("local", "local"))
+  return ray_run, local_run, pools, calls(ray_log), calls(local_log)
+
+
+def assert_tools_ran_once_in(pool_pids, ray_run, local_run, ray_calls, local_calls):
+  """The Ray run is the local run (tokens, versions, metrics but the tools' wall time,
+  final weights); every trajectory called its tool twice; each call ran once, in the
+  process of pool_pids that is JAX process 0 there."""
+  assert_same(*without_sync_bytes(*without_tool_seconds(ray_run, local_run)))
+  for m in ray_run[2].values():  # every trajectory continued after its first tool call
+    assert m["agent/turns/mean"] == m["agent/tool_calls/mean"] == 2
+  assert len(ray_calls) == len(local_calls) > 0  # the same calls, each once
+  assert {index for index, _ in ray_calls} == {0}
+  (pid,) = {pid for _, pid in ray_calls}  # one process ran them
+  assert pid in pool_pids
+  assert {pid for _, pid in local_calls} == {os.getpid()}
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_split_multi_turn_over_a_rollout_pool_of_two_processes_runs_each_tool_once(
     tmp_path, ray_session, monkeypatch, mode):
@@ -317,33 +367,75 @@ def test_split_multi_turn_over_a_rollout_pool_of_two_processes_runs_each_tool_on
   processes run the same trajectories: the local split's run (tokens, versions, metrics,
   final weights), and each tool call ran once, in the rollout pool's process 0. Both the
   async stream's loop and the synchronous multi-turn rollout's."""
-  ray_log, local_log = tmp_path / "ray_calls.log", tmp_path / "local_calls.log"
-  register(str(local_log), monkeypatch.setitem)  # this process: the config, the local run
-  # Ray's members take this PYTHONPATH (ray_backend.worker_env): the task's registration.
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      p for p in (site_dir(tmp_path, ray_log), os.environ.get("PYTHONPATH")) if p))
-
-  def two_rollout_processes(run, backend):
+  def two_rollout_processes(c):
     """The rollout pool 2 devices in 2 processes; the train pool 1 (its processes are not
-    what is tested, and each one more costs the run seconds). 64 tokens: room for both
-    turns (16 each at most) and the tool's message."""
-    c = multi_turn_config(tmp_path, run, backend, response=64, format="every_turn")
+    what is tested, and each one more costs the run seconds)."""
     c.trainer.mode = mode
     c.placement.pools = {"train": 1, "rollout": 2}
     c.trainer.devices, c.cluster.devices_per_process = 3, 1
     return c
-  pools = {}
-  ray_run = run(two_rollout_processes("ray", "ray"), pools)
-  assert calls(local_log) == []  # the driver ran no tool
-  local_run = run(two_rollout_processes("local", "local"))
+  ray_run, local_run, pools, ray_calls, local_calls = tool_runs(tmp_path, monkeypatch,
+                                                                two_rollout_processes)
   assert {pool: len(pids) for pool, (_, pids) in pools.items()} == {"train": 1, "rollout": 2}
-  assert_same(*without_sync_bytes(*without_tool_seconds(ray_run, local_run)))
-  metrics = ray_run[2]
-  for m in metrics.values():  # every trajectory continued after its first tool call
-    assert m["agent/turns/mean"] == m["agent/tool_calls/mean"] == 2
-  ray_calls, local_calls = calls(ray_log), calls(local_log)
-  assert len(ray_calls) == len(local_calls) > 0  # the same calls, each once
-  assert {index for index, _ in ray_calls} == {0}
-  (pid,) = {pid for _, pid in ray_calls}  # one process ran them: the rollout pool's
-  assert pid in pools["rollout"][1]
-  assert {pid for _, pid in local_calls} == {os.getpid()}
+  assert_tools_ran_once_in(pools["rollout"][1], ray_run, local_run, ray_calls, local_calls)
+
+
+def colocated(c):
+  """c on one device, the actor generating on its own pool: one Ray process."""
+  c.placement.update(kind="colocated", pools={}, roles={})
+  c.trainer.devices = 1
+  return c
+
+
+def test_colocated_async_on_ray_is_the_local_run_and_resumes(tmp_path, ray_session):
+  """The stream beside the actor in its pool's one process, its weight sync the actor's
+  in-process hand-over: the local colocated async run (tokens, versions, metrics, final
+  weights), trajectories spanning updates and rows lagging a version. Then continued from
+  its step-2 checkpoint in new processes: every group that checkpoint held finished is
+  trained as it was, and no trained row lags past the bound."""
+  def colocated_async(run, backend):
+    c = colocated(async_config(tmp_path, run, backend))
+    # 6 decode steps beside an update: partial rollouts, and checkpoint 2 holds a
+    # finished group (responses of at most 8 tokens).
+    c.trainer.update(save_every=1, async_decode_steps=6)
+    return c
+  pools = {}
+  ray_run = run(colocated_async("ray", "ray"), pools)
+  local_run = run(colocated_async("local", "local"))
+  assert {pool: (roles, len(pids)) for pool, (roles, pids) in pools.items()} == {
+      "all": (("actor",), 1)}
+  assert_same(ray_run, local_run)
+  params, seen, metrics = ray_run
+  assert any(min(versions) < step - 1 for step, (_, versions) in seen.items())  # rows lag
+  assert max(m["async/versions_per_trajectory_max"] for m in metrics.values()) > 1  # partial
+  # In-process: the engine's copy of the weights, as locally (nothing sent between pools).
+  assert metrics[4]["rollout/weight_sync_bytes"] == sum(x.nbytes for x in
+                                                       jax.tree.leaves(params))
+  c = colocated_async("resumed", "ray")
+  checkpoints = tmp_path / "resumed" / "checkpoints"
+  shutil.copytree(tmp_path / "ray" / "checkpoints", checkpoints)
+  for later in [checkpoints / s for s in "34"] + [*checkpoints.glob("pools/*/[34]")]:
+    shutil.rmtree(later)
+  finished = finished_groups(checkpoints, 2)
+  c.trainer.resume = True
+  assert_trains_finished(c, finished, [3, 4])
+
+
+def test_colocated_async_multi_turn_over_a_pool_of_two_processes_runs_each_tool_once(
+    tmp_path, ray_session, monkeypatch):
+  """The actor's pool 2 devices in 2 processes (one jax.distributed job), each running the
+  stream beside the actor; agent trajectories whose every turn calls the logging tool:
+  the local colocated run on 2 devices (tokens, versions, metrics, final weights), each
+  tool call once, in the pool's process 0."""
+  def two_processes(c):
+    c = colocated(c)
+    c.trainer.devices, c.cluster.devices_per_process = 2, 1
+    return c
+  ray_run, local_run, pools, ray_calls, local_calls = tool_runs(tmp_path, monkeypatch,
+                                                                two_processes)
+  assert {pool: (roles, len(pids)) for pool, (roles, pids) in pools.items()} == {
+      "all": (("actor",), 2)}
+  assert_tools_ran_once_in(pools["all"][1], ray_run, local_run, ray_calls, local_calls)
+  # Trajectories spanned a weight update, and some rows lagged one.
+  assert max(m["async/versions_per_trajectory_max"] for m in ray_run[2].values()) > 1
+  assert any(min(v) < step - 1 for step, (_, v) in ray_run[1].items())

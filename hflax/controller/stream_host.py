@@ -3,12 +3,13 @@ RolloutEngine and the RolloutStream over it, with what the driver's AsyncRollout
 them as calls taking and returning host values.
 
 It lives beside the actor's generation: in the controller's process on the local backend
-(AsyncRollouts calls it directly), in the rollout pool's process on the Ray backend's split
-placement (hflax.controller.ray_backend.split_actor.RemoteStream calls it there, so the
-engine decodes in that process while the train pool updates). Either way the calls and
-their order are the same, so the two runs sample the same tokens. A rollout pool of
-several processes runs a StreamHost in each, making the same calls; agent trajectories'
-tools then run in process 0 alone (hflax.rollout.agents.shared_tools).
+(AsyncRollouts calls it directly); on the Ray backend in the processes of the pool that
+generates (hflax.controller.ray_backend.stream.RemoteStream calls it there): the rollout
+pool's on a split placement, where the engine decodes while the train pool updates, else
+the actor's own, where `sync` hands the actor's weights over in-process as locally.
+Either way the calls and their order are the same, so the runs sample the same tokens. A
+pool of several processes runs a StreamHost in each, making the same calls; agent
+trajectories' tools then run in process 0 alone (hflax.rollout.agents.shared_tools).
 """
 from __future__ import annotations
 

@@ -42,12 +42,14 @@ flight at a weight sync decodes on with the new weights and later turns sample w
 a trajectory's age is its oldest model token's version.
 
 Where the stream runs. Its engine and host state (hflax.controller.stream_host.StreamHost)
-sit beside the actor's generation: in the controller's process on the local backend, in
-the rollout pool's process on the Ray backend's split placement (the actor's open_stream,
-hflax.controller.ray_backend.split_actor), where step 4's decode calls are submitted as
-the step takes its batch and run in that process while the train pool computes the
-update; the weight sync then goes from the train pool through Ray's object store. This
-class drives either through the same calls, in the same order, so both sample alike.
+sit beside the actor's generation: in the controller's process on the local backend; on
+the Ray backend in the processes of the pool that generates (the actor's open_stream,
+hflax.controller.ray_backend.stream), where step 4's decode calls are submitted as the
+step takes its batch. On a split placement they run in the rollout pool's process while
+the train pool computes the update, and the weight sync goes from the train pool through
+Ray's object store; elsewhere the stream sits beside the actor in its own pool's
+processes, and the weight sync is the in-process hand-over of the local colocated run.
+This class drives each through the same calls, in the same order, so all sample alike.
 
 Checkpoints hold the stream's state (hflax.rollout.stream: finished-but-untrained samples
 whole, unfinished ones regenerated on resume by the weights then current) next to the
@@ -70,8 +72,9 @@ STEPS_PER_CALL = 8  # decode steps one engine call runs (the host admits between
 
 
 def open_stream(actor, **settings):
-  """The stream's host beside the actor's generation: the actor's own (the Ray split's
-  RemoteStream, in the rollout pool's process) or a StreamHost in this process."""
+  """The stream's host beside the actor's generation: the actor's own (on Ray, a
+  RemoteStream in the processes of the pool that generates) or a StreamHost in this
+  process."""
   opener = getattr(actor, "open_stream", None)
   return opener(**settings) if opener is not None else StreamHost(actor, **settings)
 

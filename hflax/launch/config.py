@@ -366,8 +366,6 @@ def _check_mode(c, fail, algorithm) -> None:
     if algorithm.takes_prompt_iterator:
       fail("trainer.mode", f"async trains one batch of groups per step; "
            f"{algorithm.name} draws as many as it needs within a step")
-    if c.cluster.backend == "ray":
-      _check_async_on_ray(c, fail)
   if t.mode == "one_step_off":
     if t.max_staleness > 1:
       fail("trainer.max_staleness", f"one_step_off lags 1 version (0: sync's schedule), "
@@ -375,16 +373,6 @@ def _check_mode(c, fail, algorithm) -> None:
     if algorithm.takes_prompt_iterator:
       fail("trainer.mode", f"one_step_off pre-generates one batch per step; "
            f"{algorithm.name} draws as many as it needs within a step")
-
-
-def _check_async_on_ray(c, fail) -> None:
-  """Async on Ray streams in the rollout pool's processes (each runs the stream; with
-  agent trajectories process 0 runs the tools for all: shared_tools.SharedToolsLoop)."""
-  roles = c.placement.roles if c.placement.kind == "custom" else {}
-  pool = (roles.get("rollout") or {}).get("pool")
-  if pool is None or pool == (roles.get("actor") or {}).get("pool"):
-    fail("trainer.mode", "async runs its rollout engine in the rollout pool's process on "
-         "cluster.backend='ray': place role 'rollout' on a pool of its own (placement.roles)")
 
 
 def _check_directories(c, fail) -> None:

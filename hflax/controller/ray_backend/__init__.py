@@ -5,6 +5,7 @@
   split.py      the split placement (a rollout pool of its own): the weight sync, the
                 rollout pool's replica of the actor (and async's stream beside it);
                 split_actor.py the driver's side
+  stream.py     trainer.mode = "async": the stream in the generating pool's processes
   group.py      WorkerGroup (a pool's processes), RoleHandle, failure detection
   transport.py  Batches and arguments as host numpy between driver and members
   backend.py    RayBackend: the roles of a run on worker groups (restarts, checkpoints)

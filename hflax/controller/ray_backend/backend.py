@@ -4,7 +4,9 @@ jax.distributed job, and the loop drives RoleHandles to them.
 - roles: every member of a pool builds the pool's roles from the plan (the local
   backend's build_roles, on the pool's global devices). Rule/function rewards run on the
   driver (they are host Python). A split placement's rollout pool builds the actor's
-  generation side, and the driver's actor is a SplitActor (ray_backend.split_actor).
+  generation side, and the driver's actor is a SplitActor (ray_backend.split_actor);
+  elsewhere it is a StreamingActor (ray_backend.stream): trainer.mode = "async" then
+  streams in the actor's own pool.
 - checkpoints: every process of a pool saves its roles' arrays with orbax to
   <checkpoints>/pools/<pool>/<step> (a multi-process save), then the driver saves the
   host state (with the workers' counters) to the run's checkpoint directory. A step is
@@ -26,6 +28,7 @@ from hflax.controller.ray_backend.group import (HostRole, WorkerGroup, build_gro
                                                 start_groups, wait_all)
 from hflax.controller.ray_backend import split
 from hflax.controller.ray_backend.split_actor import SplitActor
+from hflax.controller.ray_backend.stream import StreamingActor
 from hflax.controller.ray_backend.session import SAFE_ENV, RaySession
 from hflax.controller.ray_backend.transport import to_host
 from hflax.controller.roles import Role, Roles
@@ -113,6 +116,8 @@ class RayBackend:
     out = Roles(**{r.value: handles.get(r.value) for r in Role})
     if split.ROLE in handles:  # trains on its pool, generates on the rollout pool
       out.actor = SplitActor(handles["actor"], handles[split.ROLE])
+    elif "actor" in handles:  # generates on its own pool: async streams beside it there
+      out.actor = StreamingActor.of(handles["actor"])
     if plan.reference_in_actor:
       out.ref = out.actor
     for role, scorer in ((Role.REWARD, plan.reward), (Role.COST, plan.cost)):

@@ -179,6 +179,21 @@ def _first_line(error) -> str:
   return text[:300]
 
 
+class PendingBatch:
+  """Calls submitted to pools and not yet waited for (a split's generation with its
+  weights' calls; async's decode steps): `result()` waits for all of them, raising as a
+  role call would, and returns calls[answer]'s result (the answering process 0's)."""
+
+  def __init__(self, calls: list, answer: int, what: str):
+    self._calls, self._answer, self._what, self._batch = calls, answer, what, None
+
+  def result(self):
+    if self._calls is not None:
+      self._batch = wait_all(self._calls, self._what)[self._answer]
+      self._calls = None
+    return self._batch
+
+
 class RoleHandle:
   """A role on a worker group, with the methods (and a few settings) of the worker."""
 

@@ -19,6 +19,7 @@ import socket
 from hflax import platforms
 from hflax.platforms.compile_cache import use_compile_cache
 
+STREAM = "stream"  # trainer.mode = "async": the stream's host among a member's workers
 
 
 def _node_ip() -> str:
@@ -107,11 +108,13 @@ class PoolMember:
     return out if self.process_id == 0 else None
 
   def open_stream(self, role: str, settings: dict) -> bool:
-    """trainer.mode = "async": the stream's host beside the replica `role`, then called as
-    the worker STREAM (ray_backend.split_actor.RemoteStream)."""
-    from hflax.controller.ray_backend.split import STREAM
-    self.workers[role].open_stream(settings)
-    self.workers[STREAM] = self.workers[role].stream
+    """trainer.mode = "async": the stream's host beside worker `role` (a split's replica
+    opens its own; the actor on its own pool gets a StreamHost over it), then called as
+    the worker STREAM (ray_backend.stream.RemoteStream)."""
+    from hflax.controller.stream_host import StreamHost
+    worker = self.workers[role]
+    opener = getattr(worker, "open_stream", None)
+    self.workers[STREAM] = opener(settings) if opener else StreamHost(worker, **settings)
     return True
 
   def sync_stream(self, role: str, weights: dict):

@@ -21,8 +21,8 @@ rollout pool's.
 
 - trainer.mode = "async": the replica also holds the stream (open_stream: a
   hflax.controller.stream_host.StreamHost over its actor, which the driver's
-  split_actor.RemoteStream calls); its weight sync (sync_stream) loads trainer_weights'
-  payload into the actor and hands the engine the next version.
+  ray_backend.stream.RemoteStream calls); its weight sync (sync_stream) loads
+  trainer_weights' payload into the actor and hands the engine the next version.
 
 The metrics are the local split's: `timing_s/weight_sync` (the trainer's copy to host,
 the replica's copy onto its devices and its reshard to the generation layout; Ray's
@@ -44,7 +44,6 @@ from hflax.controller.training import trained_part
 from hflax.sharding import placement
 
 ROLE = "rollout"  # the replica's name among a pool's workers (placement role "rollout")
-STREAM = "stream"  # trainer.mode = "async": the stream's host beside the replica
 
 
 def rollout_pool(spec: dict) -> str | None:
@@ -129,6 +128,7 @@ class RolloutReplica:
     """The async stream's engine and host state in this process (StreamHost's settings)."""
     from hflax.controller.stream_host import StreamHost
     self.stream = StreamHost(self.actor, **settings)
+    return self.stream
 
   def sync_stream(self, weights: dict) -> dict:
     """The stream's weight sync from the trainer's `weights` (trainer_weights', no key):
@@ -139,3 +139,16 @@ class RolloutReplica:
     metrics["timing_s/weight_sync"] += weights["pack_s"] + loaded
     metrics["rollout/weight_sync_bytes"] = weights["bytes"]
     return out
+
+
+def with_trainer_weights(train, rollout, method: str, draw_key: bool, *args):
+  """The driver's side of a weight sync. Submits the train pool's weights
+  (trainer_weights, with a drawn sampling key where draw_key) and the rollout pool's
+  `method`(its replica, those weights, *args) on every member; the weights' ref goes
+  from pool to pool without the driver. Returns the calls (as wait_all takes them) and
+  the index of the rollout pool's process 0's."""
+  sent = [m.trainer_weights.remote("actor", draw_key) for m in train.members]
+  made = [getattr(m, method).remote(ROLE, sent[0], *args) for m in rollout.members]
+  calls = [(train, i, r) for i, r in enumerate(sent)] + [(rollout, i, r)
+                                                        for i, r in enumerate(made)]
+  return calls, len(sent)
