@@ -622,3 +622,64 @@ def test_peft_all_linear_adapter_leaves_the_routed_experts_out_in_hflax_too(fami
   assert "\n" not in str(e.value)
   with pytest.raises(ValueError, match="tensors the model has no place for: .*experts"):
     load_adapter(adapter, lcfg)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_peft_all_linear_read_as_transformers_4_names_adapts_the_experts_and_router(
+    family, tmp_path, monkeypatch):
+  """Where PEFT converts transformers 4's expert names (its table naming the family: a
+  fresh PEFT 0.22 process does), all-linear also adapts the fused experts
+  (target_parameters gate_up_proj at rank 2r, down_proj) and the router (gate.weight, a
+  pair stored as an nn.Linear's): hflax reads gate.weight as its "gate" target and runs
+  PEFT's logits where gate_up's B keeps gate and up apart (block-diagonal: hflax's gate
+  and up adapters have rank r each); a B that mixes them is refused in one line."""
+  import peft
+  import torch
+  from peft.utils import transformers_weight_conversion
+  from hflax.models.lora import adapter_adapts_experts, read_adapter_config
+  from moe_models import tiny_qwen2_moe
+  monkeypatch.setitem(transformers_weight_conversion._MODEL_TO_CONVERSION_PATTERN, family,
+                      "qwen2_moe")
+  model = (tiny_qwen2_moe if family == "qwen2_moe" else tiny_moe)(seed=6)
+  model.save_pretrained(tmp_path / "base")
+  peft_model = peft.get_peft_model(model, peft.LoraConfig(
+      r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)).eval()
+  assert set(peft_model.peft_config["default"].target_parameters) == {
+      "gate.weight", "gate_up_proj", "down_proj"}
+  inner, columns = 48, 4 * 8  # B [2I, 2r E]: rank k of expert e in column k E + e
+  mixed = peft_model.base_model.model.model.layers[0].mlp.experts.base_layer
+  mixed = mixed.lora_B["default"].weight.detach().clone()
+  with torch.no_grad():
+    for name, p in peft_model.named_parameters():
+      if ".experts.base_layer.lora_B" in name:  # gate_up's pair (it nests once more)
+        p[:inner, columns:], p[inner:, :columns] = 0.0, 0.0
+  peft_model.save_pretrained(tmp_path / "adapter")
+  tokens, mask = _tokens(vocab=128)
+  with torch.no_grad():
+    want = peft_model(torch.tensor(np.asarray(tokens))).logits.numpy()
+    peft_model.base_model.model.model.layers[0].mlp.gate.lora_B["default"].weight.zero_()
+    without_router = peft_model(torch.tensor(np.asarray(tokens))).logits.numpy()
+  assert np.abs(want - without_router).max() > 1e-3  # the router's adapter matters
+  adapter = str(tmp_path / "adapter")
+  found = read_adapter_config(adapter)
+  assert set(found["targets"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                   "up_proj", "down_proj", "gate"} | (
+      {"shared_expert_gate"} if family == "qwen2_moe" else set())
+  assert adapter_adapts_experts(adapter)
+  cfg, _, state = hf.load_checkpoint(str(tmp_path / "base"))
+  lcfg = lora_config(cfg, found["rank"], found["alpha"], found["targets"])
+  adapters = load_adapter(adapter, lcfg)
+  ours = np.asarray(_logits(create_abstract(lcfg)[0])(nnx.merge_state(state, adapters),
+                                                      tokens, mask))
+  np.testing.assert_allclose(ours, want, atol=2e-4)
+
+  from safetensors.numpy import load_file, save_file
+  file = str(tmp_path / "adapter" / "adapter_model.safetensors")
+  tensors = load_file(file)
+  tensors["base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight"] = \
+      mixed.numpy()  # as PEFT trains it: gate and up rows read every rank
+  save_file(tensors, file)
+  with pytest.raises(ValueError, match=r"rank-8 pair mixes gate and up rows \(not block-"
+                                       r"diagonal\)") as e:
+    load_adapter(adapter, lcfg)
+  assert "\n" not in str(e.value)

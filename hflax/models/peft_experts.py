@@ -38,13 +38,19 @@ def read_json(path: str) -> dict:
 
 def fused_targets(c: dict, file: str) -> tuple[str, ...]:
   """hflax targets of an adapter's target_parameters; anything but the fused experts'
-  two tensors is refused, naming it."""
+  two tensors and the router's weight (gate.weight, where PEFT converts transformers 4's
+  router name: a LoRA pair stored as an nn.Linear's, read as the "gate" target) is
+  refused, naming it."""
   out = []
   for name in c.get("target_parameters") or ():
     parts = name.split(".")
+    if parts[-2:] == ["gate", "weight"]:
+      out.append("gate")
+      continue
     if parts[-1] not in FUSED or len(parts) > 1 and parts[-2] != "experts":
       raise ValueError(f"{file}: target_parameters {name!r}: hflax reads LoRA on the fused "
-                       "experts' experts.gate_up_proj and experts.down_proj only")
+                       "experts' experts.gate_up_proj and experts.down_proj and on the "
+                       "router's gate.weight only")
     out += FUSED[parts[-1]]
   return tuple(out)
 
