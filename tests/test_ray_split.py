@@ -7,6 +7,8 @@ programs XLA compiles on its own), and the weight sync's bytes are the actor's w
 (its adapters with LoRA). trainer.mode = "async" streams in the rollout pool's process
 (its engine decoding there while the train pool updates) and runs the local split's async
 run; resumed from a checkpoint it trains the trajectories the checkpoint held finished.
+Where the actor generates on its own pool (colocated), async streams beside it in that
+pool's processes, its weight sync in-process, and runs the local colocated async run.
 
 Runs only inside a loopback-only network namespace (../shared/bin/netless), else skips.
 """
