@@ -59,11 +59,12 @@ def lora_config(cfg: ModelConfig, rank: int, alpha: float, targets,
 
 def adapter_adapts_experts(path: str) -> bool:
   """Whether a PEFT adapter directory holds LoRA on a mixture of experts' routed experts:
-  target_parameters on the fused experts (not the router's), or per-expert tensors (mlp.experts.{e}.*). PEFT
-  on transformers 5 adapts nn.Linear modules by name, and the routed experts are fused
-  parameters there, so an adapter made without target_parameters (all-linear included)
-  adapts the dense and shared-expert MLPs alone, though its target_modules name
-  gate_proj, up_proj and down_proj."""
+  target_parameters on the fused experts (not the router's), or per-expert tensors
+  (mlp.experts.{e}.*). PEFT on transformers 5 adapts nn.Linear modules by name, and the
+  routed experts are fused parameters there, so an adapter made without target_parameters
+  on them (all-linear, where PEFT does not convert transformers 4's names) adapts the
+  dense and shared-expert MLPs alone, though its target_modules name gate_proj, up_proj
+  and down_proj."""
   from safetensors import safe_open
   config = read_json(path)
   if set(fused_targets(config, os.path.join(path, "adapter_config.json"))) & set(_MLP):

@@ -14,6 +14,10 @@ PEFT's rank_pattern / alpha_pattern (2r, 2 alpha: the same scale) for gate_up_pr
 Two parameters of one experts module nest their wrappers: gate_up_proj's keys hold one
 base_layer more than down_proj's (...mlp.experts.base_layer.lora_A.weight); a pair is
 told by its shapes (gate_up: in D, out 2I; down: in I, out D, never both).
+
+The router's weight (target_parameters gate.weight, which PEFT's all-linear adds where it
+converts transformers 4's MoE names) has an ordinary pair, lora_A [r, D] and lora_B
+[E, r] under mlp.gate's names: hflax's "gate" target, read as any module's.
 """
 from __future__ import annotations
 
