@@ -67,15 +67,23 @@ class RolloutEngine(SlotTable):
   included (default and least: max_prompt_len + max_new_tokens); a slot's cache has that
   many columns, and max_turn_len more where continuations are on, so that a
   continuation's prefill writes whole columns inside it.
-  rows_per_prefill: the rows of every admission's compiled call (0: up to 8). Each request is prefilled at its own padded width in calls of this many
-  rows, so its log-probs are bit for bit the same whichever requests it was admitted
-  with (hflax.rollout.slots, SlotTable._calls).
+  rows_per_prefill: the rows of every admission's compiled call (0: up to 8). Each
+  request is prefilled at its own padded width in calls of this many rows, so its
+  log-probs are bit for bit the same whichever requests it was admitted with
+  (hflax.rollout.slots, SlotTable._calls).
+  prefix_sharing: requests admitted at one step with identical prompts (a group's n
+  samples) are prefilled once, the others copying that prefill's cache into their slots
+  and picking their first tokens from its last hidden state with their own keys: the
+  same tokens and log-probs bit for bit, fewer prefill calls. Fresh requests only
+  (continuations bring tokens of their own). `stats` counts prefill calls, the rows and
+  tokens prefilled and those shared (copied instead).
   """
 
   def __init__(self, graphdef, state, sampling: SamplingParams, *, slots: int = 8,
                max_prompt_len: int = 256, steps_per_call: int = 8, mesh: Mesh | None = None,
                devices: Sequence | None = None, version: int = 0, key: jax.Array | None = None,
-               max_turn_len: int = 0, max_context_len: int = 0, rows_per_prefill: int = 0):
+               max_turn_len: int = 0, max_context_len: int = 0, rows_per_prefill: int = 0,
+               prefix_sharing: bool = True):
     if len(sampling.eos_ids) > MAX_STOP_IDS:
       raise ValueError(f"RolloutEngine: at most {MAX_STOP_IDS} eos ids, got {sampling.eos_ids}")
     for name, value in (("slots", slots), ("max_prompt_len", max_prompt_len),
@@ -85,6 +93,9 @@ class RolloutEngine(SlotTable):
     if not isinstance(rows_per_prefill, (int, np.integer)) or rows_per_prefill < 0:
       raise ValueError(f"RolloutEngine: rows_per_prefill must be an integer >= 0, got "
                        f"{rows_per_prefill!r}")
+    if not isinstance(prefix_sharing, bool):
+      raise ValueError(f"RolloutEngine: prefix_sharing must be True or False, got "
+                       f"{prefix_sharing!r}")
     if mesh is not None and devices is not None:
       raise ValueError("RolloutEngine: pass mesh (weights placed on it) or devices, not both")
     self.devices = None if devices is None else list(devices)
@@ -97,6 +108,11 @@ class RolloutEngine(SlotTable):
     # Eight: on the CPU, calls of one row cost the kept cache its saving (bench/agents.py:
     # 54 s against 41 s for eight, 39-40 s before rows were fixed); padding rows cost less.
     self.rows_per_prefill = int(rows_per_prefill) or min(self.slots, 8)
+    self.prefix_sharing = prefix_sharing
+    # Fresh requests' prompts: compiled prefill calls, rows and tokens prefilled, and the
+    # rows and tokens a request of the same admission's prefill gave instead (shared).
+    self.stats = dict.fromkeys(("prefill_calls", "prefill_rows", "prefill_tokens",
+                                "shared_rows", "shared_tokens"), 0)
     self.prompt_width = int(max_prompt_len)
     if not isinstance(max_turn_len, (int, np.integer)) or max_turn_len < 0:
       raise ValueError(f"RolloutEngine: max_turn_len must be an integer >= 0, got "

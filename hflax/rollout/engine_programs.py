@@ -1,5 +1,6 @@
 """The rollout engine's compiled programs: a slot table's cache and counters (the carry),
-admission's prefill into free slots, a continuation's prefill after a kept context, and
+admission's prefill into free slots, the copy of a prefilled prompt into the slots of
+requests admitted with the same prompt, a continuation's prefill after a kept context, and
 `steps` decode steps of every busy slot. The host side (hflax.rollout.engine) calls them
 between steps; each donates the carry it is given."""
 from __future__ import annotations
@@ -47,15 +48,13 @@ def prefill_into(graphdef, state, carry, rows, *, params: SamplingParams, prompt
   """Prefills the admitted prompts (rows: their left-padded tokens and mask, the slot each
   goes to, keys, rows, limits, stop ids) and writes each one's cache into its slot,
   right-aligned in the slot's first prompt_width columns; picks each first token (step 0).
-  Returns the carry and (first tokens, their log-probs, whether each goes on)."""
+  Returns the carry, (first tokens, their log-probs, whether each goes on) and each
+  prompt's last hidden state (what copy_prefill picks from)."""
   model = nnx.merge(graphdef, state)
   tokens, mask = rows["tokens"], rows["mask"]
   K, p = tokens.shape
   last, cache, kv_valid = prefill(model, tokens, mask)
-  keys = None if params.greedy else sampling_keys(rows["key"], jnp.zeros((K,), jnp.int32),
-                                                  rows["row"])
-  first, logp = pick_with_keys(model.step_logits(last), keys, params)
-  going = ~jnp.any(first[:, None] == rows["stops"], axis=1) & (rows["max_new"] > 1)
+  first, logp, going = _first_tokens(model, last, rows, params)
   W = carry["kv_valid"].shape[1]
   def widen(x, axis):  # the prompt right-aligned in the slot's first prompt_width columns
     return jnp.pad(x, [(prompt_width - p, W - prompt_width) if a == axis else (0, 0)
@@ -70,6 +69,45 @@ def prefill_into(graphdef, state, carry, rows, *, params: SamplingParams, prompt
            "pos": put(carry["pos"], positions_from_mask(mask)[:, -1] + 1),
            "step": put(carry["step"], jnp.ones((K,), jnp.int32)),
            "col": put(carry["col"], jnp.full((K,), prompt_width, jnp.int32)),
+           "active": put(carry["active"], going),
+           "key": put(carry["key"], rows["key"]), "row": put(carry["row"], rows["row"]),
+           "max_new": put(carry["max_new"], rows["max_new"]),
+           "stops": put(carry["stops"], rows["stops"])}
+  return carry, (first, logp, going), last
+
+
+def _first_tokens(model, last, rows, params: SamplingParams):
+  """Each row's step-0 token and log-prob from its prompt's last hidden state, with its
+  own key and row, and whether it goes on (no stop id, room for more)."""
+  K = last.shape[0]
+  keys = None if params.greedy else sampling_keys(rows["key"], jnp.zeros((K,), jnp.int32),
+                                                  rows["row"])
+  first, logp = pick_with_keys(model.step_logits(last), keys, params)
+  going = ~jnp.any(first[:, None] == rows["stops"], axis=1) & (rows["max_new"] > 1)
+  return first, logp, going
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params"), donate_argnames=("carry",))
+def copy_prefill(graphdef, state, carry, last, rows, *, params: SamplingParams):
+  """Requests admitted with the same prompt as one prefill_into just prefilled (a group's
+  samples): slot rows["slot"][i] gets a copy of slot rows["from"][i]'s row (its cache,
+  validity, position and column), and its first token is picked from that prompt's last
+  hidden state, last[rows["src"][i]], with its own key, row, stops and limit.
+
+  The pick runs as prefill_into's does, the head and the pick over as many rows as its
+  call had, so a copy's first token and log-prob are bit for bit those its own prefill
+  would give; its cache is the prompt's, the same bits. Returns what prefill_into does
+  but the hidden states."""
+  model = nnx.merge(graphdef, state)
+  first, logp, going = _first_tokens(model, last[rows["src"]], rows, params)
+  K = first.shape[0]
+  at, src = rows["slot"], rows["from"]
+  put = lambda old, new: old.at[at].set(new, mode="drop")  # noqa: E731
+  copy = lambda x: put(x, x[src])  # noqa: E731
+  carry = {**carry, "cache": [{"k": copy(c["k"]), "v": copy(c["v"])} for c in carry["cache"]],
+           "kv_valid": copy(carry["kv_valid"]), "pos": copy(carry["pos"]),
+           "col": copy(carry["col"]), "tok": put(carry["tok"], first),
+           "step": put(carry["step"], jnp.ones((K,), jnp.int32)),
            "active": put(carry["active"], going),
            "key": put(carry["key"], rows["key"]), "row": put(carry["row"], rows["row"]),
            "max_new": put(carry["max_new"], rows["max_new"]),
@@ -139,10 +177,7 @@ def extend(graphdef, state, carry, rows, *, params: SamplingParams):
                         cache=[{"k": take(c["k"]), "v": take(c["v"])} for c in carry["cache"]],
                         slot0=start)
   last = jnp.take_along_axis(hidden, (length - 1)[:, None, None], axis=1)[:, 0]
-  keys = None if params.greedy else sampling_keys(rows["key"], jnp.zeros((K,), jnp.int32),
-                                                  rows["row"])
-  first, logp = pick_with_keys(model.step_logits(last), keys, params)
-  going = ~jnp.any(first[:, None] == rows["stops"], axis=1) & (rows["max_new"] > 1)
+  first, logp, going = _first_tokens(model, last, rows, params)
   put = lambda old, new: old.at[at].set(new, mode="drop")  # noqa: E731
   carry = {**carry,
            "cache": [{"k": put(o["k"], n["k"]), "v": put(o["v"], n["v"])}

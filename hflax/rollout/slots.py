@@ -1,5 +1,6 @@
 """The rollout engine's slot table, host side: admitting waiting requests into free slots
-(prefills of their prompts, see SlotTable._calls), continuing kept contexts, and
+(prefills of their prompts, see SlotTable._calls; a prompt that several requests of one
+admission share prefilled once, see SlotTable._copy), continuing kept contexts, and
 finishing or freeing a slot.
 
 RolloutEngine (hflax.rollout.engine) takes these as a base class: they read and write
@@ -14,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hflax.rollout import sampler
-from hflax.rollout.engine_programs import empty_carry, extend, prefill_into
+from hflax.rollout.engine_programs import copy_prefill, empty_carry, extend, prefill_into
 from hflax.rollout.host import host_values
 from hflax.rollout.requests import (Completion, Held, Live, Request, completion, key_data,
                                     stop_row)
@@ -36,20 +37,66 @@ class SlotTable:
     if not take:
       return finished
     del self._waiting[:len(take)]
+    leaders, copies = self._leaders(take)
     started = []
-    widths = [min(sampler.length_bucket(len(r.prompt_ids)), self.prompt_width) for r in take]
+    widths = [min(sampler.length_bucket(len(take[i].prompt_ids)), self.prompt_width)
+              for i in leaders]
     for width, group in self._calls(widths):
+      group = [leaders[j] for j in group]  # indices into take
       picks = [take[group[i % len(group)]] for i in range(self.rows_per_prefill)]
       tokens, mask = sampler.left_pad([r.prompt_ids for r in picks], self.sampling.pad_id, width)
       slots = np.full(len(picks), self.slots, np.int32)  # out of range: padding rows write nowhere
       slots[:len(group)] = [free[i] for i in group]
       per_row = {**self._sampling_rows(picks), "tokens": tokens, "mask": mask, "slot": slots}
-      self._carry, (first, logp, going) = prefill_into(
+      self._carry, (first, logp, going), last = prefill_into(
           graphdef, state, self._carry, per_row, params=self.sampling,
           prompt_width=self.prompt_width)
+      self._count(group, take, "prefill")
+      # Copy before anything reads the leaders' slots again (a first-token finish frees one).
+      pairs = [(i, j) for j, lead in enumerate(group) for i in copies.get(lead, ())]
+      for c in range(0, len(pairs), self.rows_per_prefill):
+        chunk = pairs[c:c + self.rows_per_prefill]
+        started += self._copy([take[i] for i, _ in chunk], [free[i] for i, _ in chunk],
+                              [free[group[j]] for _, j in chunk], [j for _, j in chunk], last)
+        self._count([i for i, _ in chunk], take, "shared")
       started += self._started([take[i] for i in group], slots,
                                [self.prompt_width] * len(group), first, logp, going)
     return finished + _in_order(started, take)
+
+  def _leaders(self, take: list[Request]) -> tuple[list[int], dict[int, list[int]]]:
+    """The requests of an admission that are prefilled (indices into take), and for each
+    the later ones with the same prompt that copy its cache (with prefix_sharing on)."""
+    first: dict[tuple, int] = {}
+    leaders, copies = [], {}
+    for i, r in enumerate(take):
+      lead = first.setdefault(tuple(r.prompt_ids), i) if self.prefix_sharing else i
+      if lead == i:
+        leaders.append(i)
+      else:
+        copies.setdefault(lead, []).append(i)
+    return leaders, copies
+
+  def _copy(self, requests, slots, sources, rows, last) -> list[Completion]:
+    """One compiled call of copy_prefill: requests (at most rows_per_prefill) go to
+    `slots` with a copy of slot sources[i], just prefilled, and pick their first tokens
+    from last[rows[i]], the hidden states of that prefill call."""
+    K = self.rows_per_prefill
+    picks = [requests[i % len(requests)] for i in range(K)]  # padding rows repeat real ones
+    to = np.full(K, self.slots, np.int32)  # out of range: padding rows write nowhere
+    to[:len(requests)] = slots
+    per_row = {**self._sampling_rows(picks), "slot": to,
+               "from": np.asarray([sources[i % len(requests)] for i in range(K)], np.int32),
+               "src": np.asarray([rows[i % len(requests)] for i in range(K)], np.int32)}
+    self._carry, (first, logp, going) = copy_prefill(*self.weights, self._carry, last, per_row,
+                                                     params=self.sampling)
+    return self._started(requests, to, [self.prompt_width] * len(requests), first, logp, going)
+
+  def _count(self, indices, take, kind: str):
+    """Adds an admission's prefilled (or copied) requests to the engine's stats."""
+    self.stats[f"{kind}_rows"] += len(indices)
+    self.stats[f"{kind}_tokens"] += sum(len(take[i].prompt_ids) for i in indices)
+    if kind == "prefill":
+      self.stats["prefill_calls"] += 1
 
   def _calls(self, widths: list[int]) -> list[tuple[int, list[int]]]:
     """How one admission's requests (their padded `widths`) are prefilled: (width, their
