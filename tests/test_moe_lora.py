@@ -683,3 +683,23 @@ def test_peft_all_linear_read_as_transformers_4_names_adapts_the_experts_and_rou
                                        r"diagonal\)") as e:
     load_adapter(adapter, lcfg)
   assert "\n" not in str(e.value)
+
+
+def test_the_launcher_reads_all_linear_as_the_model_does(tmp_path):
+  """A PEFT all-linear adapter on Qwen2-MoE names shared_expert_gate among its targets;
+  config.model.target_modules="all-linear" describes it on that model (lora_config adds the
+  gate), not on one without a shared expert."""
+  import json
+  from hflax.launch.config import base_config
+  from hflax.launch.models import check_adapter
+  names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "shared_expert_gate"]
+  (tmp_path / "adapter_config.json").write_text(json.dumps(
+      dict(peft_type="LORA", r=4, lora_alpha=8, target_modules=names)))
+  c = base_config()
+  c.model.update(lora_rank=4, lora_alpha=8.0, target_modules="all-linear",
+                 lora_adapter_path=str(tmp_path))
+  shared = ModelConfig(**TINY, shared_expert_intermediate_size=20)
+  check_adapter(c, shared)
+  with pytest.raises(ValueError, match="target_modules .*shared_expert_gate"):
+    check_adapter(c, ModelConfig(**TINY))

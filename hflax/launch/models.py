@@ -8,7 +8,7 @@ from hflax.controller.plan import LoraPlan
 from hflax.launch.atomic_export import refuse_incomplete
 from hflax.models import ModelConfig, create, hf
 from hflax.models.config import lora_target_problem
-from hflax.models.lora import lora_targets, read_adapter_config
+from hflax.models.lora import lora_config, lora_targets, read_adapter_config
 
 
 def uses_reference(cfg) -> bool:
@@ -95,8 +95,6 @@ def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
         read[field] = hf.read_config(path)
       except (OSError, ValueError) as e:
         raise ValueError(f"config.{field}: {e}") from None
-  if cfg.model.lora_adapter_path:
-    check_adapter(cfg)
   policy = read.get("model.path")
   coef = cfg.actor.get("moe_aux_loss_coef", 0.0)
   if coef and not (policy is not None and policy.num_sparse_layers):
@@ -107,18 +105,23 @@ def read_model_configs(cfg, driver_only: bool = False) -> ModelConfig | None:
       problem = lora_target_problem(lora_targets(cfg[section].target_modules), model)
       if problem:
         raise ValueError(f"config.{section}.target_modules: {problem}")
+  if cfg.model.lora_adapter_path:
+    check_adapter(cfg, policy)
   return policy
 
 
-def check_adapter(cfg) -> None:
-  """model.lora_adapter_path holds adapters of the rank, alpha and targets configured."""
+def check_adapter(cfg, policy: ModelConfig | None = None) -> None:
+  """model.lora_adapter_path holds adapters of the rank, alpha and targets configured
+  (the targets as the policy reads them: "all-linear" covers a shared expert gate)."""
   m = cfg.model
   try:
     found = read_adapter_config(m.lora_adapter_path)
   except (OSError, ValueError) as e:
     raise ValueError(f"config.model.lora_adapter_path: {e}") from None
   wanted = {"rank": m.lora_rank, "alpha": float(m.lora_alpha),
-            "targets": set(lora_targets(m.target_modules))}
+            "targets": set(lora_config(policy, m.lora_rank, m.lora_alpha, m.target_modules)
+                           .lora_targets if policy is not None else
+                           lora_targets(m.target_modules))}
   found["targets"] = set(found["targets"])
   if found != wanted:
     raise ValueError(
