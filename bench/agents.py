@@ -7,6 +7,9 @@ and what does the kept KV cache save? Side by side in one run, alternating repet
   re-prefill  instant tools, but each turn prefills its whole context afresh instead of
               continuing the trajectory's kept cache with the new tokens only
               (AgentLoop(reuse_cache=False)): the cost a loop without cache reuse pays
+  no sharing  with --group N (N trajectories a question, a GRPO group): instant tools,
+              every request prefilled on its own (RolloutEngine(prefix_sharing=False))
+              where "instant" prefills a group's first turn once and copies its cache
 
 Each trajectory is --turns greedy model turns (each ending at the end token or after
 --turn-tokens), a tool message after each but the last. Greedy decoding makes the three
@@ -16,6 +19,7 @@ benches do. --results writes the run to bench/results/ (bench/results_table.py's
 
   python bench/agents.py --machine zen4 --results   # 64 trajectories x 3 turns, SmolLM2
   python bench/agents.py --smoke --json out.json    # seconds: the toy model (the tests')
+  python bench/agents.py --group 8 --runs instant "no sharing" --machine zen4 --results
 """
 from __future__ import annotations
 
@@ -80,10 +84,10 @@ def load(toy: bool):
   return load_tokenizer(common.real_model_dir()), (graphdef, state)
 
 
-def run(model, tokenizer, args, tool_s: float, reuse_cache: bool) -> dict:
+def run(model, tokenizer, args, tool_s: float, reuse_cache: bool, sharing: bool = True) -> dict:
   """One run of every trajectory: its wall-clock time, the loop's metrics, the model's
-  tokens and how many tokens were prefilled (a kept cache prefills each turn's new
-  tokens; re-prefill each turn's whole context)."""
+  tokens, how many tokens were prefilled (a kept cache prefills each turn's new tokens;
+  re-prefill each turn's whole context) and the engine's prefill counts."""
   params = SamplingParams(max_new_tokens=args.turn_tokens, temperature=0,
                           eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id)
   context = args.prompt_len + args.turns * (args.turn_tokens + args.tool_tokens)
@@ -91,10 +95,12 @@ def run(model, tokenizer, args, tool_s: float, reuse_cache: bool) -> dict:
   engine = RolloutEngine(*model, params, slots=args.slots, steps_per_call=args.steps_per_call,
                          max_prompt_len=args.prompt_len if reuse_cache else context,
                          max_turn_len=args.tool_tokens,
-                         max_context_len=context if reuse_cache else context + args.turn_tokens)
+                         max_context_len=context if reuse_cache else context + args.turn_tokens,
+                         prefix_sharing=sharing)
   loop = AgentLoop(engine, tokenizer, max_turns=args.turns, reuse_cache=reuse_cache)
-  samples = [QUESTIONS[i % len(QUESTIONS)].format(a=100 + 7 * i, b=13 + i)
-             for i in range(args.trajectories)]
+  questions = [QUESTIONS[q % len(QUESTIONS)].format(a=100 + 7 * q, b=13 + q)
+               for q in range(-(-args.trajectories // args.group))]
+  samples = [questions[i // args.group] for i in range(args.trajectories)]
   start = time.perf_counter()
   trajectories, metrics = loop.run([ToolEcho(args.turns, tool_s) for _ in samples], samples)
   seconds = time.perf_counter() - start
@@ -111,7 +117,7 @@ def run(model, tokenizer, args, tool_s: float, reuse_cache: bool) -> dict:
                      "context is too short for --turns x (--turn-tokens + --tool-tokens)")
   return {"seconds": seconds, "metrics": metrics, "prefilled": prefilled,
           "model_tokens": sum(sum(t.model_mask) for t in trajectories),
-          "tokens": [t.token_ids for t in trajectories]}
+          "tokens": [t.token_ids for t in trajectories], "engine": dict(engine.stats)}
 
 
 def _end_of_turn(t, k: int, starts: list[int]) -> int:
@@ -122,27 +128,34 @@ def _end_of_turn(t, k: int, starts: list[int]) -> int:
   return i
 
 
-RUNS = {"instant": (False, True), "slow tools": (True, True), "re-prefill": (False, False)}
+RUNS = {"instant": (False, True, True), "slow tools": (True, True, True),
+        "re-prefill": (False, False, True), "no sharing": (False, True, False)}
+
+
+def runs(args) -> list[str]:
+  """The runs measured: --runs, or all ("no sharing" only where groups share prompts)."""
+  return args.runs or [name for name in RUNS if name != "no sharing" or args.group > 1]
 
 
 def measure(model, tokenizer, args) -> dict:
   """Every run once to compile (each admission shape compiles its own programs), then
   args.reps alternating repetitions; each run's median seconds and its last repetition."""
-  settings = {name: (args.tool_ms / 1e3 if slow else 0.0, reuse)
-              for name, (slow, reuse) in RUNS.items()}
+  names = runs(args)
+  settings = {name: (args.tool_ms / 1e3 if slow else 0.0, reuse, sharing)
+              for name, (slow, reuse, sharing) in RUNS.items() if name in names}
   # Admissions group as the tools happen to finish, and each new group size or prompt
   # width compiles its programs: warm up more than once, and take medians.
   for _ in range(args.warmup):
     for setting in settings.values():
       run(model, tokenizer, args, *setting)
-  times, last = {name: [] for name in RUNS}, {}
+  times, last = {name: [] for name in names}, {}
   for rep in range(args.reps):
-    order = list(RUNS) if rep % 2 == 0 else list(RUNS)[::-1]
+    order = names if rep % 2 == 0 else names[::-1]
     for name in order:
       last[name] = run(model, tokenizer, args, *settings[name])
       times[name].append(last[name]["seconds"])
   return {name: {**last[name], "seconds": statistics.median(times[name]), "times": times[name]}
-          for name in RUNS}
+          for name in names}
 
 
 def report(results: dict, args, peaks: list[float]) -> dict:
@@ -152,26 +165,40 @@ def report(results: dict, args, peaks: list[float]) -> dict:
         f"tokens; tools {args.tool_ms:g} ms a call in 'slow tools'; median of {args.reps}")
   for name, r in results.items():
     same = r["tokens"] == base["tokens"]
+    engine = r["engine"]
     print(f"  {name:10s} | {r['seconds']:7.3f} s | {r['seconds'] / base['seconds']:5.2f}x instant"
           f" | decode {r['metrics']['timing_s/agent_decode_seconds']:6.3f} s | prefilled "
-          f"{r['prefilled']:6d} tokens | same tokens: {same}")
-  slow = results["slow tools"]["seconds"] / base["seconds"]
-  reprefill = results["re-prefill"]["seconds"] / base["seconds"]
-  verdict = "PASS" if slow <= TARGET_SLOW_RATIO else "MISS"
-  print(f"slow tools / instant: {slow:.2f}x (target <= {TARGET_SLOW_RATIO}x: {verdict})")
-  print(f"re-prefill / kept cache: {reprefill:.2f}x the time, "
-        f"{results['re-prefill']['prefilled'] / max(base['prefilled'], 1):.2f}x the prefilled "
-        "tokens")
-  print(f"float32 matmul peak before/after: {peaks[0] / 1e9:.1f} / {peaks[1] / 1e9:.1f} GFLOP/s")
+          f"{r['prefilled']:6d} tokens | fresh prompts: {engine['prefill_calls']} prefill calls, "
+          f"{engine['prefill_rows']} rows, {engine['shared_rows']} shared | same tokens: {same}")
   unit = (f"s (median of {args.reps}): {args.trajectories} trajectories x {args.turns} turns, "
           f"{base['model_tokens']} model tokens")
-  return [{"target": "agents_slow_tools", "unit": unit, "hflax": results["slow tools"]["seconds"],
-           "peer": base["seconds"], "peer_name": "instant tools, the same tokens",
-           "ratio": slow, "ratio_is": "hflax/peer (<= 1.3 goal)"},
-          {"target": "agents_reprefill", "unit": unit, "hflax": base["seconds"],
-           "peer": results["re-prefill"]["seconds"],
-           "peer_name": "each turn's whole context prefilled again", "ratio": reprefill,
-           "ratio_is": "peer/hflax"}]
+  figures = []
+  if "slow tools" in results:
+    slow = results["slow tools"]["seconds"] / base["seconds"]
+    verdict = "PASS" if slow <= TARGET_SLOW_RATIO else "MISS"
+    print(f"slow tools / instant: {slow:.2f}x (target <= {TARGET_SLOW_RATIO}x: {verdict})")
+    figures.append({"target": "agents_slow_tools", "unit": unit,
+                    "hflax": results["slow tools"]["seconds"], "peer": base["seconds"],
+                    "peer_name": "instant tools, the same tokens", "ratio": slow,
+                    "ratio_is": "hflax/peer (<= 1.3 goal)"})
+  if "re-prefill" in results:
+    reprefill = results["re-prefill"]["seconds"] / base["seconds"]
+    print(f"re-prefill / kept cache: {reprefill:.2f}x the time, "
+          f"{results['re-prefill']['prefilled'] / max(base['prefilled'], 1):.2f}x the prefilled "
+          "tokens")
+    figures.append({"target": "agents_reprefill", "unit": unit, "hflax": base["seconds"],
+                    "peer": results["re-prefill"]["seconds"],
+                    "peer_name": "each turn's whole context prefilled again",
+                    "ratio": reprefill, "ratio_is": "peer/hflax"})
+  if "no sharing" in results:
+    unshared = results["no sharing"]["seconds"] / base["seconds"]
+    print(f"no prefix sharing / sharing (groups of {args.group}): {unshared:.2f}x the time")
+    figures.append({"target": "agents_prefix_sharing", "unit": f"{unit}, groups of {args.group}",
+                    "hflax": base["seconds"], "peer": results["no sharing"]["seconds"],
+                    "peer_name": "each request of a group prefilled on its own",
+                    "ratio": unshared, "ratio_is": "peer/hflax"})
+  print(f"float32 matmul peak before/after: {peaks[0] / 1e9:.1f} / {peaks[1] / 1e9:.1f} GFLOP/s")
+  return figures
 
 
 def run_record(args, figures: list[dict], results: dict, peaks: list[float], load: str) -> dict:
@@ -189,10 +216,12 @@ def run_record(args, figures: list[dict], results: dict, peaks: list[float], loa
                           "model_tokens": r["model_tokens"],
                           "same_tokens": r["tokens"] == results["instant"]["tokens"],
                           "decode_seconds": r["metrics"]["timing_s/agent_decode_seconds"],
-                          "tool_wait_seconds": r["metrics"]["timing_s/agent_tool_wait_seconds"]}
+                          "tool_wait_seconds": r["metrics"]["timing_s/agent_tool_wait_seconds"],
+                          "engine_stats": r["engine"]}
                    for name, r in results.items()},
           "notes": "greedy, float32; every trajectory in a slot of its own (slots = "
-                   f"{args.slots}); the commit is the one measured"}
+                   f"{args.slots}); {args.group} trajectories a question; the commit is the "
+                   "one measured"}
 
 
 def main(argv=None) -> int:
@@ -207,6 +236,10 @@ def main(argv=None) -> int:
   parser.add_argument("--prompt-len", type=int, default=64)
   parser.add_argument("--tool-ms", type=float, default=100.0)
   parser.add_argument("--slots", type=int, default=64)
+  parser.add_argument("--group", type=int, default=1,
+                      help="trajectories a question (a GRPO group; >1 adds the 'no sharing' run)")
+  parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=None,
+                      help="measure only these runs ('instant' always among them)")
   parser.add_argument("--steps-per-call", type=int, default=8)
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--warmup", type=int, default=2, help="untimed passes of every run first")
@@ -220,6 +253,10 @@ def main(argv=None) -> int:
     args.slots, args.reps, args.warmup, args.tool_ms = 4, 1, 1, min(args.tool_ms, 20.0)
   if args.toy:
     args.prompt_len = max(args.prompt_len, 96)
+  if args.group < 1:
+    parser.error("--group must be >= 1")
+  if args.runs and "instant" not in args.runs:
+    args.runs = ["instant"] + args.runs
   if args.results and not args.machine:
     parser.error("--results needs --machine (a key of bench/results_table.py's MACHINES)")
   load_before = common.load_average()
@@ -235,7 +272,9 @@ def main(argv=None) -> int:
   paths = [args.json] if args.json else []
   if args.results:
     paths.append(os.path.join(ROOT, "bench", "results",
-                              f"{record['date']}-agents-{args.machine}.json"))
+                              f"{record['date']}-agents-"
+                              f"{f'group{args.group}-' if args.group > 1 else ''}"
+                              f"{args.machine}.json"))
   for path in paths:
     with open(path, "w") as f:
       json.dump(record, f, indent=1)
