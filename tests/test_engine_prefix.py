@@ -105,8 +105,8 @@ def test_abort_keep_and_later_admissions_are_unchanged(model):
   prompt = list(range(30, 47))
   results, stats = {}, {}
   for sharing in (True, False):
-    e = engine(model, dataclasses.replace(SAMPLED, max_new_tokens=12), sharing, slots=8, max_turn_len=8,
-               max_context_len=64)
+    e = engine(model, dataclasses.replace(SAMPLED, max_new_tokens=12), sharing, slots=8,
+               max_turn_len=8, max_context_len=64)
     for i in range(4):
       e.submit(Request(prompt, id=("a", i), keep=True))
     e.submit(Request(prompt, id="dropped"))
