@@ -85,6 +85,15 @@ def test_pools_map_onto_processes():
     _layouts(ray_config(processes_per_pool=2, devices_per_process=2))
 
 
+def test_worker_reuse_is_on_by_default_and_a_bool():
+  from hflax.controller.ray_backend.config import ClusterSettings
+  c = ray_config()
+  assert ClusterSettings.from_section(c.cluster).reuse_workers is True
+  with pytest.raises(ValueError, match=r"^config.cluster.reuse_workers: must be True or False, "
+                                       r"got 'no'$"):
+    ClusterSettings.from_section({**c.cluster.to_dict(), "reuse_workers": "no"})
+
+
 def test_a_local_cluster_starts_only_on_loopback(monkeypatch):
   monkeypatch.delenv("HFLAX_NETLESS", raising=False)
   assert "HFLAX_NETLESS is not set" in loopback_only_reason()

@@ -203,7 +203,10 @@ def base_config() -> ml_collections.ConfigDict:
       # Ray's own defaults: worker logs on the driver, the dashboard as Ray decides (None).
       # require_loopback=True is this project's test setting: a private local cluster on
       # 127.0.0.1, started only inside a loopback-only network namespace (netless).
-      log_to_driver=True, include_dashboard=config_dict.placeholder(bool))
+      log_to_driver=True, include_dashboard=config_dict.placeholder(bool),
+      # On a Ray session the caller started (ray.init in a notebook, a test fixture), a
+      # closed run's healthy worker processes wait for the next run of the same layout.
+      reuse_workers=True)
   return c
 
 

@@ -188,6 +188,8 @@ MEANINGS = {
     "cluster.strategy": "Ray placement-group strategy ('': none)",
     "cluster.max_restarts": "restarts after a worker dies (0: stop)",
     "cluster.require_loopback": "private loopback-only cluster (the tests' setting)",
+    "cluster.reuse_workers": "keep a closed run's healthy workers for the next run of "
+                             "the same layout (on a Ray session the caller started)",
     "cluster.temp_dir": "Ray's temp directory ('': Ray's default)",
     "cluster.init_timeout_s": "most seconds for the processes to start and connect",
     "cluster.log_to_driver": "forward worker logs to this process",

@@ -15,6 +15,8 @@ jax.distributed job, and the loop drives RoleHandles to them.
 - failures: a dead worker process raises WorkerDied (a WorkerFailure) naming the pool,
   process, pid and roles; `restart` kills the groups and starts them afresh, and the loop
   resumes from the latest checkpoint (up to cluster.max_restarts times).
+- reuse: on a Ray session the caller owns (cluster.reuse_workers), `close` parks the
+  healthy groups and the next backend takes those of its layouts (ray_backend.reuse).
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from hflax import platforms
 from hflax.controller.build import build_roles
 from hflax.controller.ray_backend.config import ClusterSettings, PoolLayout
 from hflax.controller.ray_backend.group import (HostRole, WorkerGroup, build_groups,
-                                                start_groups, wait_all)
-from hflax.controller.ray_backend import split
+                                                layout_key, start_groups, wait_all)
+from hflax.controller.ray_backend import reuse, split
 from hflax.controller.ray_backend.split_actor import SplitActor
 from hflax.controller.ray_backend.stream import StreamingActor
 from hflax.controller.ray_backend.session import SAFE_ENV, RaySession
@@ -75,6 +77,7 @@ class RayBackend:
     self.max_restarts = cluster.max_restarts
     self.devices = sum(p.size for p in self.layouts)
     self.session, self.groups, self.roles = None, [], None
+    self.reuse, self.reused = False, set()  # set by build: reuse_workers on a caller's session
 
   # -- roles on worker groups -----------------------------------------------------------------
   def build(self, plan, policy, *, reward_fn=None, cost_fn=None) -> Roles:
@@ -82,24 +85,52 @@ class RayBackend:
     self._plan, self._policy = plan, (model_cfg, graphdef, to_host(state))
     self._host_fns = {Role.REWARD: reward_fn, Role.COST: cost_fn}
     self.session = RaySession(self.cluster)
+    # A session this backend started ends with it: nothing would be left to reuse.
+    self.reuse = self.cluster.reuse_workers and not self.session.started
     self.roles = self._start_groups()
     return self.roles
+
+  def _group_settings(self, p: PoolLayout) -> dict:
+    k = self.cluster
+    return dict(roles=p.roles, platform=k.platform, cpus=k.cpus_per_process,
+                gpus=k.gpus_per_process or platforms.gpus_to_reserve(k.platform,
+                                                                     p.devices_per_process),
+                strategy=k.strategy, env=worker_env(quiet=k.require_loopback),
+                compile_cache=self.compile_cache, init_timeout_s=k.init_timeout_s)
+
+  def _groups(self) -> list[WorkerGroup]:
+    """A group per pool: a parked one of the same layout where reuse is on, else new
+    processes (started and joined into their jax.distributed jobs)."""
+    settings = {p.name: self._group_settings(p) for p in self.layouts}
+    groups = {}
+    # First the groups that hosted the same roles (their programs are compiled there).
+    for same_roles in ((True, False) if self.reuse else ()):
+      for p in self.layouts:
+        if p.name not in groups:
+          group = reuse.take(layout_key(p.processes, p.devices_per_process, **settings[p.name]),
+                             p.name, p.roles, same_roles=same_roles)
+          if group is not None:
+            groups[p.name] = group
+    self.reused = set(groups)
+    fresh = [p for p in self.layouts if p.name not in self.reused]
+    if fresh and self.reuse:
+      reuse.evict_reserving()  # what they hold may be what the new processes need
+    started = [WorkerGroup(p.name, p.processes, p.devices_per_process, **settings[p.name])
+               for p in fresh]
+    groups.update((g.name, g) for g in started)
+    self.groups = [groups[p.name] for p in self.layouts]
+    if started:
+      start_groups(started)
+    return self.groups
 
   def _start_groups(self) -> Roles:
     import ray
     k, plan = self.cluster, self._plan
     policy_ref = ray.put(self._policy)  # one copy in the object store for every member
-    env = worker_env(quiet=k.require_loopback)
-    self.groups = [WorkerGroup(p.name, p.processes, p.devices_per_process, roles=p.roles,
-                               platform=k.platform, cpus=k.cpus_per_process,
-                               gpus=k.gpus_per_process or platforms.gpus_to_reserve(
-                                   k.platform, p.devices_per_process),
-                               strategy=k.strategy, env=env, compile_cache=self.compile_cache,
-                               init_timeout_s=k.init_timeout_s) for p in self.layouts]
-    start_groups(self.groups)
-    for g in self.groups:
+    for g in self._groups():
       self.log(f"ray: pool {g.name!r} ({', '.join(g.roles)}): {g.processes} process(es) x "
-               f"{g.devices_per_process} {k.platform} device(s): " +
+               f"{g.devices_per_process} {k.platform} device(s)"
+               f"{' (reused)' if g.name in self.reused else ''}: " +
                ", ".join(f"process {i} pid {info['pid']} on {info['node']}"
                          for i, info in enumerate(g.infos)))
     builders, apart = {}, split.rollout_pool(plan.placement)
@@ -137,7 +168,15 @@ class RayBackend:
     self.groups = []
 
   def close(self):
-    """Kills every worker process and shuts down the Ray cluster this run started."""
+    """Parks the healthy groups for a later backend where the caller owns the Ray session
+    and cluster.reuse_workers is on (ray_backend.reuse), kills the other worker processes,
+    and shuts down the Ray cluster this run started."""
+    import ray
+    if self.reuse and ray.is_initialized():  # else the caller's shutdown ended them
+      for g in self.groups:
+        if g.failed or not reuse.park(g):
+          g.kill()
+      self.groups = []
     self._stop_groups()
     if self.session is not None:
       self.session.close()

@@ -29,10 +29,15 @@ class ClusterSettings:
   init_timeout_s: int = 120
   log_to_driver: bool = True
   include_dashboard: bool | None = None  # None: Ray's default
+  reuse_workers: bool = True  # on a caller's Ray session: see ray_backend.reuse
 
   @classmethod
   def from_section(cls, section) -> "ClusterSettings":
-    return cls(**dict(section))
+    settings = cls(**dict(section))
+    if not isinstance(settings.reuse_workers, bool):  # e.g. a section given as a plain dict
+      raise ValueError(f"config.cluster.reuse_workers: must be True or False, got "
+                       f"{settings.reuse_workers!r}")
+    return settings
 
 
 @dataclasses.dataclass(frozen=True)

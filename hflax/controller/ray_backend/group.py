@@ -28,6 +28,17 @@ class WorkerDied(WorkerFailure):
 GRACE_S = 3.0  # after a first failure, how long to let the other members report theirs
 
 
+def layout_key(processes: int, devices_per_process: int, *, platform: str = "cpu",
+               cpus: float = 0.0, gpus: float = 0.0, strategy: str = "",
+               env: dict | None = None, jax_config: dict | None = None,
+               compile_cache: str = "", **_) -> tuple:
+  """What a parked group must match to be reused (ray_backend.reuse): everything a process
+  is started or initialized with; the pool's name and roles need not."""
+  return (processes, devices_per_process, platform, float(cpus), float(gpus), strategy,
+          tuple(sorted((env or {}).items())), tuple(sorted((jax_config or {}).items())),
+          compile_cache)
+
+
 class WorkerGroup:
   """Starts `processes` Ray actors for pool `name` (devices_per_process devices each).
 
@@ -43,6 +54,11 @@ class WorkerGroup:
     import ray
     self.name, self.processes, self.devices_per_process = name, processes, devices_per_process
     self.roles, self.init_timeout_s = tuple(roles), init_timeout_s
+    self.layout = layout_key(processes, devices_per_process, platform=platform, cpus=cpus,
+                             gpus=gpus, strategy=strategy, env=env, jax_config=jax_config,
+                             compile_cache=compile_cache)
+    self.reserves = bool(cpus or gpus or strategy)  # holds Ray resources while it lives
+    self.failed = False  # a call failed or timed out: never reused
     self.descriptions: dict = {}
     self.infos: list[dict] = [{} for _ in range(processes)]
     self.placement_group = None
@@ -134,8 +150,18 @@ def wait_all(calls: list, what: str, timeout_s: float | None = None) -> list:
 
   A dead member (any Ray error other than an exception raised by the method) raises
   WorkerDied naming it, after a short grace so that every member that died is named; an
-  exception raised inside a method is re-raised as its own type.
+  exception raised inside a method is re-raised as its own type. Either way (and on a
+  timeout or an interrupt) every group waited on is marked failed: it is never reused.
   """
+  try:
+    return _wait(calls, what, timeout_s)
+  except BaseException:
+    for group, _, _ in calls:  # a member may be dead, stuck or half-way through the call
+      group.failed = True
+    raise
+
+
+def _wait(calls: list, what: str, timeout_s: float | None) -> list:
   import ray
   from ray.exceptions import RayError, RayTaskError
   index = {ref: k for k, (_, _, ref) in enumerate(calls)}

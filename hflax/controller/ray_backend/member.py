@@ -68,6 +68,29 @@ class PoolMember:
                          f"{self.devices} local devices, JAX sees {jax.local_device_count()}")
     return {"global_devices": jax.device_count(), "local_devices": jax.local_device_count()}
 
+  # -- reuse by a later backend (ray_backend.reuse) -------------------------------------------
+  def release(self) -> int:
+    """Drops the role workers, the stream and the checkpointers, so that a later backend's
+    roles start from what a fresh process holds (the compiled programs stay); returns the
+    bytes of JAX arrays still alive here."""
+    import gc
+
+    import jax
+    for ckpt in self._checkpointers.values():
+      ckpt.close()
+    self._checkpointers.clear()
+    self.workers.clear()
+    gc.collect()  # frees the workers' device buffers now, not at some later collection
+    return sum(a.nbytes for a in jax.live_arrays())
+
+  def adopt(self, pool: str) -> int:
+    """Joins pool `pool` (a later backend's name for it); returns this process's pid."""
+    if self.workers:
+      raise RuntimeError(f"pool {self.pool!r} process {self.process_id}: adopted while it "
+                         "still holds role workers")
+    self.pool = pool
+    return os.getpid()
+
   # -- roles ----------------------------------------------------------------------------------
   def build(self, builder, *args) -> dict:
     """builder(devices, *args) -> {role: worker} on the pool's global devices."""
