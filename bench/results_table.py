@@ -82,6 +82,8 @@ TARGETS = {
     "agents_slow_tools": ("`agents.py`: 64 trajectories, 100 ms tools / instant tools "
                           "(<= 1.3x)", "x"),
     "agents_reprefill": ("`agents.py`: turns re-prefilled / continuing the kept KV cache", "x"),
+    "agents_prefix_sharing": ("`agents.py --group 8`: a group's requests prefilled apart / "
+                              "its prompt prefilled once", "x"),
     "async_step": ("`async_step.py`: grpo_smollm2.py step, one_step_off / sync on a split "
                    "placement, 1 training + 1 rollout device (<= 0.65x)", "x"),
 }
