@@ -84,6 +84,10 @@ TARGETS = {
     "agents_reprefill": ("`agents.py`: turns re-prefilled / continuing the kept KV cache", "x"),
     "agents_prefix_sharing": ("`agents.py --group 8`: a group's requests prefilled apart / "
                               "its prompt prefilled once", "x"),
+    "tools_recipe_accuracy": ("`grpo_smollm2_tools.py`: held-out greedy accuracy, after the "
+                              "warm-up -> after 5 GRPO steps", "acc"),
+    "ray_split_step": ("Ray split, tiny GRPO job widened, 1 + 1 CPU device in 2 processes: "
+                       "one_step_off / sync step", "x"),
     "async_step": ("`async_step.py`: grpo_smollm2.py step, one_step_off / sync on a split "
                    "placement, 1 training + 1 rollout device (<= 0.65x)", "x"),
 }
