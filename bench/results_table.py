@@ -88,6 +88,8 @@ TARGETS = {
                               "warm-up -> after 5 GRPO steps", "acc"),
     "ray_split_step": ("Ray split, tiny GRPO job widened, 1 + 1 CPU device in 2 processes: "
                        "one_step_off / sync step", "x"),
+    "async_tools_memory": ("`grpo_smollm2_tools.py`, trainer.mode=async, max_staleness 1, 64 "
+                           "slots: peak resident memory / sync's", "x"),
     "async_step": ("`async_step.py`: grpo_smollm2.py step, one_step_off / sync on a split "
                    "placement, 1 training + 1 rollout device (<= 0.65x)", "x"),
 }
