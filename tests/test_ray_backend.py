@@ -14,7 +14,7 @@ import pytest
 
 from ray_cluster import loopback_session, on_loopback_only  # noqa: E402
 
-pytestmark = on_loopback_only()
+pytestmark = [on_loopback_only(), pytest.mark.xdist_group("ray_backend")]
 
 import ppo_step  # noqa: E402
 from hflax.controller.batch import Batch  # noqa: E402

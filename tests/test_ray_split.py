@@ -26,7 +26,7 @@ import pytest
 
 from ray_cluster import loopback_session, on_loopback_only  # noqa: E402
 
-pytestmark = on_loopback_only()
+pytestmark = [on_loopback_only(), pytest.mark.xdist_group("ray_split")]
 
 from hflax.checkpoint import Checkpointer  # noqa: E402
 from hflax.launch.backends import make_backend  # noqa: E402
