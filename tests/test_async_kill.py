@@ -4,8 +4,9 @@ one_step_off: its schedule does not depend on timing and a checkpoint holds the 
 batch, so the resumed run's metrics (less timings) and exported weights equal an
 uninterrupted run's. async: a checkpoint holds every untrained group (hflax.rollout.stream),
 so every trajectory that had finished when the checkpoint was written is trained by the
-resumed run (or dropped by the bound, and counted), none of its tokens changed, and no
-trained token lags more than trainer.max_staleness versions."""
+resumed run (or dropped by the bound, and counted), none of its tokens changed; every one
+in flight is continued from the tokens it had (not regenerated: its text and their
+versions kept); and no trained token lags more than trainer.max_staleness versions."""
 import json
 import os
 import signal
@@ -84,6 +85,10 @@ def test_async_killed_then_resumed_keeps_its_finished_trajectories(tmp_path):
                                       for d in g["done"]))
               for g in stream["groups"] if all(d is not None for d in g["done"])]
   assert finished, "the checkpoint holds no finished untrained group: nothing was tested"
+  # Samples in flight: (dataset row, the text and versions of the tokens saved).
+  in_flight = [(g["row_index"], text(p["token_ids"]).rstrip("\ufffd"), set(p["versions"]))
+               for g in stream["groups"] for p in g["partial"] if p is not None]
+  assert any(min(v) < saved for _, _, v in in_flight), "no saved token older than the weights"
   _finish(command, tmp_path)
 
   records = _records(run_dir)
@@ -101,3 +106,11 @@ def test_async_killed_then_resumed_keeps_its_finished_trajectories(tmp_path):
   dropped = records[STEPS]["async/dropped_groups_total"] - stream["dropped"]
   assert len(finished) - len(kept) <= dropped, (finished, trained)
   assert len(kept) >= 1
+  # A resumed sample starts with its saved tokens' text and keeps their (older) versions:
+  # regenerated, its tokens would all carry the restored weights' version or later.
+  continued = [(r, t, v) for r, t, v in in_flight
+               if any(row == r and out.startswith(t) and v <= set(versions)
+                      for (_, row), samples in trained.items() for out, versions in samples)]
+  groups_in_flight = {r for r, _, _ in in_flight}
+  assert len(groups_in_flight - {r for r, _, _ in continued}) <= dropped, in_flight
+  assert any(min(v) < saved for _, _, v in continued)

@@ -1,7 +1,11 @@
 """trainer.mode = "async" (hflax.launch.async_mode over hflax.rollout.stream) on the tiny
 GRPO config: with a staleness bound of 0 it is sync's run; with a bound of 1 or 2 no
 trained token lags more than the bound, trajectories span weight updates (partial
-rollouts, several versions per trajectory) and are corrected; bad configs name the field."""
+rollouts, several versions per trajectory) and are corrected; a checkpoint keeps the
+tokens of samples in flight and a resumed stream continues them; bad configs name the
+field."""
+import copy
+import json
 
 import jax
 import numpy as np
@@ -10,7 +14,12 @@ import pytest
 from hflax import platforms
 from hflax.controller.stream_host import stream_slots
 from hflax.launch.config import validate
+from hflax.checkpoint.host_state import decode, encode
 from hflax.launch.trainer import Trainer
+from hflax.models import ModelConfig, create
+from hflax.rollout import SamplingParams
+from hflax.rollout.engine import Completion, Request, RolloutEngine
+from hflax.rollout.stream import RolloutStream
 from tiny_config import fit, mode_config, run_metrics as metrics
 
 # Metrics that read the rollout's recorded log-probs: the engine's and the batch sampler's
@@ -89,6 +98,122 @@ def test_async_never_trains_past_the_bound_and_rolls_out_partially(tmp_path, bou
   lagging = [s for s in m if m[s]["rollout/staleness_max"] >= 1 and s >= 3]
   assert lagging and all(m[s]["actor/rollout_corr/k3_kl"] > 1e-9 for s in lagging)
   assert any(m[s]["actor/rollout_corr/rollout_rs_masked_fraction"] > 0 for s in lagging)
+
+
+TINY = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
+                   num_heads=4, num_kv_heads=2)
+PROMPTS = [[4, 9, 17], [30, 2, 2, 41, 8], [60]]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+  return create(TINY, seed=5)
+
+
+def tiny_stream(model, temperature, version):
+  """Two samples of 12 tokens a prompt (no eos), 4 slots: groups finish, decode and wait."""
+  engine = RolloutEngine(*model, SamplingParams(max_new_tokens=12, temperature=temperature),
+                         slots=4, max_prompt_len=8, steps_per_call=3, version=version)
+  return RolloutStream(engine, n=2, max_staleness=1)
+
+
+def finished_samples(stream):
+  stream.fill(len(stream.groups))
+  return {(g.index, j): c for g in stream.groups.values() for j, c in enumerate(g.done)}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_checkpoint_keeps_samples_in_flight_and_resume_continues_them(tiny_model,
+                                                                         temperature):
+  """A stream saved with samples part way (tokens of versions 0 and 1) and loaded into a
+  fresh engine with the same weights: each such sample keeps its saved tokens, log-probs
+  and versions, and goes on drawing token k with the key the uninterrupted stream used
+  (fold_in(fold_in(key, k), row)). Its later tokens equal the uninterrupted stream's;
+  their log-probs agree to float rounding only (the resumed cache is one prefill of
+  prompt and tokens, the uninterrupted one a prefill then decode steps: other kernels).
+  Taking the state leaves the uninterrupted stream bit for bit as it was."""
+  graphdef, state = tiny_model
+
+  def run_to_checkpoint():
+    s = tiny_stream(tiny_model, temperature, version=0)
+    for i, p in enumerate(PROMPTS):
+      s.submit(i, p, jax.random.key(3), first_row=2 * i)
+    s.step(2)
+    s.set_weights(state, 1)  # same weights: later tokens carry version 1
+    s.step(1)
+    return s
+  untouched, s = run_to_checkpoint(), run_to_checkpoint()
+  saved = decode(json.loads(json.dumps(encode(s.state_dict()))))  # as a checkpoint holds it
+  ages = {g.index: s.oldest(g) for g in s.groups.values()}
+  straight = finished_samples(s)
+  assert straight == finished_samples(untouched)  # taking the state changed nothing
+  partial = {(g["index"], j): p for g in saved["groups"] for j, p in enumerate(g["partial"])
+             if p is not None}
+  assert len(partial) == 4 and all(g["partial"][j] is None for g in saved["groups"]
+                                   for j, d in enumerate(g["done"]) if d is not None)
+  assert any(0 in p["versions"] and 1 in p["versions"] for p in partial.values())
+
+  restored = tiny_stream(tiny_model, temperature, version=1)
+  restored.engine.update_weights(state, 1)
+  restored.load_state_dict(saved)
+  # The bound reads the saved tokens' versions before the samples are admitted again.
+  assert {g.index: restored.oldest(g) for g in restored.groups.values()} == ages
+  resumed = finished_samples(restored)
+  assert resumed.keys() == straight.keys()
+  for sample_id, p in partial.items():
+    c, want, k = resumed[sample_id], straight[sample_id], len(p["token_ids"])
+    assert 0 < k < 12 and len(c.token_ids) == 12
+    assert c.token_ids[:k] == p["token_ids"] and c.versions[:k] == p["versions"]
+    assert c.log_probs[:k] == [float(x) for x in p["log_probs"]]
+    assert c.versions[k:] == [1] * (12 - k)
+    assert c.token_ids == want.token_ids and c.versions == want.versions
+    np.testing.assert_allclose(c.log_probs, want.log_probs, atol=1e-5)
+  for sample_id in straight.keys() - partial.keys():  # finished, or not yet admitted
+    assert resumed[sample_id].token_ids == straight[sample_id].token_ids
+
+
+def test_a_checkpoint_without_partial_tokens_resumes_from_the_prompts(tiny_model):
+  """An older checkpoint (no "partial" entries) or samples past the bound at resume."""
+  graphdef, state = tiny_model
+  s = tiny_stream(tiny_model, 1.0, version=0)
+  for i, p in enumerate(PROMPTS):
+    s.submit(i, p, jax.random.key(3), first_row=2 * i)
+  s.step(2)
+  saved = s.state_dict()
+  old = copy.deepcopy(saved)
+  for g in old["groups"]:
+    del g["partial"]
+  restored = tiny_stream(tiny_model, 1.0, version=1)
+  restored.engine.update_weights(state, 1)
+  restored.load_state_dict(old)
+  samples = finished_samples(restored)
+  assert all(c.versions == [1] * 12 for c in samples.values())  # all drawn afresh
+  # With partial tokens, at version 2 and a bound of 1 the groups holding version-0 tokens
+  # are past it: dropped at the next weight update, as in the uninterrupted stream.
+  late = tiny_stream(tiny_model, 1.0, version=1)
+  late.engine.update_weights(state, 1)
+  late.load_state_dict(saved)
+  holding_0 = sum(any(p is not None and 0 in p["versions"] for p in g["partial"])
+                  for g in saved["groups"])
+  assert holding_0 and late.set_weights(state, 2) == holding_0
+
+
+def test_bad_partial_requests_are_refused_in_one_line(tiny_model):
+  engine = tiny_stream(tiny_model, 1.0, version=0).engine
+  def partial(tokens, versions=None):
+    return Completion("a", [4], tokens, [0.0] * len(tokens), versions or [0] * len(tokens),
+                      "partial")
+  for request, message in [
+      (Request([4], partial=partial([5] * 12)), "partial has 12 tokens, nothing left of "
+                                                "max_new_tokens=12$"),
+      (Request([4], stop_ids=(7,), partial=partial([5, 7])), "hold a stop or eos id"),
+      (Request([4], partial=partial([5, 6], [0])), "partial has 2 tokens, 2 log-probs and 1 "
+                                                   "versions$")]:
+    with pytest.raises(ValueError, match=message):
+      engine.submit(request)
+  waiting = engine.submit(Request([4], partial=partial([5, 6], [0, 1])))
+  assert engine.peek(waiting).versions == engine.sampled_versions(waiting) == [0, 1]
+  assert engine.abort(waiting).token_ids == [5, 6]
 
 
 @pytest.mark.parametrize("step_time_follows_rows", [True, False])

@@ -5,7 +5,9 @@ One interface for everything that samples from the policy:
   engine = RolloutEngine(graphdef, state, SamplingParams(...), slots=8, max_prompt_len=64)
   engine.submit(Request([1, 2, 3], id="a"))       # admitted into a free slot at the next step
   for done in engine.step(): ...                   # finished Completions, as they finish
+  engine.peek("a")                                 # its tokens so far; it decodes on
   engine.abort("a")                                # its partial tokens, slot freed
+  engine.submit(Request([1, 2, 3], partial=done))  # resumes them (a checkpoint's)
   engine.update_weights(new_state, version=3)      # later tokens carry version 3
   engine.run([Request(...), ...])                  # submit all, step until all are done
 
@@ -48,7 +50,8 @@ from hflax.rollout.decoding import SamplingParams
 from hflax.rollout.engine_programs import carry_bytes, decode_steps
 from hflax.rollout.host import host_values
 # Request, Completion and MAX_STOP_IDS are this module's public names as well.
-from hflax.rollout.requests import MAX_STOP_IDS, Completion, Live, Request, completion
+from hflax.rollout.requests import (MAX_STOP_IDS, Completion, Live, Request, completion,
+                                    first_live)
 from hflax.rollout.slots import SlotTable
 
 
@@ -209,6 +212,10 @@ class RolloutEngine(SlotTable):
                        f"request per sample), got {self.sampling.n}")
     request = dataclasses.replace(request, prompt_ids=[int(t) for t in request.prompt_ids],
                                   stop_ids=tuple(int(t) for t in request.stop_ids))
+    if (p := request.partial) is not None:
+      request.partial = dataclasses.replace(
+          p, token_ids=[int(t) for t in p.token_ids], log_probs=[float(x) for x in p.log_probs],
+          versions=[int(v) for v in p.versions])
     if request.row is None:
       request.row = next(self._rows)
     if request.id is None:
@@ -224,6 +231,8 @@ class RolloutEngine(SlotTable):
       raise ValueError(f"{where}: that id is already in the engine")
     if r.continues is not None:
       self._check_continuation(r, where)
+      if r.partial is not None:
+        raise ValueError(f"{where}: a continuation cannot also resume partial tokens")
     elif not r.prompt_ids:
       raise ValueError(f"{where}: empty prompt")
     elif len(r.prompt_ids) > self.prompt_width:
@@ -235,8 +244,21 @@ class RolloutEngine(SlotTable):
                        f"{r.max_new_tokens}")
     if len(set(r.stop_ids) | set(self.sampling.eos_ids)) > MAX_STOP_IDS:
       raise ValueError(f"{where}: at most {MAX_STOP_IDS} stop and eos ids together")
+    if r.partial is not None:
+      self._check_partial(r, where)
     if r.key is None and not self.sampling.greedy:
       r.key = self.key
+
+  def _check_partial(self, r: Request, where: str):
+    p, cap = r.partial, r.max_new_tokens or self.sampling.max_new_tokens
+    if not len(p.token_ids) == len(p.log_probs) == len(p.versions):
+      raise ValueError(f"{where}: partial has {len(p.token_ids)} tokens, {len(p.log_probs)} "
+                       f"log-probs and {len(p.versions)} versions")
+    if len(p.token_ids) >= cap:
+      raise ValueError(f"{where}: partial has {len(p.token_ids)} tokens, nothing left of "
+                       f"max_new_tokens={cap}")
+    if set(p.token_ids) & (set(r.stop_ids) | set(self.sampling.eos_ids)):
+      raise ValueError(f"{where}: partial tokens hold a stop or eos id: it had finished")
 
   def _check_continuation(self, r: Request, where: str):
     if not self.max_turn_len:
@@ -273,7 +295,7 @@ class RolloutEngine(SlotTable):
       if r.id == request_id:
         del self._waiting[i]
         self._ids.discard(request_id)
-        return completion(Live(r, [], [], []), "abort")
+        return completion(first_live(r), "abort")
     for s, live in enumerate(self._live):
       if live is not None and live.request.id == request_id:
         self._free(s)
@@ -281,14 +303,21 @@ class RolloutEngine(SlotTable):
     raise KeyError(f"abort: no request {request_id!r} in the engine")
 
   def sampled_versions(self, request_id: Hashable) -> list[int]:
-    """The weight versions of the tokens a decoding request has sampled so far (empty for
-    a waiting one): what a staleness bound reads before the request finishes."""
-    for live in self._live:
-      if live is not None and live.request.id == request_id:
-        return list(live.versions)
-    if any(r.id == request_id for r in self._waiting):
-      return []
-    raise KeyError(f"sampled_versions: no request {request_id!r} waiting or decoding")
+    """The weight versions of the tokens a decoding request has sampled so far (a waiting
+    one: its partial tokens'): what a staleness bound reads before the request finishes."""
+    return self.peek(request_id).versions
+
+  def peek(self, request_id: Hashable) -> Completion:
+    """What a waiting or decoding request has sampled so far (tokens, log-probs, versions;
+    finish_reason "partial"), a copy; the request goes on untouched. A checkpoint saves
+    it, and Request(partial=...) resumes from it."""
+    found = [live for live in self._live if live is not None and live.request.id == request_id]
+    found += [first_live(r) for r in self._waiting if r.id == request_id]
+    if found:
+      live = found[0]
+      return Completion(live.request.id, list(live.request.prompt_ids), list(live.tokens),
+                        list(live.log_probs), list(live.versions), "partial")
+    raise KeyError(f"peek: no request {request_id!r} waiting or decoding")
 
   @property
   def busy(self) -> int:

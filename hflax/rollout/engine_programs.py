@@ -80,10 +80,10 @@ def _first_tokens(model, last, rows, params: SamplingParams):
   """Each row's step-0 token and log-prob from its prompt's last hidden state, with its
   own key and row, and whether it goes on (no stop id, room for more)."""
   K = last.shape[0]
-  keys = None if params.greedy else sampling_keys(rows["key"], jnp.zeros((K,), jnp.int32),
-                                                  rows["row"])
+  step = rows.get("first_step", jnp.zeros((K,), jnp.int32))
+  keys = None if params.greedy else sampling_keys(rows["key"], step, rows["row"])
   first, logp = pick_with_keys(model.step_logits(last), keys, params)
-  going = ~jnp.any(first[:, None] == rows["stops"], axis=1) & (rows["max_new"] > 1)
+  going = ~jnp.any(first[:, None] == rows["stops"], axis=1) & (rows["max_new"] > step + 1)
   return first, logp, going
 
 
@@ -163,28 +163,50 @@ def extend(graphdef, state, carry, rows, *, params: SamplingParams):
   right-padded) are prefilled into slot rows["slot"][i] at columns start.., against the
   context already there, and its first token picked (step 0). Padding columns are
   written but never marked valid; the next decode step overwrites the first of them."""
-  model = nnx.merge(graphdef, state)
+  S = carry["kv_valid"].shape[0]
+  at = jnp.minimum(rows["slot"], S - 1)  # padding rows read a slot, write none
+  return _prefill_after(nnx.merge(graphdef, state), carry, rows, carry["kv_valid"][at],
+                        carry["pos"][at], params)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "params"), donate_argnames=("carry",))
+def resume_into(graphdef, state, carry, rows, *, params: SamplingParams):
+  """Resumed requests (Request.partial): row i's prompt and partial tokens, right-padded,
+  are prefilled into free slot rows["slot"][i] from column 0 (start 0, positions from 0,
+  whatever the slot held before masked out), and its next token is picked as token
+  rows["first_step"][i] of its stream. Returns what extend does."""
+  K = rows["tokens"].shape[0]
+  W = carry["kv_valid"].shape[1]
+  return _prefill_after(nnx.merge(graphdef, state), carry, rows, jnp.zeros((K, W), bool),
+                        jnp.zeros((K,), jnp.int32), params)
+
+
+def _prefill_after(model, carry, rows, kv_valid, pos, params: SamplingParams):
+  """Prefills row i's tokens (rows["length"][i] of them real) into slot rows["slot"][i]
+  at columns rows["start"][i].., after the context that kv_valid [K, W] marks (positions
+  going on from pos [K]), and picks its next token at its stream's step
+  rows["first_step"][i] (default 0), which the decode steps then count on from."""
   tokens, length, start, at = rows["tokens"], rows["length"], rows["start"], rows["slot"]
   K, T = tokens.shape
-  S, W = carry["kv_valid"].shape
+  S = carry["kv_valid"].shape[0]
   take = lambda x: x[jnp.minimum(at, S - 1)]  # noqa: E731  padding rows read a slot, write none
   real_KxT = jnp.arange(T)[None] < length[:, None]
   columns_KxT = start[:, None] + jnp.arange(T)
-  kv_valid = take(carry["kv_valid"]).at[jnp.arange(K)[:, None], columns_KxT].set(
-      real_KxT, mode="drop")
-  positions = take(carry["pos"])[:, None] + jnp.arange(T)
+  kv_valid = kv_valid.at[jnp.arange(K)[:, None], columns_KxT].set(real_KxT, mode="drop")
+  positions = pos[:, None] + jnp.arange(T)
   hidden, cache = model(tokens, positions, kv_valid,
                         cache=[{"k": take(c["k"]), "v": take(c["v"])} for c in carry["cache"]],
                         slot0=start)
   last = jnp.take_along_axis(hidden, (length - 1)[:, None, None], axis=1)[:, 0]
   first, logp, going = _first_tokens(model, last, rows, params)
+  step = rows.get("first_step", jnp.zeros((K,), jnp.int32))
   put = lambda old, new: old.at[at].set(new, mode="drop")  # noqa: E731
   carry = {**carry,
            "cache": [{"k": put(o["k"], n["k"]), "v": put(o["v"], n["v"])}
                      for o, n in zip(carry["cache"], cache)],
            "kv_valid": put(carry["kv_valid"], kv_valid), "tok": put(carry["tok"], first),
            "pos": put(carry["pos"], positions[jnp.arange(K), length - 1] + 1),
-           "step": put(carry["step"], jnp.ones((K,), jnp.int32)),
+           "step": put(carry["step"], step + 1),
            "col": put(carry["col"], start + length), "active": put(carry["active"], going),
            "key": put(carry["key"], rows["key"]), "row": put(carry["row"], rows["row"]),
            "max_new": put(carry["max_new"], rows["max_new"]),

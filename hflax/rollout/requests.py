@@ -23,7 +23,13 @@ class Request:
   from it) until a request `continues` it or `release(id)`. continues: the id of a kept
   request; prompt_ids are then only the new tokens (a tool's observation and the next
   turn's header), prefilled after the kept context and its last sampled token, so the
-  context is never tokenized or prefilled again."""
+  context is never tokenized or prefilled again.
+
+  partial: what an earlier engine sampled for this request (an aborted request's tokens, a
+  checkpoint's), with their log-probs and versions, which it keeps. Prompt and tokens are
+  prefilled by the current weights, and sampling goes on at token len(partial.token_ids)
+  of the request's stream (key, row), where the interrupted request would have; its
+  max_new_tokens counts the partial tokens, and its completion holds them."""
   prompt_ids: Sequence[int]
   id: Hashable = None
   max_new_tokens: int | None = None
@@ -32,6 +38,7 @@ class Request:
   row: int | None = None
   keep: bool = False
   continues: Hashable = None
+  partial: Completion | None = None
 
 
 @dataclasses.dataclass
@@ -62,6 +69,13 @@ class Live:
   tokens: list
   log_probs: list
   versions: list
+
+
+def first_live(request: Request) -> Live:
+  """A request's record before its first token here: a resumed one's partial tokens."""
+  p = request.partial
+  return (Live(request, [], [], []) if p is None else
+          Live(request, list(p.token_ids), list(p.log_probs), list(p.versions)))
 
 
 def completion(live: Live, reason: str) -> Completion:

@@ -15,10 +15,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hflax.rollout import sampler
-from hflax.rollout.engine_programs import copy_prefill, empty_carry, extend, prefill_into
+from hflax.rollout.engine_programs import (copy_prefill, empty_carry, extend, prefill_into,
+                                           resume_into)
 from hflax.rollout.host import host_values
-from hflax.rollout.requests import (Completion, Held, Live, Request, completion, key_data,
-                                    stop_row)
+from hflax.rollout.requests import (Completion, Held, Request, completion, first_live,
+                                    key_data, stop_row)
 
 
 class SlotTable:
@@ -37,6 +38,13 @@ class SlotTable:
     if not take:
       return finished
     del self._waiting[:len(take)]
+    resumed = [i for i, r in enumerate(take) if r.partial is not None]
+    if resumed:
+      finished += self._resume([take[i] for i in resumed], [free[i] for i in resumed])
+      free = [f for i, f in enumerate(free[:len(take)]) if take[i].partial is None]
+      take = [r for r in take if r.partial is None]
+      if not take:
+        return finished
     leaders, copies = self._leaders(take)
     started = []
     widths = [min(sampler.length_bucket(len(take[i].prompt_ids)), self.prompt_width)
@@ -119,8 +127,11 @@ class SlotTable:
     finished = []
     for i, r in enumerate(requests):
       s = int(slots[i])
-      self._live[s] = Live(r, [int(first[i])], [float(logp[i])], [self.version])
-      self._next_col[s] = columns[i]
+      live = self._live[s] = first_live(r)
+      live.tokens.append(int(first[i]))
+      live.log_probs.append(float(logp[i]))
+      live.versions.append(self.version)
+      self._next_col[s] = columns[i] - len(live.tokens) + 1
       if not going[i]:
         finished.append(self._finish(s))
     return finished
@@ -138,6 +149,30 @@ class SlotTable:
     started = []
     for T, group in self._calls(widths):
       started += self._extend([requests[i] for i in group], [held[i] for i in group], T)
+    return _in_order(started, requests)
+
+  def _resume(self, requests: list[Request], slots: list[int]) -> list[Completion]:
+    """Prefills resumed requests (Request.partial) into free `slots`, each its prompt and
+    partial tokens from column 0, and picks each one's next token (see _calls)."""
+    lengths = [len(r.prompt_ids) + len(r.partial.token_ids) for r in requests]
+    widths = [min(sampler.length_bucket(n), self.cache_width) for n in lengths]
+    K, started = self.rows_per_prefill, []
+    for T, group in self._calls(widths):
+      picks = [group[i % len(group)] for i in range(K)]  # padding rows repeat real ones
+      tokens = np.full((K, T), self.sampling.pad_id, np.int32)
+      for i, j in enumerate(picks):
+        tokens[i, :lengths[j]] = requests[j].prompt_ids + requests[j].partial.token_ids
+      to = np.full(K, self.slots, np.int32)  # out of range: padding rows write nowhere
+      to[:len(group)] = [slots[j] for j in group]
+      per_row = {**self._sampling_rows([requests[j] for j in picks]), "tokens": tokens,
+                 "length": np.asarray([lengths[j] for j in picks], np.int32),
+                 "start": np.zeros(K, np.int32), "slot": to,
+                 "first_step": np.asarray([len(requests[j].partial.token_ids) for j in picks],
+                                          np.int32)}
+      self._carry, (first, logp, going) = resume_into(*self.weights, self._carry, per_row,
+                                                      params=self.sampling)
+      started += self._started([requests[j] for j in group], to,
+                               [lengths[j] for j in group], first, logp, going)
     return _in_order(started, requests)
 
   def _extend(self, requests: list[Request], held: list[Held], T: int) -> list[Completion]:
