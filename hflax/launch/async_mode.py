@@ -52,9 +52,10 @@ processes, and the weight sync is the in-process hand-over of the local colocate
 This class drives each through the same calls, in the same order, so all sample alike.
 
 Checkpoints hold the stream's state (hflax.rollout.stream: finished-but-untrained samples
-whole, unfinished ones regenerated on resume by the weights then current) next to the
-loader position past every submitted prompt, so a resumed run loses no finished
-trajectory and trains on none past the bound.
+whole; unfinished single responses with the tokens sampled so far, continued on resume by
+the weights then current; unfinished trajectories started again) next to the loader
+position past every submitted prompt, so a resumed run loses no finished trajectory, no
+response's sampled tokens, and trains on none past the bound.
 """
 from __future__ import annotations
 
@@ -201,8 +202,8 @@ class AsyncRollouts:
     return {"stream": self.host.state_dict(), "dropped_before": self._dropped_before}
 
   def load_state_dict(self, state: dict | None, collate=None):
-    """The stream as saved; its unfinished samples are resubmitted, and the engine gets
-    the restored weights before the next step."""
+    """The stream as saved; its unfinished samples are resubmitted (single responses with
+    their saved tokens), and the engine gets the restored weights before the next step."""
     if state is None:
       return
     self._untrained = self.host.load_state_dict(state["stream"])
