@@ -13,7 +13,7 @@ called) once the driver is in another session, and Ray itself ends them with the
 """
 from __future__ import annotations
 
-from hflax.controller.ray_backend.group import WorkerFailure, WorkerGroup, wait_all
+from hflax.controller.ray_backend.group import WorkerGroup, wait_all
 
 PING_TIMEOUT_S = 30.0  # a parked member that does not answer this fast is not reused
 # Idle processes kept beyond those a layout asks for (each holds its JAX runtime's memory).
@@ -59,7 +59,7 @@ def take(layout: tuple, name: str, roles: tuple[str, ...], *,
     calls = [(group, i, m.adopt.remote(name)) for i, m in enumerate(group.members)]
     try:
       pids = wait_all(calls, "waking a parked group", PING_TIMEOUT_S)
-    except (WorkerFailure, TimeoutError):
+    except Exception:  # noqa: BLE001 - dead, stuck or not released: started afresh instead
       group.kill()
       continue
     if pids != [info["pid"] for info in group.infos]:  # not the processes it started
