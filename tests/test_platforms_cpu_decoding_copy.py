@@ -448,7 +448,8 @@ def test_smollm2_greedy_tokens_through_each_kernel(monkeypatch):
   the packed matmuls, XLA's matmuls with the attention kernel. The packed matmuls give XLA's
   tokens and log-probs (to 1e-4 in float32, 0.05 in bfloat16); float32 through the
   attention kernel gives XLA's (to 1e-4); bfloat16 through it gives the float32 tokens, its
-  log-probs no farther from float32's than bfloat16 through XLA's attention."""
+  log-probs no farther from float32's than bfloat16 through XLA's attention. (bfloat16
+  through XLA's matmuls may part from float32's tokens at a near tie: see below.)"""
   monkeypatch.setattr(cpu_matmul, "cores", lambda: 1)  # as with one core per device
   tok = load_tokenizer("smollm2-135m-instruct")
   prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in
@@ -472,12 +473,29 @@ def test_smollm2_greedy_tokens_through_each_kernel(monkeypatch):
   reference = out["float32", "xla_attention"]
   mask = np.asarray(reference["response_mask"], bool)
   assert mask.sum() > 40
-  for run in out.values():
-    np.testing.assert_array_equal(np.asarray(run["responses"]),
-                                  np.asarray(reference["responses"]))
+  want = np.asarray(reference["responses"])
+  for key, run in out.items():
+    if key != ("bfloat16", "xla_matmuls"):
+      np.testing.assert_array_equal(np.asarray(run["responses"]), want)
+  # XLA's own bfloat16 dots round as the CPU's instructions do (AMX, AVX512-BF16 or
+  # neither), so its greedy tokens may leave float32's, but only where float32 itself hardly
+  # prefers its token (a near tie); the kernel's log-probs are compared with it up to there.
+  same = np.cumprod(np.asarray(out["bfloat16", "xla_matmuls"]["responses"]) == want, axis=1)
+  ref_logp = np.asarray(reference["rollout_log_probs"])
+  for row in np.flatnonzero(~same.all(axis=1)):
+    first = int(np.argmin(same[row]))
+    assert mask[row, first] and ref_logp[row, first] < np.log(0.5), (row, first)
   logp = {key: np.asarray(run["rollout_log_probs"])[mask] for key, run in out.items()}
-  for dtype, atol in (("float32", 1e-4), ("bfloat16", 0.05)):  # matmuls: kernel against XLA
-    np.testing.assert_allclose(logp[dtype, "kernels"], logp[dtype, "xla_matmuls"], atol=atol)
+  np.testing.assert_allclose(logp["float32", "kernels"], logp["float32", "xla_matmuls"],
+                             atol=1e-4)  # matmuls: kernel against XLA
+  # In bfloat16 the two round differently (XLA's dots by the CPU's instructions), so the
+  # kernel is held to XLA's distance from float32, not to XLA's values.
+  agreed = (mask & same.astype(bool))[mask]
+  assert agreed.sum() > 40
+  far = {way: np.abs(logp["bfloat16", way] - logp["float32", "xla_matmuls"])[agreed]
+         for way in ("kernels", "xla_matmuls")}
+  assert far["kernels"].mean() <= 1.25 * far["xla_matmuls"].mean()
+  assert far["kernels"].max() < 0.3
   error = {key: np.abs(values - logp["float32", "xla_attention"]) for key, values in logp.items()}
   assert error["float32", "kernels"].max() < 1e-4
   # Measured: bfloat16 through the kernel 0.019 mean (0.14 at most), through XLA 0.021 (0.19).
