@@ -9,7 +9,7 @@ Atomicity comes from orbax: a step is written to `<step>.orbax-checkpoint-tmp`, 
 `commit_success.txt`, and only then is renamed to `<step>`; step discovery skips anything
 not finalized, and old steps are deleted only after the new one is renamed. A save killed
 midway therefore leaves the previous checkpoints intact and `latest_step` ignores it; the
-stale tmp directory is removed when that step is saved again.
+stale tmp directory is removed (quietly) when that step is saved again.
 
 Restore reads every array straight into the caller's target shardings (any mesh, any
 number of devices), then rebuilds the target's own pytree structure, so the result can be
@@ -195,12 +195,25 @@ class Checkpointer:
     host["digest"] = host_digest(host)
     # The checksums travel in the host item: committed by the same rename as the arrays.
     items[_HOST] = ocp.args.JsonSave(host)
+    self._remove_unfinished(step)
     # force: whether to save was decided above; orbax's own policy would skip steps.
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self._prune_pending = True
     if not self._async:
       self._prune()  # the new step is committed; an async one is pruned after it is
     return True
+
+  def _remove_unfinished(self, step: int):
+    """Removes what a save of `step` killed midway left (`<step>.orbax-checkpoint-tmp*`):
+    orbax would remove it too, but with a warning on stderr, and a resumed run that is
+    interrupted again must still say one line. Process 0 only: the others reach the
+    directory after orbax's barrier in save."""
+    if jax.process_index() or not os.path.isdir(self.directory):
+      return
+    prefix = f"{step}.orbax-checkpoint-tmp"
+    for name in os.listdir(self.directory):
+      if name.startswith(prefix):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
   def restore(self, step: int | None = None, targets: dict | None = None, *,
               verify: bool = True):
